@@ -1,0 +1,78 @@
+"""The engine interface behind the rollout server: what every backend (built-in JAX, vLLM) provides.
+
+Weights cross the wire in Hugging Face naming and layout (the names in the checkpoint's safetensors
+files, torch `[out, in]` linear layout), so that vLLM can load a pushed tensor as it would a checkpoint
+and the JAX engine maps it through `models.hf_io` exactly like a checkpoint load.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """One Generate request's sampling settings (validated by the server before reaching an engine)."""
+
+    n: int = 1  # samples per prompt
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One sampled continuation.
+
+    logprobs[t] is log μ(token_ids[t]) under the distribution the token was actually sampled from
+    (after temperature / top-p / top-k processing), see docs/rollout.md on comparability with the trainer.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token was produced, and is included) | "length"
+    weight_version: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    architecture: str  # HF `architectures[0]`, e.g. "Qwen3ForCausalLM"
+    vocab_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    engine: str  # "jax" | "vllm"
+    weight_version: int
+    max_model_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name of the wire format, e.g. "float32"
+
+
+class Engine(abc.ABC):
+    """A generation backend. Implementations must make `update_weights` atomic with respect to `generate`."""
+
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """Sample `spec.n` completions for each prompt; result[i][j] is sample j of prompt i."""
+
+    @abc.abstractmethod
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """HF tensor name -> expected shape, for validating an UpdateWeights stream before applying it."""
+
+    @abc.abstractmethod
+    def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> None:
+        """Replace the full weight set (HF names, validated) and set the weight version, atomically."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources (called on server shutdown)."""
