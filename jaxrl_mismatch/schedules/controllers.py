@@ -1,0 +1,476 @@
+"""Host-side LR controllers: small deterministic objects that watch training metrics and set the LR.
+
+They implement the LR paper's closed-loop idea (`../shared/papers/lr-schedule-fixes-mismatch-blog.txt`):
+a fixed, epoch-timed schedule decays too early or too late because the collapse step does not scale
+with the dataset (Sec. 2 "Key Finding 2", Figs. 6–7), so the decay is timed from what the run observes.
+
+Contract shared by every controller (plain Python + numpy-free arithmetic, no jax, deterministic):
+
+* `update(step, metrics) -> float` consumes the metrics observed at training step `step` (strictly
+  increasing) and returns the value in effect for that step's update: `lr0 × scale`. With the
+  default `lr0=1.0` that *is* the multiplier to pass to `optim.set_lr_scale` (composes with any
+  in-graph schedule); with `lr0=<base LR>` it is an absolute LR for `optim.set_learning_rate`.
+* `state_dict()` is a JSON-able dict (kind, config, state of Python ints/floats/lists) that goes into
+  the checkpoint; `load_state_dict()` restores it into a controller built with the same config, after
+  which it continues exactly as an uninterrupted one would.
+* `metrics()` exposes the internals for logging (scale, lr, trigger/surge step, period, decays, …).
+  Missing quantities are `-1` for steps and `nan` for values.
+* A non-finite observation (e.g. the grad norm of an FP16 overflow step that was skipped) is ignored
+  and counted (`num_nonfinite`), never a crash of the run.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, ClassVar, Mapping, Sequence
+
+from jaxrl_mismatch.schedules._registry import check_kwargs
+
+
+def step_decay_scale(step: int, first_decay_step: int, decay_period: int, floor: float, factor: float = 0.5) -> float:
+    """Host twin of `pure.step_decay_schedule` (multiplier only): `max(factor^n, floor)`.
+
+    `n = 0` before `first_decay_step`, then `1 + (step − first_decay_step) // decay_period`
+    (LR paper Sec. 2, "decay LR by half every decay_period until it reaches a minimal floor").
+    """
+    if first_decay_step < 0 or step < first_decay_step:
+        return 1.0
+    n = 1 + (step - first_decay_step) // decay_period
+    return max(factor**n, floor)
+
+
+def _decays_to_floor(floor: float, factor: float) -> int:
+    n = 0
+    while factor**n > floor:
+        n += 1
+    return n
+
+
+def _check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+class Controller(abc.ABC):
+    """Base class: step bookkeeping, the `lr0 × scale` output, and (de)serialisation of `_state`."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, lr0: float = 1.0):
+        _check_number("lr0", lr0, low=0.0, low_open=True)
+        self.lr0 = float(lr0)
+        self._state: dict[str, Any] = {"last_step": -1, "scale": 1.0, "num_nonfinite": 0}
+
+    @property
+    def scale(self) -> float:
+        """The multiplier in effect after the last `update` (1.0 before any)."""
+        return self._state["scale"]
+
+    @abc.abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments (JSON-able); stored in `state_dict` to catch mismatched resumes."""
+
+    @abc.abstractmethod
+    def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
+        """Consume one step's metrics; return the new scale."""
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> float:
+        """Observe `metrics` of training step `step`; return `lr0 × scale` for that step's update."""
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            raise TypeError(f"step must be an int, got {step!r}")
+        step = int(step)
+        if step <= self._state["last_step"] or step < 0:
+            raise ValueError(f"steps must be >= 0 and strictly increasing: got {step} after {self._state['last_step']}")
+        scale = float(self._advance(step, metrics))
+        self._state["last_step"] = step
+        self._state["scale"] = scale
+        return self.lr0 * scale
+
+    def _read(self, metrics: Mapping[str, Any], key: str) -> float | None:
+        """`metrics[key]` as a float, or None (counted) when it is not finite."""
+        if key not in metrics:
+            raise KeyError(f"{type(self).__name__} needs metric {key!r}; got {sorted(metrics)}")
+        value = float(metrics[key])
+        if not math.isfinite(value):
+            self._state["num_nonfinite"] += 1
+            return None
+        return value
+
+    def metrics(self) -> dict[str, float]:
+        return {"scale": self.scale, "lr": self.lr0 * self.scale, "num_nonfinite": float(self._state["num_nonfinite"])}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "config": self.config(), "state": _copy(self._state)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"state is for controller {state.get('kind')!r}, not {self.kind!r}")
+        _check_same_config(self.kind, self.config(), state.get("config", {}))
+        missing = sorted(set(self._state) - set(state.get("state", {})))
+        if missing:
+            raise ValueError(f"{self.kind} state is missing field(s) {missing}")
+        self._state = _copy(dict(state["state"]))
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _check_same_config(kind: str, mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> None:
+    differing = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differing:
+        details = ", ".join(f"{k}: saved {theirs.get(k)!r} vs now {mine.get(k)!r}" for k in differing)
+        raise ValueError(
+            f"{kind} state was saved with a different config ({details}); build the controller with the saved config"
+        )
+
+
+class ConstantScale(Controller):
+    """No control: always `lr0`. The neutral element for configs that switch controllers off."""
+
+    kind = "constant"
+
+    def config(self) -> dict[str, Any]:
+        return {"lr0": self.lr0}
+
+    def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
+        return 1.0
+
+
+class TriggeredStepDecay(Controller):
+    """Step decay that starts once a trigger fires; subclasses decide when (and what "surge step" is).
+
+    Timing, LR paper Sec. 3 ("Determining the Decay Period"): `decay_period = round(period_factor ×
+    onset_step)` (1.8 in the paper; `decay_period=<int>` fixes it instead) and, as in the paper's
+    scheduler which counts from the start of training, the halvings land on multiples of the period:
+    `period, 2·period, …` — the first one at ≈ 1.8 × the surge step. The decay never acts before the
+    trigger: if the trigger fires after `period` (a late detection, or a short fixed period), the first
+    halving is at the trigger step and the next ones every `period` after it. Halving stops at
+    `floor × lr0` (paper: 1/10). The trigger fires once; later observations only update statistics.
+    """
+
+    def __init__(self, lr0: float = 1.0, *, period_factor: float = 1.8, decay_period: int | None = None,
+                 floor: float = 0.1, factor: float = 0.5):
+        super().__init__(lr0)
+        _check_number("period_factor", period_factor, low=0.0, low_open=True)
+        if decay_period is not None:
+            _check_int("decay_period", decay_period, 1)
+        _check_number("floor", floor, low=0.0, high=1.0, low_open=True)
+        _check_number("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
+        self.period_factor = float(period_factor)
+        self.decay_period = decay_period
+        self.floor = float(floor)
+        self.factor = float(factor)
+        self._state.update({"trigger_step": -1, "onset_step": -1, "period": -1, "first_decay_step": -1})
+
+    def _decay_config(self) -> dict[str, Any]:
+        return {"lr0": self.lr0, "period_factor": self.period_factor, "decay_period": self.decay_period,
+                "floor": self.floor, "factor": self.factor}
+
+    @abc.abstractmethod
+    def _observe(self, step: int, metrics: Mapping[str, Any]) -> int | None:
+        """Update statistics with this step; return the onset step if the trigger fires now, else None."""
+
+    def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
+        onset = self._observe(step, metrics)
+        s = self._state
+        if onset is not None and s["trigger_step"] < 0:
+            period = self.decay_period if self.decay_period is not None else max(1, round(self.period_factor * onset))
+            s.update(trigger_step=step, onset_step=onset, period=period, first_decay_step=max(period, step))
+        return step_decay_scale(step, s["first_decay_step"], max(s["period"], 1), self.floor, self.factor)
+
+    @property
+    def num_decays(self) -> int:
+        s = self._state
+        if s["first_decay_step"] < 0 or s["last_step"] < s["first_decay_step"]:
+            return 0
+        n = 1 + (s["last_step"] - s["first_decay_step"]) // s["period"]
+        return min(n, _decays_to_floor(self.floor, self.factor))
+
+    def metrics(self) -> dict[str, float]:
+        s = self._state
+        return {**super().metrics(), "trigger_step": float(s["trigger_step"]), "decay_period": float(s["period"]),
+                "first_decay_step": float(s["first_decay_step"]), "num_decays": float(self.num_decays)}
+
+
+class LengthTriggeredDecay(TriggeredStepDecay):
+    """The LR paper's length-triggered step decay (Sec. 3 "Response Length Determines the Decay Schedule").
+
+    Fed the per-step mean response length (`metric`, default `"response_length/mean"`):
+
+    * baseline = mean of the first `baseline_window` observations (the early, benign phase; Fig. 12
+      shows ~1000 tokens before the surge);
+    * surge = the moving average of the last `window` observations reaches `surge_ratio × baseline`
+      (paper: lengths roughly triple, ~1000 → 3000–4000 around step 100). Averaging makes single-step
+      spikes harmless: one spike of `k × baseline` lifts the mean by `(k − 1)/window × baseline`, so
+      with the defaults (window 10, ratio 3) a lone spike would need to exceed 21× the baseline;
+    * surge step (onset) = the step where the surge *started*, not where the average caught up: the
+      centre of the first 3-step median above `onset_ratio × baseline` since the last median at or
+      below it (a 3-median ignores single-step spikes and dips). For a step change at `s` it is
+      exactly `s`; for a ramp it is where the ramp crossed `onset_ratio` (default a quarter of the
+      way to the surge level, 1.5× for ratio 3). If the median is quiet when the average fires (the
+      surge has already receded), the onset falls back to the start of the averaging window;
+    * `decay_period = round(period_factor × onset)` (paper: 1.8×; of the periods it tried, 125 was too
+      early, 204 best and 250 too late, Fig. 13, for the surge around step 100 of Fig. 12), then the
+      `TriggeredStepDecay` staircase.
+    """
+
+    kind = "length_triggered_decay"
+
+    def __init__(self, lr0: float = 1.0, *, metric: str = "response_length/mean", surge_ratio: float = 3.0,
+                 baseline_window: int = 20, window: int = 10, period_factor: float = 1.8,
+                 decay_period: int | None = None, floor: float = 0.1, factor: float = 0.5,
+                 min_steps_before_detect: int | None = None, onset_ratio: float | None = None):
+        super().__init__(lr0, period_factor=period_factor, decay_period=decay_period, floor=floor, factor=factor)
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be a non-empty metric name, got {metric!r}")
+        _check_number("surge_ratio", surge_ratio, low=1.0, low_open=True)
+        _check_int("baseline_window", baseline_window, 1)
+        _check_int("window", window, 3)
+        if min_steps_before_detect is not None:
+            _check_int("min_steps_before_detect", min_steps_before_detect, 0)
+        if onset_ratio is None:
+            onset_ratio = 1.0 + (surge_ratio - 1.0) / 4.0
+        _check_number("onset_ratio", onset_ratio, low=1.0, high=surge_ratio, high_open=True)
+        self.metric = metric
+        self.surge_ratio = float(surge_ratio)
+        self.baseline_window = baseline_window
+        self.window = window
+        self.min_steps_before_detect = baseline_window if min_steps_before_detect is None else min_steps_before_detect
+        self.onset_ratio = float(onset_ratio)
+        self._state.update({"num_observed": 0, "baseline_sum": 0.0, "recent_values": [], "recent_steps": [],
+                            "onset_candidate": -1})
+
+    def config(self) -> dict[str, Any]:
+        return {**self._decay_config(), "metric": self.metric, "surge_ratio": self.surge_ratio,
+                "baseline_window": self.baseline_window, "window": self.window,
+                "min_steps_before_detect": self.min_steps_before_detect, "onset_ratio": self.onset_ratio}
+
+    @property
+    def baseline(self) -> float:
+        s = self._state
+        return s["baseline_sum"] / self.baseline_window if s["num_observed"] >= self.baseline_window else math.nan
+
+    def _windowed_mean(self) -> float:
+        values = self._state["recent_values"]
+        return sum(values) / len(values) if len(values) == self.window else math.nan
+
+    def _observe(self, step: int, metrics: Mapping[str, Any]) -> int | None:
+        length = self._read(metrics, self.metric)
+        if length is None:
+            return None
+        s = self._state
+        if s["num_observed"] < self.baseline_window:
+            s["baseline_sum"] += length
+        s["num_observed"] += 1
+        s["recent_values"] = (s["recent_values"] + [length])[-self.window:]
+        s["recent_steps"] = (s["recent_steps"] + [step])[-self.window:]
+        baseline = self.baseline
+        if math.isnan(baseline) or len(s["recent_values"]) < 3:
+            return None
+        median3 = sorted(s["recent_values"][-3:])[1]
+        if median3 <= self.onset_ratio * baseline:
+            s["onset_candidate"] = -1
+        elif s["onset_candidate"] < 0:
+            s["onset_candidate"] = s["recent_steps"][-2]
+        if s["trigger_step"] >= 0 or s["num_observed"] < max(self.min_steps_before_detect, self.baseline_window):
+            return None
+        if self._windowed_mean() >= self.surge_ratio * baseline:
+            return s["onset_candidate"] if s["onset_candidate"] >= 0 else s["recent_steps"][0]
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "baseline": self.baseline, "windowed_mean": self._windowed_mean(),
+                "surge_step": float(self._state["onset_step"])}
+
+
+class MetricTriggered(TriggeredStepDecay):
+    """The same step decay, started when a health metric crosses a threshold or trends upwards.
+
+    The LR paper's other warning signs rise together with the collapse: the mismatch
+    `log_ppl_abs_diff` (Figs. 2(c), 5(a)) and the time-smoothed, length-normalised grad norm
+    (Fig. 3); the objective-hacking paper's ρ std is a third. The trigger fires at the first step where
+
+    * `threshold` is set and the (optionally EMA-smoothed) metric is `>= threshold`, or
+    * `trend_window` and `trend_slope` are set and the least-squares slope of the smoothed metric over
+      its last `trend_window` observations (per training step) exceeds `trend_slope`.
+
+    `ema` in [0, 1) smooths as `s ← ema·s + (1−ema)·x`, starting from the first value (no zero bias);
+    the paper smooths the grad norm over time for the same reason (Fig. 3). The onset used for the
+    period is the trigger step itself: `decay_period = round(period_factor × trigger step)` unless fixed.
+    """
+
+    kind = "metric_triggered"
+
+    def __init__(self, metric: str, lr0: float = 1.0, *, threshold: float | None = None,
+                 trend_window: int | None = None, trend_slope: float | None = None, ema: float | None = None,
+                 min_steps_before_detect: int = 0, period_factor: float = 1.8, decay_period: int | None = None,
+                 floor: float = 0.1, factor: float = 0.5):
+        super().__init__(lr0, period_factor=period_factor, decay_period=decay_period, floor=floor, factor=factor)
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be a non-empty metric name, got {metric!r}")
+        if threshold is not None:
+            _check_number("threshold", threshold)
+        if (trend_window is None) != (trend_slope is None):
+            raise ValueError("trend_window and trend_slope must be given together")
+        if trend_window is not None:
+            _check_int("trend_window", trend_window, 2)
+            _check_number("trend_slope", trend_slope)
+        if threshold is None and trend_window is None:
+            raise ValueError("MetricTriggered needs a threshold, or trend_window and trend_slope, or both")
+        if ema is not None:
+            _check_number("ema", ema, low=0.0, high=1.0, high_open=True)
+        _check_int("min_steps_before_detect", min_steps_before_detect, 0)
+        self.metric = metric
+        self.threshold = None if threshold is None else float(threshold)
+        self.trend_window = trend_window
+        self.trend_slope = None if trend_slope is None else float(trend_slope)
+        self.ema = None if ema is None else float(ema)
+        self.min_steps_before_detect = min_steps_before_detect
+        # `smoothed` is meaningless until num_observed > 0 (kept a number so the state stays strict JSON).
+        self._state.update({"num_observed": 0, "smoothed": 0.0, "trend_values": [], "trend_steps": []})
+
+    def config(self) -> dict[str, Any]:
+        return {**self._decay_config(), "metric": self.metric, "threshold": self.threshold,
+                "trend_window": self.trend_window, "trend_slope": self.trend_slope, "ema": self.ema,
+                "min_steps_before_detect": self.min_steps_before_detect}
+
+    def slope(self) -> float:
+        """Least-squares slope (metric units per step) over the trend window; nan until it is full."""
+        xs, ys = self._state["trend_steps"], self._state["trend_values"]
+        if self.trend_window is None or len(xs) < self.trend_window:
+            return math.nan
+        x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - x_mean) ** 2 for x in xs)
+        return sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sxx
+
+    def _observe(self, step: int, metrics: Mapping[str, Any]) -> int | None:
+        value = self._read(metrics, self.metric)
+        if value is None:
+            return None
+        s = self._state
+        if self.ema is None or s["num_observed"] == 0:
+            s["smoothed"] = value
+        else:
+            s["smoothed"] = self.ema * s["smoothed"] + (1.0 - self.ema) * value
+        s["num_observed"] += 1
+        if self.trend_window is not None:
+            s["trend_values"] = (s["trend_values"] + [s["smoothed"]])[-self.trend_window:]
+            s["trend_steps"] = (s["trend_steps"] + [step])[-self.trend_window:]
+        if s["trigger_step"] >= 0 or s["num_observed"] <= self.min_steps_before_detect:
+            return None
+        crossed = self.threshold is not None and s["smoothed"] >= self.threshold
+        slope = self.slope()
+        trending = self.trend_slope is not None and not math.isnan(slope) and slope > self.trend_slope
+        return step if crossed or trending else None
+
+    def metrics(self) -> dict[str, float]:
+        smoothed = self._state["smoothed"] if self._state["num_observed"] else math.nan
+        return {**super().metrics(), "smoothed": smoothed, "slope": self.slope()}
+
+
+class Combined(Controller):
+    """Several controllers at once: the scale is the product (default) or the minimum of theirs.
+
+    Every child sees the same `(step, metrics)`. "product" lets independent triggers stack (a length
+    surge and a mismatch alarm both halve); "min" lets the most cautious one win. Children's own `lr0`
+    are ignored: only their scales combine, times this controller's `lr0`.
+    """
+
+    kind = "combined"
+    MODES = ("product", "min")
+
+    def __init__(self, controllers: Sequence[Controller], mode: str = "product", lr0: float = 1.0):
+        super().__init__(lr0)
+        if not controllers or not all(isinstance(c, Controller) for c in controllers):
+            raise ValueError(f"Combined needs a non-empty sequence of Controller instances, got {controllers!r}")
+        if mode not in self.MODES:
+            raise ValueError(f"unknown combine mode {mode!r}; valid modes: {list(self.MODES)}")
+        self.controllers = list(controllers)
+        self.mode = mode
+
+    def config(self) -> dict[str, Any]:
+        return {"lr0": self.lr0, "mode": self.mode, "children": [[c.kind, c.config()] for c in self.controllers]}
+
+    def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
+        # All children advance or none: a missing metric for the second child must not leave the
+        # first one a step ahead (the caller may fix the metrics and retry the same step).
+        saved = [child.state_dict() for child in self.controllers]
+        try:
+            for child in self.controllers:
+                child.update(step, metrics)
+        except Exception:
+            for child, state in zip(self.controllers, saved):
+                child.load_state_dict(state)
+            raise
+        scales = [child.scale for child in self.controllers]
+        return math.prod(scales) if self.mode == "product" else min(scales)
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        for i, child in enumerate(self.controllers):
+            out.update({f"{i}_{child.kind}/{k}": v for k, v in child.metrics().items()})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "children": [c.state_dict() for c in self.controllers]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        children = state.get("children", [])
+        if len(children) != len(self.controllers):
+            raise ValueError(f"combined state has {len(children)} children, this controller {len(self.controllers)}")
+        super().load_state_dict(state)
+        for child, child_state in zip(self.controllers, children):
+            child.load_state_dict(child_state)
+
+
+def combine(*controllers: Controller, mode: str = "product", lr0: float = 1.0) -> Combined:
+    """`Combined(controllers, mode, lr0)`, e.g. `combine(LengthTriggeredDecay(), MetricTriggered(...), mode="min")`."""
+    return Combined(controllers, mode=mode, lr0=lr0)
+
+
+CONTROLLERS: dict[str, type[Controller]] = {
+    ConstantScale.kind: ConstantScale,
+    LengthTriggeredDecay.kind: LengthTriggeredDecay,
+    MetricTriggered.kind: MetricTriggered,
+    Combined.kind: Combined,
+}
+
+
+def make_controller(name: str, **kwargs: Any) -> Controller:
+    """Build a controller by registry name; for "combined", `controllers` may be specs `{"name": ..., **kw}`.
+
+    Unknown names raise `ValueError` listing the valid ones; unknown or missing arguments raise
+    `TypeError` listing the accepted ones; bad values raise `ValueError` naming the argument.
+    """
+    if name not in CONTROLLERS:
+        raise ValueError(f"unknown controller {name!r}; valid controllers: {sorted(CONTROLLERS)}")
+    cls = CONTROLLERS[name]
+    check_kwargs("controller", name, cls, kwargs)
+    if cls is Combined:
+        specs = kwargs.get("controllers", ())
+        kwargs["controllers"] = [
+            spec if isinstance(spec, Controller) else make_controller(**_spec(spec)) for spec in specs
+        ]
+    return cls(**kwargs)
+
+
+def _spec(spec: Any) -> dict[str, Any]:
+    if not isinstance(spec, Mapping) or "name" not in spec:
+        raise ValueError(f"a combined controller's child must be a Controller or a dict with a 'name', got {spec!r}")
+    return dict(spec)
