@@ -89,10 +89,3 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params): the static structure and the parameter pytree the pure step works on."""
     graphdef, params = nnx.split(model, nnx.Param)
     return graphdef, params
-
-
-def default_loss_scale(policy: precision.DTypePolicy) -> Any:
-    """Dynamic loss scaling for fp16 compute; a constant scale of 1 (never skipping) otherwise."""
-    if jnp.dtype(policy.compute_dtype) == jnp.float16:
-        return precision.LossScaleState.create()
-    return precision.LossScaleState.create(dynamic=False)

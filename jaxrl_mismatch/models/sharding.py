@@ -1,0 +1,216 @@
+"""Device mesh and parameter sharding rules (FSDP on ``fsdp``, Megatron-style tensor parallel on ``tensor``).
+
+Sharding is declared here, by a regex table over the parameter paths fixed in ``docs/contracts.md``,
+and nowhere in the model code (the big_vision way): the model stays a plain single-device module and
+the same rules serve checkpoint loading (``hf_io``), the jitted train step and the rollout engine.
+
+Mesh axes, always all three and always in this order:
+
+- ``data``: pure data parallelism; parameters are replicated over it.
+- ``fsdp``: parameters *and* the batch are split over it (ZeRO-3 style); XLA all-gathers a weight
+  just before its matmul and reduce-scatters its gradient.
+- ``tensor``: Megatron tensor parallelism. Column-parallel kernels (q/k/v/gate/up, ``[in, out]``)
+  split their output features, row-parallel kernels (o/down) split their input features, so an
+  attention or MLP block needs a single all-reduce at its output.
+
+Rule of thumb for the specs below: the ``tensor`` axis sits on the "feature" dimension that the
+Megatron split wants, and ``fsdp`` takes the other dimension so that every weight matrix is split
+over both axes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+# One entry per tensor dimension (spelled out in full, see DESIGN.md "Sharding"). Paths are the
+# "/"-joined keys of `nnx.state(model, nnx.Param)`; `\d+` is the layer index.
+_LAYER = r"layers/\d+/"
+PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    # [V, D]: vocab over `tensor` (vocab-parallel embedding), model dim over `fsdp`.
+    (r"embed/embedding", ("tensor", "fsdp")),
+    # Column-parallel [D, out]: each tensor shard owns whole heads / a slice of the MLP features.
+    (_LAYER + r"attn/(q|k|v)_proj/kernel", ("fsdp", "tensor")),
+    (_LAYER + r"mlp/(gate|up)_proj/kernel", ("fsdp", "tensor")),
+    # Qwen2 q/k/v biases live on the column-parallel output features, so they follow `tensor`.
+    (_LAYER + r"attn/(q|k|v)_proj/bias", ("tensor",)),
+    # Row-parallel [in, D]: consumes the tensor-sharded activations; output needs one all-reduce.
+    (_LAYER + r"attn/o_proj/kernel", ("tensor", "fsdp")),
+    (_LAYER + r"mlp/down_proj/kernel", ("tensor", "fsdp")),
+    # Norm scales are tiny ([D] or [head_dim]); replicating them avoids a gather per layer.
+    (_LAYER + r"(input_norm|post_attn_norm)/scale", (None,)),
+    (_LAYER + r"attn/(q_norm|k_norm)/scale", (None,)),
+    (r"final_norm/scale", (None,)),
+    # [D, V]: vocab-parallel LM head; logits come out sharded over `tensor` on the vocab axis.
+    (r"lm_head/kernel", ("fsdp", "tensor")),
+)
+_COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in PARAM_RULES)
+
+
+def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build a ``Mesh`` with axes ``("data", "fsdp", "tensor")`` from sizes such as ``{"data": -1}``.
+
+    Axes left out have size 1, so every ``PartitionSpec`` in this module is valid on every mesh.
+    Exactly one size may be ``-1``, meaning "all devices not used by the other axes". The product of
+    the sizes must equal the number of devices: silently using a subset would leave accelerators idle
+    and make the global batch size differ from what the config says.
+
+    The mesh is built with ``jax.sharding.Mesh`` directly so that its axes are *Auto* (sharding
+    propagated by XLA from the jit in/out shardings); ``jax.make_mesh`` would make *Explicit* axes,
+    which change typing rules of every op (see shared/notes/jax-stack.md).
+
+    Raises:
+        ValueError: naming the config and the device count, for an unknown axis, a size that is not a
+            positive integer or -1, more than one -1, or a product that does not match the devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n_devices = len(devices)
+    config = dict(axes)
+    unknown = sorted(set(config) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh config {config}: unknown axis {unknown}; valid axes are {MESH_AXES}")
+    sizes = {name: config.get(name, 1) for name in MESH_AXES}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+            raise ValueError(f"mesh config {config}: axis {name!r} has size {size!r}; use a positive int or -1")
+    rest = [name for name, size in sizes.items() if size == -1]
+    if len(rest) > 1:
+        raise ValueError(f"mesh config {config}: only one axis may be -1, got {rest}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if rest:
+        if n_devices % fixed:
+            raise ValueError(
+                f"mesh config {config}: the fixed axes use {fixed} devices, which does not divide "
+                f"the {n_devices} available devices, so {rest[0]!r}=-1 has no integer size"
+            )
+        sizes[rest[0]] = n_devices // fixed
+    shape = tuple(int(sizes[name]) for name in MESH_AXES)
+    if math.prod(shape) != n_devices:
+        raise ValueError(
+            f"mesh config {config} needs {math.prod(shape)} devices (shape {dict(zip(MESH_AXES, shape))}) "
+            f"but {n_devices} devices are available"
+        )
+    try:
+        # Topology-aware placement on TPU/GPU (neighbouring devices on the innermost axes).
+        device_array = mesh_utils.create_device_mesh(shape, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        # An explicit device subset that the topology helper cannot lay out: keep the given order.
+        device_array = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(device_array, MESH_AXES)
+
+
+def param_partition_spec(path: str, shape: Sequence[int], mesh: Mesh | None = None) -> P:
+    """The ``PartitionSpec`` of the parameter at ``path`` (e.g. ``"layers/3/attn/q_proj/kernel"``).
+
+    The first rule of ``PARAM_RULES`` that matches the whole path wins. With a ``mesh``, a mesh axis
+    whose size does not divide the dimension it would shard is dropped for that dimension (``None``,
+    i.e. replicated along it): e.g. a 151,936-row Qwen embedding on ``tensor=3``, or 2 KV heads ×
+    head_dim on a large ``tensor`` axis. jit would otherwise reject the sharding; replicating one
+    dimension costs memory, never correctness. Without a mesh the rule's spec is returned as is.
+
+    Raises:
+        ValueError: if no rule matches ``path`` (every parameter must be placed deliberately), or the
+            rule's rank differs from ``len(shape)``.
+    """
+    shape = tuple(int(d) for d in shape)
+    for pattern, spec in _COMPILED_RULES:
+        if pattern.fullmatch(path):
+            break
+    else:
+        raise ValueError(
+            f"no sharding rule matches parameter {path!r} (shape {shape}); add one to "
+            "jaxrl_mismatch/models/sharding.py PARAM_RULES"
+        )
+    if len(spec) != len(shape):
+        raise ValueError(
+            f"sharding rule {pattern.pattern!r} has {len(spec)} entries {spec} but parameter {path!r} "
+            f"has shape {shape} ({len(shape)} dims)"
+        )
+    if mesh is None:
+        return P(*spec)
+    resolved = []
+    for axis, dim in zip(spec, shape):
+        if axis is not None and dim % mesh.shape[axis] != 0:
+            axis = None
+        resolved.append(axis)
+    return P(*resolved)
+
+
+def _key_name(key: Any) -> str | None:
+    """One path component; ``None`` for the ``.value`` attribute that wraps an nnx Variable's array."""
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return None if key.name == "value" else key.name
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def tree_path(keys: Sequence[Any]) -> str:
+    """``"/"``-joined parameter path of a ``jax.tree_util`` key path, as in ``docs/contracts.md``."""
+    return "/".join(name for name in map(_key_name, keys) if name is not None)
+
+
+def param_shardings(params: PyTree, mesh: Mesh) -> PyTree:
+    """Map a parameter tree to ``NamedSharding``s with the same tree structure.
+
+    Works on ``nnx.state(model, nnx.Param)`` (the result is a ``State`` whose Variables hold
+    shardings, usable directly as ``jax.device_put`` / ``jax.jit`` shardings for that state), on
+    ``nnx.eval_shape`` output (``ShapeDtypeStruct`` leaves, for loading straight onto shardings)
+    and on plain nested dicts of arrays.
+    """
+
+    def one(keys, leaf):
+        return NamedSharding(mesh, param_partition_spec(tree_path(keys), np.shape(leaf), mesh))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def param_specs(params: PyTree, mesh: Mesh | None = None) -> PyTree:
+    """Like ``param_shardings`` but returning the bare ``PartitionSpec``s (for logging and tests)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda keys, leaf: param_partition_spec(tree_path(keys), np.shape(leaf), mesh), params
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a ``[batch, seq, ...]`` array: batch over ``data`` and ``fsdp``, the rest replicated.
+
+    FSDP shards the batch too (each fsdp rank computes on its own examples with gathered weights), so
+    the batch dimension is split over both axes and the global batch must divide by data×fsdp.
+    """
+    if ndim < 1:
+        raise ValueError(f"batch_sharding needs ndim >= 1, got {ndim}")
+    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding, for scalars such as the learning rate or the loss-scale state."""
+    return NamedSharding(mesh, P())
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Move an existing model's parameters onto their shardings, in place; returns the model.
+
+    Meant for models built on one device (tests, small models). Large checkpoints should instead be
+    loaded straight onto their shardings (``hf_io.load_hf(..., mesh=mesh)``) so that no host or device
+    ever holds a full copy.
+    """
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(params, param_shardings(params, mesh)))
+    return model
