@@ -1,0 +1,366 @@
+"""Checkpointing: the train state plus the host-side run state, saved asynchronously with orbax.
+
+One checkpoint step is a directory `<directory>/<step>/` holding three orbax items:
+
+- `state`:  the train-state pytree (params, Optax state incl. `inject_hyperparams` hyperparameters,
+            loss-scale state, step, rng; typed PRNG keys or raw uint32 key data) as sharded arrays;
+- `meta`:   a JSON dict from the caller: controller states, data-iterator position, rollout weight
+            version, the resolved config (`ConfigDict.to_dict()`), anything else;
+- `layout`: written by us: every state leaf's path, shape and dtype. `restore` compares it with the
+            requested abstract state *before* touching any array, so a checkpoint of another model
+            (other hidden size, vocab, optimizer) fails with an error naming the tensor and both
+            shapes instead of an opaque tensorstore error deep inside orbax.
+
+**Restoring onto another mesh.** `restore` takes an abstract state (`jax.ShapeDtypeStruct`s carrying
+the *target* shardings); orbax reads each array's chunks straight into those shardings, so a state
+saved on `fsdp=8` restores onto `data=2 × fsdp=4` or onto one device.
+
+**Atomicity (orbax-checkpoint 0.12.8, read from `orbax/checkpoint/_src/path/atomicity.py`,
+`temporary_paths.py`, `step.py`).** On a local/POSIX filesystem orbax writes a step into
+`<step>.orbax-checkpoint-tmp/`, writes `commit_success.txt` into it last and only then renames it to
+`<step>/` (`AtomicRenameTemporaryPath.finalize`). Step discovery accepts only names matching
+`^(0|[1-9]\\d*)$`, so a crash mid-save leaves a `*.orbax-checkpoint-tmp*` directory that is never
+listed (we also let orbax delete such leftovers when a `Checkpointer` is opened). In the rename mode
+orbax itself does not look for `commit_success.txt` in a step directory; on a filesystem whose rename
+is not atomic, or after an interrupted copy of a checkpoint tree, a `<step>/` directory can exist
+without it. We therefore require the marker too: a step directory without `commit_success.txt` is
+moved aside to `<step>.uncommitted-<ns>` when a `Checkpointer` is opened (kept for inspection, never
+listed, never restored), so `latest_step()` falls back to the previous complete checkpoint and a
+re-save of that step is not silently skipped. The rename mode is pinned explicitly: orbax's AUTO mode
+switches to writing in place on GCS, where its tmp-directory cleanup deletes *any* child directory
+lacking the marker.
+
+**Async saves and donation.** `save` returns once the device arrays have been copied to host memory;
+the file writes continue in a background thread. The caller may then donate or overwrite the live
+state (the next jitted update step does) without affecting what is written. The next `save`, any
+`restore`, `wait()` and `close()` wait for the write in flight.
+
+Single-controller (one process) is the tested setting; with several processes every process must
+call `save`/`restore` (orbax synchronises them); only process 0 moves uncommitted directories aside,
+behind a barrier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint import options as ocp_options
+
+log = logging.getLogger(__name__)
+
+# Written last into a step directory by orbax's finalize, in both atomicity modes (orbax 0.12.8).
+COMMIT_MARKER = "commit_success.txt"
+_LAYOUT_FORMAT = 1
+_MAX_LISTED = 20  # mismatches listed in one error message
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read or written (missing, incomplete, corrupt or conflicting)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No (complete) checkpoint exists at the requested directory or step."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint's tensors do not match the requested abstract state (another model or optimizer)."""
+
+
+def leaf_path(path: Sequence[Any]) -> str:
+    """`params/layers/0/attn/q_proj/kernel`-style name of a pytree leaf (dict keys, attributes, indices)."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def state_layout(tree: Any) -> dict[str, dict[str, Any]]:
+    """{leaf path: {"shape": [...], "dtype": "float32"}} for every leaf of a state or abstract state.
+
+    Typed PRNG keys keep their key dtype (e.g. `key<fry>`), so a typed key is never confused with raw
+    uint32 key data of another shape.
+    """
+    layout: dict[str, dict[str, Any]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = leaf_path(path)
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"state leaf {name!r} is of type {type(leaf).__name__}, not an array; keep every leaf of the "
+                "checkpointed state a jax/numpy array (e.g. jnp.int32(step)) so its shape, dtype and "
+                "sharding are defined"
+            )
+        layout[name] = {"shape": [int(d) for d in leaf.shape], "dtype": str(leaf.dtype)}
+    return layout
+
+
+def abstract_state_of(state: Any) -> Any:
+    """Abstract state (shape, dtype, sharding per leaf) of a live state: restore into the same layout."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+
+
+def _layout_mismatches(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for name, want in wanted.items():
+        have = saved.get(name)
+        if have is None:
+            problems.append(f"{name}: missing from the checkpoint (requested {_fmt(want)})")
+        elif list(have["shape"]) != list(want["shape"]) or have["dtype"] != want["dtype"]:
+            problems.append(f"{name}: checkpoint has {_fmt(have)}, requested {_fmt(want)}")
+    for name, have in saved.items():
+        if name not in wanted:
+            problems.append(f"{name}: in the checkpoint ({_fmt(have)}) but not in the requested state")
+    return problems
+
+
+def _fmt(entry: Mapping[str, Any]) -> str:
+    return f"shape {tuple(entry['shape'])} {entry['dtype']}"
+
+
+def _check_json(value: Any, where: str = "meta") -> None:
+    """Fail in the caller's thread, naming the offending key; orbax would fail later in a background write.
+
+    Python's JSON dialect is what orbax writes: NaN/Infinity floats round-trip (a controller's
+    not-yet-known baseline may be NaN); tuples come back as lists.
+    """
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; JSON object keys must be str")
+            _check_json(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+    elif not (value is None or isinstance(value, (str, bool, int, float))):
+        raise TypeError(
+            f"{where} is of type {type(value).__name__}, not JSON (convert numpy/jax scalars with float()/int(), "
+            "ConfigDicts with .to_dict())"
+        )
+
+
+class Checkpointer:
+    """Async, keep-last-N, mesh-independent checkpoints of (train state, JSON meta) over orbax.
+
+    Args:
+      directory: root directory; created if absent. Steps live in `<directory>/<step>/`.
+      max_to_keep: keep the newest N complete checkpoints (None keeps all).
+      async_save: write in a background thread (`save` returns after the device→host copy).
+      save_interval_steps: `save` only writes when `step % save_interval_steps == 0` (or `force=True`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        save_interval_steps: int = 1,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        self._interval = save_interval_steps
+        self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
+        if jax.process_index() == 0:
+            self._set_aside_uncommitted()
+        if jax.process_count() > 1:  # no process may list steps before process 0 has moved them
+            multihost_utils.sync_global_devices(f"jaxrl_mismatch.Checkpointer:{self.directory}")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,
+            atomicity_options=ocp_options.AtomicityOptions(mode=ocp_options.AtomicityMode.ATOMIC_RENAME),
+        )
+        self._mgr = ocp.CheckpointManager(
+            self.directory, item_names=("state", "meta", "layout"), options=options
+        )
+
+    def _set_aside_uncommitted(self) -> None:
+        """Move `<step>/` directories lacking the commit marker out of orbax's sight (see module doc)."""
+        if not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.isdigit() and os.path.isdir(path) and not os.path.exists(os.path.join(path, COMMIT_MARKER)):
+                aside = f"{path}.uncommitted-{time.time_ns()}"
+                log.warning("checkpoint %s has no %s (incomplete save); moved to %s", path, COMMIT_MARKER, aside)
+                os.rename(path, aside)
+
+    # ---- queries -----------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Complete checkpoint steps, ascending, plus a save of this process still being written."""
+        return sorted(self._mgr.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest step from `all_steps()`, or None when the directory holds no checkpoint."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ---- save --------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Start saving `state` and `meta` as checkpoint `step`; True if a save was started.
+
+        Returns False (writing nothing) when `step` is off the `save_interval_steps` grid and not
+        `force`d, or when `step` is already saved (a resumed run re-reaching its restore step).
+        Raises `CheckpointError` for a step *older* than the newest saved one: orbax would skip it
+        silently, mixing two trajectories in one directory; resume from the latest step or use a
+        fresh directory.
+        """
+        step = int(step)
+        if not isinstance(meta, Mapping):
+            raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+        _check_json(meta)
+        layout = {"format": _LAYOUT_FORMAT, "leaves": state_layout(state)}
+        # Decided here rather than by orbax alone: orbax also saves the first step of an empty
+        # directory whatever its number, which would make the grid depend on the run's history.
+        # A JAX preemption notice still forces a save, as orbax's own policy does.
+        if not force and step % self._interval != 0 and not self._mgr.reached_preemption(step):
+            return False
+        existing = self.all_steps()
+        if step in existing:
+            log.info("checkpoint step %d already exists in %s; not saving it again", step, self.directory)
+            return False
+        if existing and step < existing[-1]:
+            raise CheckpointError(
+                f"cannot save step {step}: {self.directory} already holds the newer step {existing[-1]} "
+                f"(steps {existing}); resume from the latest step or use a fresh directory"
+            )
+        return bool(
+            self._mgr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(dict(meta)),
+                    layout=ocp.args.JsonSave(layout),
+                ),
+                force=force,
+            )
+        )
+
+    # ---- restore -----------------------------------------------------------------------------------
+
+    def _resolve_step(self, step: int | None) -> int:
+        self._mgr.wait_until_finished()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointNotFoundError(f"no complete checkpoint in {self.directory}")
+            step = steps[-1]
+        step = int(step)
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory}; available steps: {steps}"
+            )
+        step_dir = os.path.join(self.directory, str(step))
+        if not os.path.exists(os.path.join(step_dir, COMMIT_MARKER)):
+            raise CheckpointError(f"checkpoint {step_dir} has no {COMMIT_MARKER}: it is incomplete or was removed")
+        return step
+
+    def _read_json_item(self, step: int, item: str) -> dict:
+        try:
+            out = self._mgr.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
+        except Exception as e:  # orbax raises assorted types for missing/corrupt files
+            raise CheckpointError(
+                f"checkpoint {os.path.join(self.directory, str(step))}: cannot read its {item!r} record "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        value = out[item]
+        if not isinstance(value, dict):
+            raise CheckpointError(
+                f"checkpoint {os.path.join(self.directory, str(step))}: its {item!r} record is missing "
+                "(not written by this Checkpointer?)"
+            )
+        return value
+
+    def read_meta(self, step: int | None = None) -> dict:
+        """Only the JSON meta of `step` (default latest): e.g. the resolved config needed to build the
+        model, and hence the abstract state, before calling `restore`."""
+        return self._read_json_item(self._resolve_step(step), "meta")
+
+    def restore(self, step: int | None = None, *, abstract_state: Any) -> tuple[Any, dict]:
+        """(state, meta) of checkpoint `step` (default: the latest complete one).
+
+        abstract_state: the pytree to restore into, each leaf a `jax.ShapeDtypeStruct` (or array) with
+        the *target* sharding, e.g. `jax.eval_shape(init)` with shardings attached, or
+        `abstract_state_of(fresh_state)`. Its structure, shapes and dtypes must equal the saved ones;
+        any difference raises `CheckpointMismatchError` listing each tensor path with both shapes.
+        """
+        step = self._resolve_step(step)
+        step_dir = os.path.join(self.directory, str(step))
+        wanted = state_layout(abstract_state)
+        unsharded = [
+            leaf_path(p)
+            for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+            if getattr(leaf, "sharding", None) is None
+        ]
+        if unsharded:
+            raise ValueError(
+                "abstract_state leaves need target shardings (jax.ShapeDtypeStruct(shape, dtype, "
+                f"sharding=...)); these have none: {', '.join(unsharded[:_MAX_LISTED])}"
+            )
+        layout = self._read_json_item(step, "layout")
+        if layout.get("format") != _LAYOUT_FORMAT or not isinstance(layout.get("leaves"), dict):
+            raise CheckpointError(f"checkpoint {step_dir}: unrecognised layout record {str(layout)[:200]}")
+        problems = _layout_mismatches(layout["leaves"], wanted)
+        if problems:
+            more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+            raise CheckpointMismatchError(
+                f"checkpoint {step_dir} does not match the requested state "
+                f"({len(problems)} difference(s); another model or optimizer config?):\n  "
+                + "\n  ".join(problems[:_MAX_LISTED])
+                + more
+            )
+        try:
+            out = self._mgr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # tensorstore/orbax errors for missing or damaged array files
+            raise CheckpointError(
+                f"checkpoint {step_dir} could not be restored; its files are damaged or incomplete "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        return out["state"], out["meta"]
+
+    # ---- lifetime ----------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed on disk."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish the save in flight and release orbax's threads; call before the process exits."""
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+__all__ = [
+    "COMMIT_MARKER",
+    "Checkpointer",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "abstract_state_of",
+    "leaf_path",
+    "state_layout",
+]
