@@ -1,0 +1,28 @@
+"""Policy models: one decoder (Llama-3, Qwen2/2.5, Qwen3), log-probs, KV cache, HF checkpoint I/O.
+
+See docs/contracts.md for the parameter paths and function signatures other packages rely on.
+"""
+
+from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxrl_mismatch.models.hf_io import check_tokenizer, hf_to_params, load_hf, params_to_hf, save_hf
+from jaxrl_mismatch.models.kv_cache import KVCache, decode_step, init_cache, prefill
+from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
+from jaxrl_mismatch.models.model import Transformer, positions_from_mask
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "KVCache",
+    "ModelConfig",
+    "Transformer",
+    "check_tokenizer",
+    "decode_step",
+    "hf_to_params",
+    "init_cache",
+    "load_hf",
+    "logprobs_from_hidden",
+    "params_to_hf",
+    "positions_from_mask",
+    "prefill",
+    "save_hf",
+    "token_logprobs",
+]

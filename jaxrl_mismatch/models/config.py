@@ -1,0 +1,187 @@
+"""Model configuration read from (and written back to) a Hugging Face `config.json`.
+
+One decoder covers the three families people fine-tune with RL; they differ only in a few switches:
+
+| architecture        | q/k/v bias | per-head q/k RMSNorm | RoPE scaling |
+| ------------------- | ---------- | -------------------- | ------------ |
+| `LlamaForCausalLM`  | no         | no                   | llama3 or none |
+| `Qwen2ForCausalLM`  | yes        | no                   | none         |
+| `Qwen3ForCausalLM`  | no         | yes                  | none         |
+
+Anything outside that set (another architecture, sliding-window attention, an MLP bias, another RoPE
+scaling type) is refused here with an error naming the field, rather than silently computing a
+different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Hyper-parameters of one decoder-only transformer (names follow HF `config.json`)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None, or the Llama-3 dict (rope_type, factor, ... )
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projection biases (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention needs equal groups)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def __hash__(self) -> int:
+        # The config rides in the model's static graph definition, which jit hashes; the dict field
+        # would make the generated hash fail.
+        items = tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return hash(tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in items))
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads sharing one key/value head (GQA group size)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
+        """Build from a HF `config.json` dict, a path to the file, or the checkpoint directory.
+
+        Reads both the legacy (`rope_theta` + `rope_scaling`) and the transformers-5 (`rope_parameters`)
+        spellings of the RoPE settings.
+        """
+        d = _read_config(config)
+        archs = d.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(
+                f"config.json must name exactly one entry in 'architectures', got {archs!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        _refuse_unsupported_features(d, arch)
+        theta, scaling = _rope_settings(d)
+        heads = int(d["num_attention_heads"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `config.json` dict for this model (without a dtype; `save_hf` adds the stored one).
+
+        RoPE settings are written in both spellings so transformers 4.x/5.x and vLLM all read them.
+        """
+        rope_parameters: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope_parameters = {"rope_theta": self.rope_theta, **self.rope_scaling}
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": _MODEL_TYPE[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling is not None else None,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if self.architecture == "LlamaForCausalLM":
+            out.update(attention_bias=False, mlp_bias=False)
+        elif self.architecture == "Qwen3ForCausalLM":
+            out.update(attention_bias=False, use_sliding_window=False)
+        else:
+            out.update(use_sliding_window=False)
+        return out
+
+
+def _read_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _refuse_unsupported_features(d: dict[str, Any], arch: str) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    if arch != "Qwen2ForCausalLM" and d.get("attention_bias", False):
+        raise ValueError(f"attention_bias=True is not supported for {arch} (no q/k/v/o biases in this model)")
+    if d.get("mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (SwiGLU projections have no bias)")
+    if d.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
+
+
+def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, llama3 scaling dict or None) from either config spelling."""
+    params = d.get("rope_parameters")
+    if params is not None:
+        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        scaling = params
+    else:
+        theta = float(d.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling")
+    if not scaling:
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: 'llama3' or none")
+    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"llama3 rope scaling is missing {', '.join(missing)}")
+    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in _LLAMA3_KEYS}}

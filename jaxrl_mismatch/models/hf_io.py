@@ -1,0 +1,277 @@
+"""Hugging Face checkpoints in and out: `config.json` + (sharded) safetensors ⇄ our parameter tree.
+
+Loading never builds the model on the host: the model is created abstractly (`nnx.eval_shape`), each
+parameter's target sharding is computed from its path, and each tensor is read from the memory-mapped
+safetensors file, transposed to our `[in, out]` layout, cast to the policy's parameter dtype and
+`jax.device_put` straight onto that sharding — at most one tensor is on the host at a time.
+
+Names are mapped by one regex table (`_RULES`, Tunix style). The same mapping is the weight-sync wire
+format (`params_to_hf` / `hf_to_params`): a trainer pushes HF-named, torch-layout tensors and the JAX
+engine or vLLM applies them exactly like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import PyTree
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl_mismatch.models.config import ModelConfig
+from jaxrl_mismatch.models.model import Transformer
+from jaxrl_mismatch.precision import DTypePolicy
+
+# (our parameter path, HF tensor name template, transposed?) — linear kernels are [in, out] here and
+# [out, in] in torch.
+_RULES: tuple[tuple[re.Pattern, str, bool], ...] = tuple(
+    (re.compile(p), t, tr)
+    for p, t, tr in (
+        (r"embed/embedding", "model.embed_tokens.weight", False),
+        (r"layers/(\d+)/input_norm/scale", "model.layers.{0}.input_layernorm.weight", False),
+        (r"layers/(\d+)/post_attn_norm/scale", "model.layers.{0}.post_attention_layernorm.weight", False),
+        (r"layers/(\d+)/attn/([qkvo])_proj/kernel", "model.layers.{0}.self_attn.{1}_proj.weight", True),
+        (r"layers/(\d+)/attn/([qkv])_proj/bias", "model.layers.{0}.self_attn.{1}_proj.bias", False),
+        (r"layers/(\d+)/attn/([qk])_norm/scale", "model.layers.{0}.self_attn.{1}_norm.weight", False),
+        (r"layers/(\d+)/mlp/(gate|up|down)_proj/kernel", "model.layers.{0}.mlp.{1}_proj.weight", True),
+        (r"final_norm/scale", "model.norm.weight", False),
+        (r"lm_head/kernel", "lm_head.weight", True),
+    )
+)
+# Non-parameter buffers some older checkpoints carry; recomputed here from the config.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_DTYPE_NAMES = {np.dtype(jnp.float32): "float32", np.dtype(jnp.bfloat16): "bfloat16", np.dtype(jnp.float16): "float16"}
+
+
+def hf_name(path: str) -> tuple[str, bool]:
+    """(HF tensor name, whether the tensor is transposed relative to ours) of one parameter path."""
+    for pattern, template, transposed in _RULES:
+        m = pattern.fullmatch(path)
+        if m:
+            return template.format(*m.groups()), transposed
+    raise ValueError(f"parameter {path!r} has no Hugging Face name mapping")
+
+
+def param_path(keys) -> str:
+    """`/`-joined path of a `jax.tree_util` key path into an `nnx.State` or a plain nested dict."""
+    parts = []
+    for k in keys:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name != "value":  # the array inside an nnx Variable
+                parts.append(k.name)
+        else:
+            parts.append(str(getattr(k, "key", k)))
+    return "/".join(parts)
+
+
+def _expected_extras(cfg: ModelConfig) -> set[str]:
+    # Tied checkpoints sometimes still store lm_head.weight (a copy of the embedding); we use the embedding.
+    return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+
+
+def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_params: PyTree) -> PyTree:
+    """Place HF-named, torch-layout tensors into a parameter tree shaped like `abstract_params`.
+
+    `abstract_params` is `nnx.state(model, nnx.Param)` of a real model (each tensor goes onto the
+    existing leaf's sharding and dtype, e.g. a weight-sync update) or of `nnx.eval_shape` output
+    (`ShapeDtypeStruct` leaves, optionally carrying a `.sharding`). Tensors are fetched one at a time
+    from `tensors`, which may be lazy.
+
+    Raises:
+        ValueError: naming the tensor, when one the model needs is missing, has the wrong shape, or
+            `tensors` holds names the model does not use.
+    """
+    used: set[str] = set()
+
+    def place(keys, leaf):
+        path = param_path(keys)
+        name, transposed = hf_name(path)
+        if name not in tensors:
+            raise ValueError(f"checkpoint is missing tensor {name!r} (parameter {path}, shape {tuple(leaf.shape)})")
+        x = np.asarray(tensors[name])
+        if transposed:
+            x = x.T
+        if x.shape != tuple(leaf.shape):
+            got = x.T.shape if transposed else x.shape
+            want = tuple(leaf.shape)[::-1] if transposed else tuple(leaf.shape)
+            raise ValueError(f"tensor {name!r} has shape {got}, expected {want} for {cfg.architecture} config")
+        used.add(name)
+        sharding = getattr(leaf, "sharding", None)
+        return jax.device_put(np.ascontiguousarray(x, dtype=leaf.dtype), sharding)
+
+    params = jax.tree_util.tree_map_with_path(place, abstract_params)
+    allowed = _expected_extras(cfg)
+    unexpected = sorted(n for n in tensors if n not in used and n not in allowed and not _IGNORED.fullmatch(n))
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:10])
+        more = f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""
+        raise ValueError(f"checkpoint has tensors the {cfg.architecture} model does not use: {shown}{more}")
+    return params
+
+
+def _iter_hf(params: PyTree) -> Iterator[tuple[str, str, bool, Any]]:
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
+        path = param_path(keys)
+        name, transposed = hf_name(path)
+        yield name, path, transposed, leaf
+
+
+def _to_host(leaf, transposed: bool) -> np.ndarray:
+    x = np.asarray(jax.device_get(leaf))
+    return np.ascontiguousarray(x.T if transposed else x)
+
+
+def params_to_hf(params: PyTree, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF-named tensors in torch layout (`[out, in]` linears), in the parameters' dtype.
+
+    Tied models have no `lm_head.weight` entry (transformers and vLLM re-tie it from the embedding).
+    """
+    del cfg  # names follow from the parameter paths; kept for the contract's symmetry with hf_to_params
+    return {name: _to_host(leaf, tr) for name, _, tr, leaf in _iter_hf(params)}
+
+
+class _LazyCheckpoint(Mapping):
+    """Read-on-demand view of a HF safetensors directory: name → numpy array (one tensor at a time)."""
+
+    def __init__(self, directory: str, stack: contextlib.ExitStack):
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {directory}")
+            weight_map = None
+        self._handles = {}
+        for fname in files:
+            fpath = os.path.join(directory, fname)
+            if not os.path.exists(fpath):
+                raise FileNotFoundError(f"{index_path} lists {fname}, which does not exist")
+            self._handles[fname] = stack.enter_context(safe_open(fpath, framework="numpy"))
+        if weight_map is None:
+            weight_map = {n: fname for fname, h in self._handles.items() for n in h.keys()}
+        self._weight_map = weight_map
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._handles[self._weight_map[name]].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._weight_map)
+
+    def __len__(self) -> int:
+        return len(self._weight_map)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weight_map
+
+
+def abstract_model(cfg: ModelConfig, policy: DTypePolicy) -> Transformer:
+    """The model with `ShapeDtypeStruct`s in place of arrays (nothing allocated)."""
+    return nnx.eval_shape(lambda: Transformer(cfg, policy, rngs=nnx.Rngs(0)))
+
+
+def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.sharding.Mesh | None = None):
+    """Load a local HF checkpoint directory → (ModelConfig, Transformer), parameters in `policy.param_dtype`.
+
+    With a `mesh`, each tensor is placed on `models.sharding.param_shardings`' sharding for its path;
+    without, on the default device.
+    """
+    directory = os.fspath(directory)
+    cfg = ModelConfig.from_hf(directory)
+    graphdef, abstract = nnx.split(abstract_model(cfg, policy), nnx.Param)
+    if mesh is not None:
+        from jaxrl_mismatch.models.sharding import param_shardings
+
+        shardings = param_shardings(abstract, mesh)
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+    with contextlib.ExitStack() as stack:
+        params = hf_to_params(_LazyCheckpoint(directory, stack), cfg, abstract)
+    return cfg, nnx.merge(graphdef, params)
+
+
+def save_hf(
+    model: Transformer, cfg: ModelConfig, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30
+) -> list[str]:
+    """Write `config.json` + safetensors that transformers `from_pretrained` and vLLM load.
+
+    Tensors are fetched to the host one shard at a time (each parameter must be fully addressable from
+    this process: single-host meshes; multi-host saving goes through orbax). Checkpoints over
+    `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` files with a
+    `model.safetensors.index.json`, as HF does.
+    Returns the written safetensors file names.
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    params = nnx.state(model, nnx.Param)
+    entries = sorted(_iter_hf(params), key=lambda e: e[0])
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = int(np.prod(entry[3].shape)) * np.dtype(entry[3].dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for fname, shard in zip(names, shards):
+        tensors = {name: _to_host(leaf, tr) for name, _, tr, leaf in shard}
+        save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+        for name, x in tensors.items():
+            weight_map[name] = fname
+            total += x.nbytes
+        del tensors
+    if len(shards) > 1:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config = cfg.to_hf()
+    config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES[np.dtype(model.policy.param_dtype)]
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return names
+
+
+def check_tokenizer(cfg: ModelConfig, tokenizer_or_vocab_size: Any) -> int:
+    """Check that every token id the tokenizer can produce has an embedding row; returns its size.
+
+    Accepts a vocabulary size, or a tokenizer (`len(tok)`, which counts added special tokens, else
+    `tok.vocab_size`). A model's embedding may be larger than the tokenizer (vocabularies are padded to
+    a multiple of 64/128), never smaller.
+    """
+    t = tokenizer_or_vocab_size
+    if isinstance(t, (int, np.integer)):
+        n = int(t)
+    elif hasattr(t, "__len__"):
+        n = len(t)
+    elif hasattr(t, "vocab_size"):
+        n = int(t.vocab_size)
+    else:
+        raise TypeError(f"expected a tokenizer or a vocabulary size, got {type(t).__name__}")
+    if n > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer/model mismatch: the tokenizer has {n} tokens but the {cfg.architecture} model's "
+            f"vocab_size is {cfg.vocab_size}; token ids >= {cfg.vocab_size} would have no embedding "
+            "(is this the tokenizer of another checkpoint?)"
+        )
+    return n

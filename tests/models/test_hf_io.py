@@ -1,0 +1,237 @@
+"""HF checkpoint interop: multi-shard loads, save → transformers, bit-exact round trips, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from jaxrl_mismatch.models import check_tokenizer, hf_to_params, load_hf, params_to_hf, save_hf, token_logprobs
+from jaxrl_mismatch.precision import policy
+from tests.models.hf_tiny import VOCAB, hf_token_logprobs, make_hf_model, padded_batch, real_positions
+
+
+@pytest.fixture(scope="module")
+def qwen2_sharded(tmp_path_factory):
+    """A Qwen2 (biases) untied checkpoint written by transformers in several shards, and its reference."""
+    hf = make_hf_model("qwen2", tied=False, seed=11)
+    d = tmp_path_factory.mktemp("qwen2_sharded")
+    hf.save_pretrained(d, max_shard_size="100KB")
+    return d, hf
+
+
+@pytest.fixture(scope="module")
+def llama_tied(tmp_path_factory):
+    hf = make_hf_model("llama", tied=True, seed=12)
+    d = tmp_path_factory.mktemp("llama_tied")
+    hf.save_pretrained(d)
+    return d
+
+
+def _logprobs(model, tokens, mask):
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda s, a, b, c: token_logprobs(nnx.merge(graphdef, s), a, b, c, chunk_size=8))
+    return np.asarray(f(state, tokens[:, :-1], tokens[:, 1:], mask[:, :-1])[0], np.float64)
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in params_to_hf(nnx.state(model, nnx.Param), model.cfg).items()}
+
+
+def test_sharded_transformers_checkpoint_loads(qwen2_sharded):
+    d, hf = qwen2_sharded
+    assert len([f for f in os.listdir(d) if f.endswith(".safetensors")]) > 1
+    assert os.path.exists(d / "model.safetensors.index.json")
+    cfg, model = load_hf(d, policy=policy("fp32"))
+    assert cfg.attention_bias and not cfg.tie_word_embeddings
+    # Every tensor arrived unchanged (modulo our transposes), names matching transformers' state dict.
+    ours = _params(model)
+    theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert set(ours) == set(theirs)
+    for name, x in theirs.items():
+        np.testing.assert_array_equal(ours[name], x, err_msg=name)
+
+
+def test_save_loads_in_transformers_and_round_trips_bit_exact(qwen2_sharded, tmp_path):
+    d, _ = qwen2_sharded
+    cfg, model = load_hf(d, policy=policy("fp32"))
+    out = tmp_path / "ours"
+    files = save_hf(model, cfg, out, max_shard_bytes=120_000)
+    assert len(files) > 1 and os.path.exists(out / "model.safetensors.index.json")
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    tokens, mask = padded_batch(seed=5)
+    real = real_positions(mask)
+    err = np.abs(hf_token_logprobs(hf, tokens, mask) - _logprobs(model, tokens, mask))[real].max()
+    assert err <= 2e-5, f"transformers on our saved checkpoint: max |Δ logp| = {err:.3g}"
+
+    _, reloaded = load_hf(out, policy=policy("fp32"))
+    a, b = _params(model), _params(reloaded)
+    assert set(a) == set(b)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_tied_bf16_round_trip_bit_exact(llama_tied, tmp_path):
+    """bf16 parameters are stored as bf16 safetensors and come back identical; no lm_head for tied."""
+    cfg, model = load_hf(llama_tied, policy=policy("bf16"))
+    save_hf(model, cfg, tmp_path)
+    assert os.listdir(tmp_path).count("model.safetensors") == 1
+    stored = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in stored and stored["model.embed_tokens.weight"].dtype.name == "bfloat16"
+    assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    cfg2, reloaded = load_hf(tmp_path, policy=policy("bf16"))
+    assert cfg2 == cfg
+    a, b = _params(model), _params(reloaded)
+    assert all(np.array_equal(a[n].view(np.uint16), b[n].view(np.uint16)) for n in a)
+
+
+def test_wire_format_round_trip_keeps_shardings(qwen2_sharded):
+    """params_to_hf → hf_to_params onto the live parameters (weight sync) reproduces them exactly."""
+    from jaxrl_mismatch.models.sharding import make_mesh, param_shardings
+
+    d, _ = qwen2_sharded
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    _, model = load_hf(d, policy=policy("fp32"), mesh=mesh)
+    params = nnx.state(model, nnx.Param)
+    expected = param_shardings(params, mesh)
+    for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+        assert leaf.sharding == sharding
+    wire = params_to_hf(params, model.cfg)
+    assert all(isinstance(x, np.ndarray) for x in wire.values())
+    assert wire["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)  # torch [out, in]
+    back = hf_to_params(wire, model.cfg, params)
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        assert y.sharding == x.sharding and np.array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _copy_checkpoint(src, dst, edit_tensors=None, edit_config=None):
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(src / "model.safetensors")
+    if edit_tensors:
+        edit_tensors(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_unsupported_architecture_is_named(llama_tied, tmp_path):
+    d = _copy_checkpoint(
+        llama_tied, tmp_path / "x", edit_config=lambda c: c.update(architectures=["MistralForCausalLM"])
+    )
+    supported = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match=rf"'MistralForCausalLM'; supported: {supported}"):
+        load_hf(d, policy=policy("fp32"))
+
+
+def test_missing_tensor_is_named(llama_tied, tmp_path):
+    d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_hf(d, policy=policy("fp32"))
+
+
+def test_wrong_shape_is_named(llama_tied, tmp_path):
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 64), np.float32)
+
+    d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_tensors=edit)
+    msg = r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(48, 64\), expected \(32, 64\)"
+    with pytest.raises(ValueError, match=msg):
+        load_hf(d, policy=policy("fp32"))
+
+
+def test_unexpected_tensor_is_named(llama_tied, tmp_path):
+    def edit(t):
+        t["model.layers.0.mlp.extra_proj.weight"] = np.zeros((4, 4), np.float32)
+
+    d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_tensors=edit)
+    with pytest.raises(ValueError, match=r"does not use: 'model\.layers\.0\.mlp\.extra_proj\.weight'"):
+        load_hf(d, policy=policy("fp32"))
+
+
+def test_tokenizer_vocab_mismatch_names_both_sizes(llama_tied):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    cfg, _ = load_hf(llama_tied, policy=policy("fp32"))
+    assert check_tokenizer(cfg, VOCAB - 10) == VOCAB - 10  # padded embeddings are fine
+    with pytest.raises(ValueError, match=rf"tokenizer has {VOCAB + 44} tokens but .* vocab_size is {VOCAB}"):
+        check_tokenizer(cfg, VOCAB + 44)
+    vocab = {f"w{i}": i for i in range(VOCAB + 1)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")))
+    with pytest.raises(ValueError, match=rf"tokenizer has {VOCAB + 1} tokens but .* vocab_size is {VOCAB}"):
+        check_tokenizer(cfg, tok)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+
+_VLLM_SCORE = r"""
+import json, sys
+import vllm
+
+def main(model_dir, tokens_json, out_json):
+    rows = json.load(open(tokens_json))
+    llm = vllm.LLM(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=64, seed=0,
+                   generation_config="vllm", enable_prefix_caching=False)
+    params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": r} for r in rows], params)
+    result = []
+    for r, o in zip(rows, outs):
+        # prompt_logprobs[t] holds log p(r[t] | r[:t]) (None at t = 0), keyed by token id.
+        result.append([o.prompt_logprobs[t][r[t]].logprob for t in range(1, len(r))])
+    json.dump(result, open(out_json, "w"))
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+@pytest.mark.vllm
+def test_saved_checkpoint_loads_in_vllm(tmp_path):
+    """vLLM (CPU, fp32) scores our saved tied Llama-3-scaled checkpoint like our model does.
+
+    head_dim 32: vLLM's CPU attention kernels reject head_dim 16.
+    """
+    import subprocess
+    import sys
+
+    make_hf_model("llama", tied=True, seed=14, num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+        tmp_path / "hf"
+    )
+    cfg, model = load_hf(tmp_path / "hf", policy=policy("fp32"))
+    assert cfg.head_dim == 32 and cfg.rope_scaling is not None
+    out = tmp_path / "ours"
+    save_hf(model, cfg, out)
+    tokens, mask = padded_batch(seed=7)
+    rows = [[int(t) for t, m in zip(tr, mr) if m] for tr, mr in zip(tokens, mask)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "score.py").write_text(_VLLM_SCORE)
+    env = {
+        **os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "score.py"), str(out), str(tmp_path / "rows.json"), str(tmp_path / "o.json")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    vllm_logp = json.loads((tmp_path / "o.json").read_text())
+    ours = _logprobs(model, tokens, mask)
+    for b, row in enumerate(vllm_logp):
+        real = np.flatnonzero(real_positions(mask)[b])
+        np.testing.assert_allclose(np.asarray(row), ours[b, real], atol=1e-4, rtol=0, err_msg=f"row {b}")
