@@ -76,3 +76,30 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources (called on server shutdown)."""
+
+
+class NonFiniteLogprobsError(RuntimeError):
+    """An engine produced a NaN/inf log-prob for a sampled token (bad weights, overflow in fp16, ...).
+
+    Raised instead of passing the value on: a non-finite μ turns every importance ratio of the batch
+    into NaN, and the trainer would only notice after the update had already been applied.
+    """
+
+    def __init__(self, prompt: int, sample: int, position: int, value: float, weight_version: int):
+        super().__init__(
+            f"non-finite logprob {value} at prompt {prompt}, sample {sample}, position {position} "
+            f"(weight version {weight_version})"
+        )
+        self.prompt, self.sample, self.position, self.value = prompt, sample, position, value
+        self.weight_version = weight_version
+
+
+def check_finite_logprobs(completions: list[list[Completion]]) -> None:
+    """Raise NonFiniteLogprobsError for the first non-finite log-prob in `completions[prompt][sample]`."""
+    for i, samples in enumerate(completions):
+        for j, c in enumerate(samples):
+            lp = np.asarray(c.logprobs, dtype=np.float64)
+            bad = np.flatnonzero(~np.isfinite(lp))
+            if bad.size:
+                t = int(bad[0])
+                raise NonFiniteLogprobsError(i, j, t, float(lp[t]), c.weight_version)

@@ -1,0 +1,387 @@
+"""`RolloutClient`: the trainer's only handle on the rollout server.
+
+What it guarantees the training loop, so the loop itself stays free of transport concerns:
+
+- **Ready before use.** The constructor waits for the standard gRPC health check to report SERVING.
+- **Transient failures are retried** (UNAVAILABLE, DEADLINE_EXCEEDED) with exponential backoff; every
+  call has a deadline. Generate is safe to repeat: with a fixed seed it is deterministic.
+- **A restarted server gets the current weights back.** Each server process has a random `server_id`,
+  returned by GetInfo and every Generate. When it changes, the client re-pushes the latest weights
+  (from the tensors of the last `push_weights`, or from a provider callback) before any completion
+  of the new process is used; completions sampled by the restarted server with its checkpoint weights
+  are discarded and regenerated.
+- **Every completion's weight version is checked** against the version the trainer pushed last:
+  older than `max_staleness` versions -> StaleCompletionError; `max_staleness=None` accepts any and
+  leaves `Completion.weight_version` as the tag for off-policy correction.
+- **Non-finite log-probs never reach the trainer**: NonFiniteLogprobsError names prompt, sample, position
+  (raised from the server's report, and checked again on every response).
+- **Engine and trainer must agree** on architecture, vocabulary and tokenizer: `check_compatible`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
+from jaxrl_mismatch.rollout.engine import (
+    Completion,
+    EngineInfo,
+    NonFiniteLogprobsError,
+    SamplingSpec,
+    TensorSpec,
+    check_finite_logprobs,
+)
+from jaxrl_mismatch.rollout.server import ERROR_KIND_KEY, NON_FINITE, NON_FINITE_DETAIL_KEY, SERVICE_NAME
+from jaxrl_mismatch.rollout.validation import MAX_MESSAGE_BYTES, wire_dtype
+
+log = logging.getLogger(__name__)
+
+WeightsProvider = Callable[[], tuple[int, Mapping[str, np.ndarray]]]
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_FINISH = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # gRPC's default reconnect backoff grows to 120 s; a restarted rollout server should be found in ~1 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class RolloutError(RuntimeError):
+    """The rollout server failed a call in a way retries did not fix; the message names the RPC and status."""
+
+
+class EngineMismatchError(RolloutError):
+    """The engine serves a different model than the trainer trains (architecture, vocab, tokenizer)."""
+
+
+class StaleCompletionError(RolloutError):
+    """A completion was sampled with weights older than the client accepts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    max_attempts: int = 8
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        """Backoff before attempt 2, 3, ...; jittered by ±20% so restarted clients do not stampede."""
+        d = self.initial_backoff_s
+        for _ in range(self.max_attempts - 1):
+            yield d * random.uniform(0.8, 1.2)
+            d = min(d * self.multiplier, self.max_backoff_s)
+
+
+def weight_chunks(
+    tensors: Mapping[str, np.ndarray], version: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """Split tensors into UpdateWeights chunks (C-contiguous, little-endian bytes, in order per tensor)."""
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        raw = arr.reshape(-1).view(np.uint8)
+        header = dict(version=version, name=name, dtype=arr.dtype.name, shape=list(arr.shape))
+        if raw.size == 0:
+            yield rollout_pb2.WeightChunk(offset=0, data=b"", **header)
+        for off in range(0, raw.size, chunk_bytes):
+            yield rollout_pb2.WeightChunk(offset=off, data=raw[off : off + chunk_bytes].tobytes(), **header)
+
+
+def _completion(pb: rollout_pb2.Completion) -> Completion:
+    return Completion(
+        token_ids=list(pb.token_ids),
+        logprobs=list(pb.logprobs),
+        finish_reason=_FINISH.get(pb.finish_reason, "unspecified"),
+        weight_version=pb.weight_version,
+    )
+
+
+class RolloutClient:
+    """Blocking client of one rollout server. Not thread-safe; one per trainer process is enough.
+
+    Args:
+      target: "host:port" of the server.
+      token: shared token for UpdateWeights/Shutdown (None: read-only client).
+      timeout_s: deadline of GetInfo/Shutdown and of each UpdateWeights stream.
+      generate_timeout_s: deadline of one Generate call.
+      retry: backoff policy for UNAVAILABLE / DEADLINE_EXCEEDED.
+      max_staleness: completions more than this many versions older than the last pushed version raise
+        StaleCompletionError; None accepts all (tag = `Completion.weight_version`).
+      wait_ready_s: wait this long for the health check at construction; None skips the wait.
+      chunk_bytes: UpdateWeights chunk size.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        generate_timeout_s: float = 600.0,
+        retry: RetryPolicy = RetryPolicy(),
+        max_staleness: int | None = 0,
+        wait_ready_s: float | None = 120.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        self.target = target
+        self._token = token
+        self._timeout_s = timeout_s
+        self._generate_timeout_s = generate_timeout_s
+        self._retry = retry
+        self.max_staleness = max_staleness
+        self._chunk_bytes = chunk_bytes
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._provider: WeightsProvider | None = None
+        self.pushed_version: int | None = None  # version of the last successful push
+        self.server_id: str | None = None
+        self._weight_specs: dict[str, TensorSpec] | None = None
+        self.restarts_seen = 0
+        if wait_ready_s is not None:
+            self.wait_until_ready(wait_ready_s)
+            self._sync_server()
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _auth(self) -> tuple[tuple[str, str], ...]:
+        if self._token is None:
+            raise RolloutError("this RPC needs the shared token; construct RolloutClient(..., token=...)")
+        return (("authorization", f"Bearer {self._token}"),)
+
+    def _call(self, what: str, fn: Callable[[], object]) -> object:
+        """Run fn with retries on transient codes; after a failure, resync with the (maybe new) server."""
+        delays = self._retry.delays()
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code()
+                if code not in _RETRYABLE:
+                    raise self._translate(what, e) from None
+                delay = next(delays, None)
+                if delay is None:
+                    raise RolloutError(f"{what} on {self.target}: {code.name} after {self._retry.max_attempts} attempts: {e.details()}") from None
+                log.warning("%s on %s: %s (%s); retrying in %.2fs", what, self.target, code.name, e.details(), delay)
+                time.sleep(delay)
+
+    def _translate(self, what: str, e: grpc.RpcError) -> Exception:
+        trailing = dict(e.trailing_metadata() or ())
+        if trailing.get(ERROR_KIND_KEY) == NON_FINITE and NON_FINITE_DETAIL_KEY in trailing:
+            i, j, t, value, version = trailing[NON_FINITE_DETAIL_KEY].split(",")
+            return NonFiniteLogprobsError(int(i), int(j), int(t), float(value), int(version))
+        return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()}")
+
+    # -- health / info -------------------------------------------------------------------------------
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Block until the health service reports SERVING (engine loaded), or raise RolloutError."""
+        deadline = time.monotonic() + timeout_s
+        delays = RetryPolicy(max_attempts=1 << 30, initial_backoff_s=0.05, max_backoff_s=1.0).delays()
+        last = "no answer"
+        while True:
+            try:
+                resp = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= deadline:
+                raise RolloutError(f"rollout server {self.target} not ready after {timeout_s:.0f}s (last: {last})")
+            time.sleep(min(next(delays), max(0.0, deadline - time.monotonic())))
+
+    def _get_info(self, include_weight_specs: bool) -> rollout_pb2.GetInfoResponse:
+        req = rollout_pb2.GetInfoRequest(include_weight_specs=include_weight_specs)
+        return self._call("GetInfo", lambda: self._stub.GetInfo(req, timeout=self._timeout_s))
+
+    def info(self) -> EngineInfo:
+        r = self._get_info(False)
+        self._observe_server(r.server_id)
+        return EngineInfo(
+            architecture=r.architecture,
+            vocab_size=r.vocab_size,
+            dtype=r.dtype,
+            engine=r.engine,
+            weight_version=r.weight_version,
+            max_model_len=r.max_model_len,
+        )
+
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """HF name -> (shape, wire dtype) the engine expects in UpdateWeights (cached per server process)."""
+        if self._weight_specs is None:
+            r = self._get_info(True)
+            self._weight_specs = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in r.weight_specs}
+        return self._weight_specs
+
+    def check_compatible(
+        self, *, architecture: str, vocab_size: int, tokenizer_vocab_size: int | None = None
+    ) -> EngineInfo:
+        """Fail early, with both values in the message, if the engine serves a model the trainer can't score.
+
+        The tokenizer may be smaller than the model's (padded) embedding table but never larger: its
+        extra ids would be out of range for the engine. Pass `ModelConfig.architecture/.vocab_size`.
+        """
+        info = self.info()
+        problems = []
+        if info.architecture != architecture:
+            problems.append(f"architecture: engine serves {info.architecture!r}, trainer has {architecture!r}")
+        if info.vocab_size != vocab_size:
+            problems.append(f"vocab_size: engine {info.vocab_size}, trainer model {vocab_size}")
+        if tokenizer_vocab_size is not None and tokenizer_vocab_size > info.vocab_size:
+            problems.append(
+                f"tokenizer has {tokenizer_vocab_size} tokens but the engine's vocab_size is {info.vocab_size}"
+            )
+        if problems:
+            raise EngineMismatchError(f"rollout engine at {self.target} does not match the trainer: " + "; ".join(problems))
+        return info
+
+    # -- restarts ------------------------------------------------------------------------------------
+    def _observe_server(self, server_id: str) -> bool:
+        """Record the server process id; on a change, re-push the current weights. True if it re-pushed."""
+        if server_id == self.server_id:
+            return False
+        first = self.server_id is None
+        self.server_id = server_id
+        self._weight_specs = None
+        if first:
+            return False
+        self.restarts_seen += 1
+        log.warning("rollout server %s restarted (new server_id %s)", self.target, server_id)
+        if self._provider is not None:
+            version, tensors = self._provider()
+            log.warning("re-pushing weights version %d to the restarted server", version)
+            self._push(tensors, version)
+            return True
+        return False
+
+    def _sync_server(self) -> None:
+        self._observe_server(self._get_info(False).server_id)
+
+    # -- weights -------------------------------------------------------------------------------------
+    def set_weights_provider(self, provider: WeightsProvider | None) -> None:
+        """Where re-pushes after a restart take (version, HF-named tensors) from.
+
+        push_weights installs a provider over the tensors it was given, which keeps references to them;
+        a trainer that would rather not hold that host copy passes a callback that rebuilds them.
+        """
+        self._provider = provider
+
+    def push_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        """Stream HF-named tensors to the server as weight `version`; returns once they are in service.
+
+        Floating tensors are cast to the dtype the engine expects (e.g. float32 master weights to a
+        bfloat16 engine, round-to-nearest-even like a checkpoint load); the tensor set is checked
+        against the engine's before any byte is sent.
+        """
+        self._sync_server()
+        self._push(tensors, version)
+        held = dict(tensors)
+        self.set_weights_provider(lambda: (version, held))
+
+    def _push(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        specs = self.weight_specs()
+        unknown = sorted(set(tensors) - set(specs))
+        missing = sorted(set(specs) - set(tensors))
+        if unknown or missing:
+            raise EngineMismatchError(
+                f"weights do not match the engine's tensor set: unknown to the engine {unknown[:5]}, "
+                f"missing {missing[:5]} ({len(unknown)} unknown, {len(missing)} missing)"
+            )
+        wire = {}
+        for name, t in tensors.items():
+            arr, spec = np.asarray(t), specs[name]
+            if tuple(arr.shape) != spec.shape:
+                raise EngineMismatchError(f"tensor {name!r}: shape {arr.shape} != engine's {spec.shape}")
+            want = wire_dtype(spec.dtype)
+            if arr.dtype != want:
+                if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
+                    raise EngineMismatchError(f"tensor {name!r}: dtype {arr.dtype} cannot be sent as {spec.dtype}")
+                arr = arr.astype(want)
+            wire[name] = arr
+        md = self._auth()
+        resp = self._call(
+            "UpdateWeights",
+            lambda: self._stub.UpdateWeights(
+                weight_chunks(wire, version, chunk_bytes=self._chunk_bytes), timeout=self._timeout_s, metadata=md
+            ),
+        )
+        self.pushed_version = resp.weight_version
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], spec: SamplingSpec = SamplingSpec(), *, min_version: int | None = None
+    ) -> list[list[Completion]]:
+        """Sample spec.n completions per prompt; result[i][j] is sample j of prompt i.
+
+        min_version: the oldest acceptable weight version (default: the last pushed version minus
+        `max_staleness`; no check before the first push).
+        """
+        req = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(token_ids=list(p)) for p in prompts],
+            n=spec.n,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            seed=spec.seed,
+            stop_token_ids=list(spec.stop_token_ids),
+        )
+        size = req.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"prompts: the request is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
+        for _ in range(3):
+            resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s))
+            # Completions from a process that has not yet received our weights are thrown away.
+            if not self._observe_server(resp.server_id):
+                break
+        else:
+            raise RolloutError(f"Generate on {self.target}: the server restarted three times during one call")
+        completions = [[_completion(c) for c in pc.samples] for pc in resp.prompts]
+        if len(completions) != len(prompts) or any(len(s) != spec.n for s in completions):
+            raise RolloutError(f"Generate on {self.target}: response shape does not match {len(prompts)} prompts x n={spec.n}")
+        check_finite_logprobs(completions)
+        self._check_versions(completions, min_version)
+        return completions
+
+    def _check_versions(self, completions: list[list[Completion]], min_version: int | None) -> None:
+        if min_version is None:
+            if self.pushed_version is None or self.max_staleness is None:
+                return
+            min_version = self.pushed_version - self.max_staleness
+        for i, samples in enumerate(completions):
+            for j, c in enumerate(samples):
+                if c.weight_version < min_version:
+                    raise StaleCompletionError(
+                        f"completion (prompt {i}, sample {j}) has weight version {c.weight_version}, "
+                        f"older than the minimum {min_version} (last pushed {self.pushed_version})"
+                    )
+
+    # -- admin ---------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Ask the server to stop gracefully (needs the token)."""
+        md = self._auth()
+        self._call("Shutdown", lambda: self._stub.Shutdown(rollout_pb2.ShutdownRequest(), timeout=self._timeout_s, metadata=md))

@@ -1,0 +1,105 @@
+"""Temperature / top-k / top-p processing of logits, shared by the rollout engine and the trainer.
+
+TRL #6789: with top-p or top-k an engine's log-probs are normalised over the kept tokens only, while a
+trainer that recomputes log π over the full vocabulary gets a different quantity, so ρ = π/μ is biased
+even with identical weights. We make the two sides comparable by construction: the JAX engine samples
+from `processed_logprobs` and reports the sampled token's value, and the trainer applies
+`token_logprobs_processed` to its own logits with the same settings. With identical logits the two are
+bitwise equal (same function, same mask), so any remaining difference is numerical mismatch, not a
+definitional one. docs/rollout.md explains the choice.
+
+The masks are defined by *value thresholds*, not by sort positions: top-k keeps every token whose scaled
+logit is >= the k-th largest, top-p keeps every token whose scaled logit is >= the smallest logit of the
+nucleus. Ties at the boundary are therefore all kept, and the mask is a function of the logit values
+alone (independent of sort stability), which is what lets a trainer rebuild it from its own logits.
+
+Order of operations (as vLLM and HF transformers): temperature, then top-k, then top-p on the top-k
+renormalised distribution. A temperature below GREEDY_TEMPERATURE (vLLM's threshold, 0 included) means
+greedy decoding: μ is the point mass on the arg-max (top_k = 1 at temperature 1), log-prob 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+GREEDY_TEMPERATURE = 1e-5  # vllm.sampling_params._SAMPLING_EPS: below it, sampling is greedy
+
+
+def effective_settings(temperature, top_k, top_p):
+    """(temperature, top_k, top_p) after mapping greedy temperatures to top_k=1 at temperature 1.
+
+    Works on Python numbers and on traced scalars alike, so engine and trainer apply the same rule.
+    """
+    greedy = jnp.asarray(temperature, jnp.float32) < GREEDY_TEMPERATURE
+    temperature = jnp.where(greedy, jnp.float32(1.0), jnp.asarray(temperature, jnp.float32))
+    top_k = jnp.where(greedy, 1, jnp.asarray(top_k, jnp.int32))
+    return temperature, top_k, jnp.asarray(top_p, jnp.float32)
+
+
+def keep_mask(
+    logits: Float[Array, "*batch vocab"],
+    temperature: float | Float[Array, ""],
+    top_k: int | Int[Array, ""],
+    top_p: float | Float[Array, ""],
+) -> Bool[Array, "*batch vocab"]:
+    """Which tokens survive top-k and top-p, for scalar (possibly traced) settings.
+
+    top_k <= 0 disables top-k; top_p >= 1 disables top-p. At least the arg-max token is always kept.
+    """
+    temperature, top_k, top_p = effective_settings(temperature, top_k, top_p)
+    scaled = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, desc.shape[:-1] + (1,)).astype(jnp.int32), axis=-1)
+    kept_k_desc = desc >= kth
+    probs_desc = jax.nn.softmax(jnp.where(kept_k_desc, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs_desc, axis=-1) - probs_desc
+    # top_p >= 1 must keep everything top-k kept, even where float rounding makes mass_before reach 1.
+    kept_desc = kept_k_desc & ((mass_before < top_p) | (top_p >= 1.0))
+    threshold = jnp.min(jnp.where(kept_desc, desc, jnp.inf), axis=-1, keepdims=True)
+    return scaled >= threshold
+
+
+def processed_logprobs(
+    logits: Float[Array, "*batch vocab"],
+    temperature: float | Float[Array, ""],
+    top_k: int | Int[Array, ""] = 0,
+    top_p: float | Float[Array, ""] = 1.0,
+) -> Float[Array, "*batch vocab"]:
+    """log μ over the vocabulary: log-softmax of logits/temperature renormalised over the kept tokens.
+
+    Removed tokens get -inf. This is the distribution the JAX engine samples from.
+    """
+    keep = keep_mask(logits, temperature, top_k, top_p)
+    scaled = logits.astype(jnp.float32) / effective_settings(temperature, top_k, top_p)[0]
+    return jnp.where(keep, jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1), -jnp.inf)
+
+
+def token_logprobs_processed(
+    logits: Float[Array, "*batch vocab"],
+    targets: Int[Array, "*batch"],
+    temperature: float | Float[Array, ""] = 1.0,
+    top_k: int | Int[Array, ""] = 0,
+    top_p: float | Float[Array, ""] = 1.0,
+) -> Float[Array, "*batch"]:
+    """log of `targets` under the processed distribution — the trainer-side twin of the engine's logprob.
+
+    The target token is always counted as kept: the engine sampled it, so it was in the engine's kept
+    set; if the trainer's own logits put it just outside its nucleus (a boundary case of numerical
+    mismatch), the value stays finite and the difference shows up as mismatch instead of -inf. When the
+    target is inside the trainer's kept set (always, for the engine itself) this equals
+    `processed_logprobs(...)[targets]` exactly.
+    """
+    scaled = logits.astype(jnp.float32) / effective_settings(temperature, top_k, top_p)[0]
+    is_target = jax.nn.one_hot(targets, scaled.shape[-1], dtype=jnp.bool_)
+    keep = keep_mask(logits, temperature, top_k, top_p) | is_target
+    logp = jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def uses_filtering(top_k: int, top_p: float, temperature: float = 1.0) -> bool:
+    """Whether top-k/top-p (or greedy) change anything; the engine compiles a sort-free path otherwise."""
+    return top_k > 0 or top_p < 1.0 or temperature < GREEDY_TEMPERATURE

@@ -1,0 +1,295 @@
+"""gRPC rollout server: one engine (built-in JAX or vLLM) behind the Rollout service of rollout.proto.
+
+`jaxrl-mismatch serve --engine {jax,vllm} --model DIR --dtype float32 --port N` (see `main`).
+
+Life cycle. The server binds first and answers health checks with NOT_SERVING while the engine loads
+(vLLM takes tens of seconds), so a client can connect early and wait; it prints
+`JAXRL_ROLLOUT_LISTENING {...}` once bound and `JAXRL_ROLLOUT_READY {...}` (JSON with the port, which
+matters for `--port 0`) once the engine serves. SIGTERM, SIGINT or an authenticated Shutdown RPC stop it
+gracefully: health turns NOT_SERVING, in-flight calls get a grace period, the engine is closed.
+
+Security. The server binds 127.0.0.1 unless told otherwise, and the mutating RPCs (UpdateWeights,
+Shutdown) require `authorization: Bearer <token>` metadata with the shared token (from `--token-file`
+or the JAXRL_ROLLOUT_TOKEN environment variable — never a command-line value, which `ps` would show).
+Generate and GetInfo are read-only and open to anyone who can reach the port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
+from jaxrl_mismatch.rollout.engine import Completion, Engine, NonFiniteLogprobsError, check_finite_logprobs
+from jaxrl_mismatch.rollout.validation import (
+    MAX_MESSAGE_BYTES,
+    Limits,
+    RequestError,
+    TensorAssembler,
+    parse_generate,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
+TOKEN_ENV = "JAXRL_ROLLOUT_TOKEN"
+ERROR_KIND_KEY = "jaxrl-error"  # trailing metadata naming a machine-readable error kind
+NON_FINITE = "non-finite-logprobs"
+NON_FINITE_DETAIL_KEY = "jaxrl-non-finite"  # "prompt,sample,position,value,weight_version"
+READY_PREFIX = "JAXRL_ROLLOUT_READY"
+LISTENING_PREFIX = "JAXRL_ROLLOUT_LISTENING"
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A restarted server must not be able to share the port with a dying one.
+    ("grpc.so_reuseport", 0),
+]
+
+_FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
+
+
+def completions_to_proto(completions: list[list[Completion]], server_id: str) -> rollout_pb2.GenerateResponse:
+    resp = rollout_pb2.GenerateResponse(server_id=server_id)
+    for samples in completions:
+        pc = resp.prompts.add()
+        for c in samples:
+            pc.samples.add(
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                finish_reason=_FINISH[c.finish_reason],
+                weight_version=c.weight_version,
+            )
+    return resp
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Validates every call, then delegates to the engine; the engine is attached once it has loaded."""
+
+    def __init__(self, *, token: str, limits: Limits, stop_event: threading.Event):
+        self._token = token.encode()
+        self._limits = limits
+        self._stop_event = stop_event
+        self._engine: Engine | None = None
+        self._update_lock = threading.Lock()  # one UpdateWeights at a time keeps versions monotone
+        self.server_id = uuid.uuid4().hex
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = engine
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _require_engine(self, context: grpc.ServicerContext) -> Engine:
+        if self._engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+        return self._engine
+
+    def _authenticate(self, context: grpc.ServicerContext) -> None:
+        md = dict(context.invocation_metadata())
+        got = md.get("authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>' metadata")
+
+    # -- RPCs --------------------------------------------------------------------------------------
+    def Generate(self, request, context):
+        engine = self._require_engine(context)
+        try:
+            prompts, spec = parse_generate(request, engine.info(), self._limits)
+        except RequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            completions = engine.generate(prompts, spec)
+            # Whatever the engine, a non-finite μ never leaves the server.
+            check_finite_logprobs(completions)
+        except NonFiniteLogprobsError as e:
+            detail = f"{e.prompt},{e.sample},{e.position},{e.value},{e.weight_version}"
+            context.set_trailing_metadata(((ERROR_KIND_KEY, NON_FINITE), (NON_FINITE_DETAIL_KEY, detail)))
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except Exception as e:  # an engine bug must not look like a transport error to the client
+            log.exception("engine failed in Generate")
+            context.abort(grpc.StatusCode.INTERNAL, f"engine error: {type(e).__name__}: {e}")
+        return completions_to_proto(completions, self.server_id)
+
+    def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
+        self._authenticate(context)
+        engine = self._require_engine(context)
+        with self._update_lock:
+            assembler = TensorAssembler(engine.weight_specs(), engine.info().weight_version)
+            try:
+                for chunk in request_iterator:
+                    assembler.add(chunk)
+                tensors, version = assembler.finish()
+                engine.update_weights(tensors, version)
+            except ValueError as e:  # RequestError, or the engine's own rejection
+                # The engine contract: a rejected update leaves the old weights and version in service.
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:
+                log.exception("engine failed in UpdateWeights")
+                context.abort(grpc.StatusCode.INTERNAL, f"weight update failed: {type(e).__name__}: {e}")
+        return rollout_pb2.UpdateWeightsResponse(
+            weight_version=version, num_tensors=len(tensors), num_bytes=assembler.num_bytes
+        )
+
+    def GetInfo(self, request, context):
+        engine = self._require_engine(context)
+        info = engine.info()
+        resp = rollout_pb2.GetInfoResponse(
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            dtype=info.dtype,
+            engine=info.engine,
+            weight_version=info.weight_version,
+            max_model_len=info.max_model_len,
+            server_id=self.server_id,
+            max_request_prompt_tokens=self._limits.max_request_prompt_tokens,
+            max_request_completion_tokens=self._limits.max_request_completion_tokens,
+        )
+        if request.include_weight_specs:
+            for name, spec in sorted(engine.weight_specs().items()):
+                resp.weight_specs.add(name=name, shape=list(spec.shape), dtype=spec.dtype)
+        return resp
+
+    def Shutdown(self, request, context):
+        self._authenticate(context)
+        # The main thread performs the graceful stop; this call's response still goes out within the grace.
+        self._stop_event.set()
+        return rollout_pb2.ShutdownResponse()
+
+
+class RolloutServer:
+    """A bound gRPC server with its servicer and health service; usable in-process (tests, benchmarks)."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str, limits: Limits = Limits(), max_workers: int = 8):
+        self.stop_event = threading.Event()
+        self.servicer = RolloutServicer(token=token, limits=limits, stop_event=self.stop_event)
+        self.health = health.HealthServicer()
+        self._grpc = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout"),
+            options=GRPC_OPTIONS,
+        )
+        rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = self._grpc.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        self.host = host
+        self._grpc.start()
+
+    def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.servicer.attach(engine)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._grpc.stop(grace_s).wait()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None) -> Engine:
+    """Import the engine lazily: vLLM (torch, ~GBs) must not load unless asked for."""
+    if name == "jax":
+        from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+
+        return JaxEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
+    if name == "vllm":
+        from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len)
+    raise ValueError(f"unknown engine {name!r}")
+
+
+def read_token(token_file: str | None) -> str:
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip()
+        source = f"--token-file {token_file}"
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        source = f"${TOKEN_ENV}"
+    if not token:
+        raise SystemExit(
+            f"serve: no auth token ({source} is empty or unset); UpdateWeights and Shutdown need a shared token: "
+            f"pass --token-file PATH or set {TOKEN_ENV}"
+        )
+    return token
+
+
+def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
+    line = f"{prefix} {json.dumps(payload, sort_keys=True)}"
+    print(line, flush=True)
+    if ready_file and prefix == READY_PREFIX:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f)
+        os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxrl-mismatch serve", description="gRPC rollout server")
+    p.add_argument("--engine", choices=("jax", "vllm"), default="jax")
+    p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--token-file", default=None, help=f"file holding the shared token (else ${TOKEN_ENV})")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit (default: model's)")
+    p.add_argument("--max-request-prompt-tokens", type=int, default=Limits.max_request_prompt_tokens)
+    p.add_argument("--max-request-completion-tokens", type=int, default=Limits.max_request_completion_tokens)
+    p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
+    p.add_argument("--grace-s", type=float, default=5.0, help="grace period for in-flight calls on shutdown")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = read_token(args.token_file)
+    limits = Limits(
+        max_request_prompt_tokens=args.max_request_prompt_tokens,
+        max_request_completion_tokens=args.max_request_completion_tokens,
+    )
+    server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits)
+    # Signal handlers only flip the event; the main thread does the stop, outside signal context.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop_event.set())
+    base = {"host": args.host, "port": server.port, "pid": os.getpid(), "engine": args.engine}
+    _announce(LISTENING_PREFIX, base, None)
+    try:
+        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len)
+    except Exception as e:
+        print(f"serve: failed to load the {args.engine} engine from {args.model}: {type(e).__name__}: {e}", file=sys.stderr)
+        server.stop(0)
+        return 1
+    server.attach(engine)
+    info = engine.info()
+    _announce(READY_PREFIX, {**base, "server_id": server.servicer.server_id, "vocab_size": info.vocab_size,
+                             "weight_version": info.weight_version}, args.ready_file)
+    while not server.stop_event.wait(0.5):
+        pass
+    print("serve: stopping", flush=True)
+    server.stop(args.grace_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Checks on incoming RPCs, before anything reaches an engine.
+
+A malformed request must come back as INVALID_ARGUMENT naming the offending field, and must never reach
+an engine, where it could crash the process (an out-of-range token id indexes past the embedding table;
+a huge max_tokens allocates a huge KV cache) or poison the weights in service. Every check raises
+`RequestError(field, message)`; the server turns it into the gRPC status.
+
+Oversize requests: gRPC itself answers RESOURCE_EXHAUSTED when a message exceeds the transport limit, and
+that happens before our code runs. So the server enforces its own, lower, limits on the number of prompt
+tokens and completion tokens per request (`Limits`), chosen so that any request within them fits well
+inside the transport limit. An oversize request up to the transport limit gets INVALID_ARGUMENT naming
+`prompts` or `max_tokens`; only a message beyond the transport limit (64 MiB) gets gRPC's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxrl_mismatch.rollout import rollout_pb2
+from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
+
+# Transport limit on both sides. Requests are bounded far below it by `Limits`; weight tensors travel in
+# chunks of a few MiB.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A prompt token costs at most 5 bytes on the wire (varint int32, packed), a completion token at most
+# 9 (token varint + float32 logprob). These defaults keep requests and responses below ~40 MiB.
+DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21
+DEFAULT_MAX_REQUEST_COMPLETION_TOKENS = 1 << 22
+MAX_STOP_TOKEN_IDS = 64
+
+
+class RequestError(ValueError):
+    """A request that is malformed; `field` names the proto field (or tensor) at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    max_request_prompt_tokens: int = DEFAULT_MAX_REQUEST_PROMPT_TOKENS
+    max_request_completion_tokens: int = DEFAULT_MAX_REQUEST_COMPLETION_TOKENS
+
+
+def _check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise RequestError(field, f"token id {bad} outside [0, vocab_size={vocab_size})")
+
+
+def parse_generate(
+    req: rollout_pb2.GenerateRequest, info: EngineInfo, limits: Limits
+) -> tuple[list[list[int]], SamplingSpec]:
+    """Validate a GenerateRequest against the engine and the limits; return prompts and the spec."""
+    if len(req.prompts) == 0:
+        raise RequestError("prompts", "no prompts given")
+    total = sum(len(p.token_ids) for p in req.prompts)
+    if total > limits.max_request_prompt_tokens:
+        raise RequestError(
+            "prompts",
+            f"{total} prompt tokens in one request exceed the server limit of {limits.max_request_prompt_tokens}; "
+            "split the batch",
+        )
+    prompts: list[list[int]] = []
+    for i, p in enumerate(req.prompts):
+        if len(p.token_ids) == 0:
+            raise RequestError(f"prompts[{i}].token_ids", "empty prompt")
+        ids = np.asarray(p.token_ids, dtype=np.int64)
+        _check_token_ids(ids, info.vocab_size, f"prompts[{i}].token_ids")
+        prompts.append(ids.tolist())
+
+    n = req.n if req.HasField("n") else 1
+    if n < 1:
+        raise RequestError("n", f"must be >= 1, got {n}")
+    if req.max_tokens < 1:
+        raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + req.max_tokens > info.max_model_len:
+        raise RequestError(
+            "max_tokens",
+            f"longest prompt ({longest} tokens) + max_tokens ({req.max_tokens}) exceeds max_model_len "
+            f"{info.max_model_len}",
+        )
+    completion_tokens = len(prompts) * n * req.max_tokens
+    if completion_tokens > limits.max_request_completion_tokens:
+        raise RequestError(
+            "max_tokens",
+            f"prompts x n x max_tokens = {completion_tokens} exceeds the server limit of "
+            f"{limits.max_request_completion_tokens} completion tokens per request; split the batch",
+        )
+    temperature = req.temperature if req.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise RequestError("temperature", f"must be finite and >= 0 (below 1e-5: greedy), got {temperature}")
+    top_p = req.top_p if req.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise RequestError("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = req.top_k if req.HasField("top_k") else 0
+    if top_k < 0:
+        raise RequestError("top_k", f"must be >= 0 (0 disables), got {top_k}")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(req.stop_token_ids)}")
+    stop = np.asarray(req.stop_token_ids, dtype=np.int64)
+    _check_token_ids(stop, info.vocab_size, "stop_token_ids")
+    seed = req.seed if req.HasField("seed") else 0
+    spec = SamplingSpec(
+        n=n,
+        max_tokens=req.max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=tuple(int(t) for t in stop),
+    )
+    return prompts, spec
+
+
+def check_chunk_header(chunk: rollout_pb2.WeightChunk, specs: dict[str, TensorSpec]) -> TensorSpec:
+    """Check one UpdateWeights chunk's tensor metadata against what the engine expects."""
+    name = chunk.name
+    if name not in specs:
+        raise RequestError(f"tensor {name!r}", "unknown tensor name for this model")
+    spec = specs[name]
+    shape = tuple(int(s) for s in chunk.shape)
+    if shape != tuple(spec.shape):
+        raise RequestError(f"tensor {name!r}", f"shape {shape} != expected {tuple(spec.shape)}")
+    if chunk.dtype != spec.dtype:
+        raise RequestError(f"tensor {name!r}", f"dtype {chunk.dtype!r} != expected {spec.dtype!r}")
+    return spec
+
+
+class TensorAssembler:
+    """Reassembles streamed chunks into whole tensors, checking order, bounds and completeness.
+
+    Chunks of a tensor must arrive in order and contiguously (offset == bytes received so far), so a gap,
+    an overlap or a duplicate is detected without bookkeeping of byte ranges.
+    """
+
+    def __init__(self, specs: dict[str, TensorSpec], current_version: int):
+        self._specs = specs
+        self._current_version = current_version
+        self._buffers: dict[str, np.ndarray] = {}
+        self._filled: dict[str, int] = {}
+        self.version: int | None = None
+        self.num_bytes = 0
+
+    def add(self, chunk: rollout_pb2.WeightChunk) -> None:
+        if self.version is None:
+            if chunk.version < 1:
+                raise RequestError("version", f"target weight version must be >= 1, got {chunk.version}")
+            if chunk.version < self._current_version:
+                raise RequestError(
+                    "version", f"target version {chunk.version} is older than the version in service "
+                    f"({self._current_version}); versions never go backwards",
+                )
+            self.version = chunk.version
+        elif chunk.version != self.version:
+            raise RequestError("version", f"chunk for {chunk.name!r} has version {chunk.version}, stream started with {self.version}")
+        spec = check_chunk_header(chunk, self._specs)
+        name = chunk.name
+        if name not in self._buffers:
+            nbytes = int(np.prod(spec.shape, dtype=np.int64)) * _itemsize(spec.dtype)
+            self._buffers[name] = np.empty(nbytes, dtype=np.uint8)
+            self._filled[name] = 0
+        buf, filled = self._buffers[name], self._filled[name]
+        if chunk.offset != filled:
+            raise RequestError(f"tensor {name!r}", f"chunk at byte offset {chunk.offset}, expected {filled} (chunks must be in order, without gaps or overlaps)")
+        end = filled + len(chunk.data)
+        if end > buf.size:
+            raise RequestError(f"tensor {name!r}", f"chunk ends at byte {end}, beyond the tensor's {buf.size} bytes")
+        buf[filled:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._filled[name] = end
+        self.num_bytes += len(chunk.data)
+
+    def finish(self) -> tuple[dict[str, np.ndarray], int]:
+        """All tensors, complete, as arrays of the wire dtype and shape; and the target version."""
+        if self.version is None:
+            raise RequestError("chunks", "empty UpdateWeights stream")
+        missing = sorted(set(self._specs) - set(self._buffers))
+        if missing:
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise RequestError(f"tensor {missing[0]!r}", f"missing from the update: {missing[:5]}{more}")
+        tensors = {}
+        for name, buf in self._buffers.items():
+            if self._filled[name] != buf.size:
+                raise RequestError(f"tensor {name!r}", f"incomplete: {self._filled[name]} of {buf.size} bytes received")
+            spec = self._specs[name]
+            tensors[name] = buf.view(wire_dtype(spec.dtype)).reshape(spec.shape)
+        return tensors, self.version
+
+
+def wire_dtype(name: str) -> np.dtype:
+    """numpy dtype for a wire dtype name; bfloat16 comes from ml_dtypes (a jax dependency)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _itemsize(name: str) -> int:
+    try:
+        return wire_dtype(name).itemsize
+    except TypeError as e:
+        raise RequestError("dtype", f"unknown dtype {name!r}") from e

@@ -1,0 +1,289 @@
+"""Transport-level behaviour of server + client with an in-process fake engine.
+
+The fake engine isolates what the gRPC layer owns — validation, auth, chunk reassembly, atomic
+update semantics, error translation, version checks — from the model; the real-engine behaviour is
+tested against real server subprocesses in test_jax_server.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
+from jaxrl_mismatch.rollout.client import (
+    EngineMismatchError,
+    RolloutClient,
+    StaleCompletionError,
+    weight_chunks,
+)
+from jaxrl_mismatch.rollout.engine import (
+    Completion,
+    Engine,
+    EngineInfo,
+    NonFiniteLogprobsError,
+    SamplingSpec,
+    TensorSpec,
+)
+from jaxrl_mismatch.rollout.server import RolloutServer
+from jaxrl_mismatch.rollout.validation import Limits
+
+TOKEN = "s3cret-test-token"
+
+
+class FakeEngine(Engine):
+    """Echo engine: completion = the weight "w"'s first entries as token ids; logprob configurable."""
+
+    def __init__(self, vocab_size: int = 32):
+        self.vocab_size = vocab_size
+        self.weights = {"w": np.zeros((4, 4), np.float32), "b": np.arange(3, dtype=np.float32)}
+        self.version = 0
+        self.logprob = -1.0
+        self.reported_version: int | None = None  # overrides the version stamped on completions
+        self._lock = threading.Lock()
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(architecture="FakeForCausalLM", vocab_size=self.vocab_size, dtype="float32", engine="fake",
+                          weight_version=self.version, max_model_len=64)
+
+    def generate(self, prompts, spec):
+        with self._lock:
+            w, version = self.weights["w"], self.version
+        stamp = version if self.reported_version is None else self.reported_version
+        out = []
+        for p in prompts:
+            toks = [int(abs(w.flat[t % w.size])) % self.vocab_size for t in range(spec.max_tokens)]
+            out.append([Completion(token_ids=toks, logprobs=[self.logprob] * len(toks), finish_reason="length",
+                                   weight_version=stamp) for _ in range(spec.n)])
+        return out
+
+    def weight_specs(self):
+        return {k: TensorSpec(v.shape, v.dtype.name) for k, v in self.weights.items()}
+
+    def update_weights(self, tensors, version):
+        with self._lock:
+            self.weights = {k: np.array(v) for k, v in tensors.items()}
+            self.version = version
+
+
+@pytest.fixture
+def served():
+    engine = FakeEngine()
+    server = RolloutServer(port=0, token=TOKEN, limits=Limits(max_request_prompt_tokens=1000,
+                                                              max_request_completion_tokens=10_000))
+    server.attach(engine)
+    stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+    yield engine, server, stub
+    server.stop(0)
+
+
+def _req(**kw):
+    prompts = kw.pop("prompts", [[1, 2, 3]])
+    return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], **kw)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=4, n=0), "n"),
+        (dict(max_tokens=4, prompts=[[1, 32]]), "prompts[0].token_ids"),
+        (dict(max_tokens=4, prompts=[[1], [-1]]), "prompts[1].token_ids"),
+        (dict(max_tokens=4, prompts=[[1], []]), "prompts[1].token_ids"),
+        (dict(max_tokens=4, prompts=[]), "prompts"),
+        (dict(max_tokens=4, temperature=-0.5), "temperature"),
+        (dict(max_tokens=4, temperature=math.nan), "temperature"),
+        (dict(max_tokens=4, top_p=0.0), "top_p"),
+        (dict(max_tokens=4, top_p=1.5), "top_p"),
+        (dict(max_tokens=4, top_k=-2), "top_k"),
+        (dict(max_tokens=4, stop_token_ids=[99]), "stop_token_ids"),
+        (dict(max_tokens=62, prompts=[[1, 2, 3]]), "max_tokens"),  # 3 + 62 > max_model_len 64
+        (dict(max_tokens=1, prompts=[[1] * 600, [1] * 600]), "prompts"),  # over the 1000-token request limit
+        (dict(max_tokens=50, n=300), "max_tokens"),  # over the completion-token limit
+    ],
+)
+def test_malformed_generate_is_invalid_argument_naming_field(served, kwargs, field):
+    _, _, stub = served
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(_req(**kwargs), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":"), err.value.details()
+    # ... and the server keeps serving.
+    ok = stub.Generate(_req(max_tokens=2), timeout=10)
+    assert len(ok.prompts[0].samples[0].token_ids) == 2
+
+
+def _md(token=TOKEN):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def _update(stub, tensors, version, md=None, chunk_bytes=16):
+    return stub.UpdateWeights(weight_chunks(tensors, version, chunk_bytes=chunk_bytes), timeout=10,
+                              metadata=_md() if md is None else md)
+
+
+def _good(scale=1.0):
+    return {"w": np.full((4, 4), 5.0 * scale, np.float32), "b": np.ones(3, np.float32)}
+
+
+def test_update_weights_requires_token(served):
+    engine, _, stub = served
+    for md in [(), _md("wrong")]:
+        with pytest.raises(grpc.RpcError) as err:
+            _update(stub, _good(), 1, md=md)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Shutdown(rollout_pb2.ShutdownRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert engine.version == 0
+
+
+def test_update_weights_chunked_roundtrip(served):
+    engine, _, stub = served
+    resp = _update(stub, _good(), 3, chunk_bytes=7)  # chunk boundaries inside float32 elements
+    assert resp.weight_version == 3 and resp.num_tensors == 2 and resp.num_bytes == 4 * 16 + 4 * 3
+    np.testing.assert_array_equal(engine.weights["w"], _good()["w"])
+    assert stub.Generate(_req(max_tokens=2), timeout=10).prompts[0].samples[0].weight_version == 3
+
+
+def _chunk(**kw):
+    base = dict(version=2, name="b", dtype="float32", shape=[3], offset=0, data=np.ones(3, np.float32).tobytes())
+    base.update(kw)
+    return rollout_pb2.WeightChunk(**base)
+
+
+@pytest.mark.parametrize(
+    "chunks, needle",
+    [
+        (lambda: list(weight_chunks({**_good(), "extra": np.ones(2, np.float32)}, 2)), "'extra'"),
+        (lambda: list(weight_chunks({"w": np.ones((4, 5), np.float32), "b": np.ones(3, np.float32)}, 2)), "'w'"),
+        (lambda: list(weight_chunks({"w": np.ones((4, 4), np.float64), "b": np.ones(3, np.float32)}, 2)), "'w'"),
+        (lambda: list(weight_chunks({"b": np.ones(3, np.float32)}, 2)), "'w'"),  # missing
+        (lambda: list(weight_chunks({"w": np.ones((4, 4), np.float32)}, 2)) + [_chunk(data=b"\0" * 8)], "'b'"),
+        (lambda: list(weight_chunks(_good(), 2))[:-1] + [_chunk(offset=4, data=b"\0" * 8)], "'b'"),  # gap
+        (lambda: [_chunk(version=0)], "version"),
+        (lambda: [_chunk(), _chunk(version=3, name="w")], "version"),
+    ],
+)
+def test_bad_update_is_rejected_and_old_weights_stay(served, chunks, needle):
+    engine, _, stub = served
+    _update(stub, _good(), 1)
+    before = stub.Generate(_req(max_tokens=4), timeout=10)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWeights(iter(chunks()), timeout=10, metadata=_md())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details(), err.value.details()
+    assert engine.version == 1
+    after = stub.Generate(_req(max_tokens=4), timeout=10)
+    assert after == before
+
+
+def test_version_never_goes_backwards(served):
+    _, _, stub = served
+    _update(stub, _good(), 5)
+    with pytest.raises(grpc.RpcError) as err:
+        _update(stub, _good(2.0), 4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "version" in err.value.details()
+
+
+def test_non_finite_logprob_is_reported_not_passed_on(served):
+    engine, server, _ = served
+    engine.logprob = math.nan
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    with pytest.raises(NonFiniteLogprobsError) as err:
+        client.generate([[1, 2], [3]], SamplingSpec(max_tokens=3, n=2))
+    assert (err.value.prompt, err.value.sample, err.value.position) == (0, 0, 0)
+    assert "prompt 0, sample 0, position 0" in str(err.value)
+    engine.logprob = -1.0
+    assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].logprobs == [-1.0, -1.0]
+
+
+def test_client_stale_versions_and_compatibility(served):
+    engine, server, _ = served
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    client.push_weights({"w": np.ones((4, 4), np.float64), "b": np.zeros(3)}, 2)  # client casts to float32
+    assert engine.weights["w"].dtype == np.float32 and engine.version == 2
+    assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].weight_version == 2
+    engine.reported_version = 1  # as if a completion had been sampled before the push landed
+    with pytest.raises(StaleCompletionError, match="weight version 1"):
+        client.generate([[1]], SamplingSpec(max_tokens=2))
+    client.max_staleness = None  # tag mode: accepted, the version is the tag
+    assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].weight_version == 1
+    client.check_compatible(architecture="FakeForCausalLM", vocab_size=32, tokenizer_vocab_size=30)
+    with pytest.raises(EngineMismatchError, match="architecture.*vocab_size"):
+        client.check_compatible(architecture="Qwen3ForCausalLM", vocab_size=64)
+    with pytest.raises(EngineMismatchError, match="tokenizer has 40 tokens"):
+        client.check_compatible(architecture="FakeForCausalLM", vocab_size=32, tokenizer_vocab_size=40)
+    with pytest.raises(EngineMismatchError, match="unknown to the engine"):
+        client.push_weights({**_good(), "lm_head.weight": np.ones(2, np.float32)}, 3)
+    client.shutdown()
+    assert server.stop_event.wait(5)
+
+
+def test_client_gives_up_waiting_with_a_clear_error():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from jaxrl_mismatch.rollout.client import RolloutError
+
+    with pytest.raises(RolloutError, match=f"127.0.0.1:{port} not ready after 1s"):
+        RolloutClient(f"127.0.0.1:{port}", wait_ready_s=1.0)
+
+
+def test_server_refuses_to_start_without_a_token(monkeypatch, tmp_path):
+    from jaxrl_mismatch.rollout.server import TOKEN_ENV, read_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit, match="no auth token"):
+        read_token(None)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SystemExit, match="no auth token"):
+        read_token(str(tmp_path / "empty"))
+    monkeypatch.setenv(TOKEN_ENV, " abc \n")
+    assert read_token(None) == "abc"
+
+
+def test_health_is_not_serving_until_the_engine_is_attached():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server = RolloutServer(port=0, token=TOKEN)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        check = lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status  # noqa: E731
+        assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            rollout_pb2_grpc.RolloutStub(channel).Generate(_req(max_tokens=1), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        server.attach(FakeEngine())
+        assert check() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(0)
+
+
+def test_client_casts_to_the_engines_bfloat16_wire_dtype():
+    import ml_dtypes
+
+    engine = FakeEngine()
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    engine.weights = {"w": np.zeros((4, 4), bf16), "b": np.zeros(3, bf16)}
+    server = RolloutServer(port=0, token=TOKEN)
+    server.attach(engine)
+    try:
+        client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10, chunk_bytes=6)
+        master = {"w": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4) * np.float32(1 / 3),
+                  "b": np.array([1e-3, 2.0, -7.25], np.float32)}
+        client.push_weights(master, version=1)
+        for k, v in master.items():
+            assert engine.weights[k].dtype == bf16
+            np.testing.assert_array_equal(engine.weights[k], v.astype(bf16))  # round-to-nearest, like a load
+        client.close()
+    finally:
+        server.stop(0)
