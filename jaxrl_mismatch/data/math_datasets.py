@@ -1,0 +1,287 @@
+"""TFDS builders over local JSONL files in the GSM8K, MATH and DAPO-Math-17k formats.
+
+Why TFDS: a built dataset is a versioned, checksummed set of ``array_record`` files with random
+access (``builder.as_data_source(split)``), readable by grain and by ``tfds.data_source`` on every host
+of a pod without TensorFlow. Why local JSONL: no network at run time; users convert once
+(``pandas.read_parquet(p).to_json(out, orient="records", lines=True)`` for the HF parquet releases).
+
+Every format is mapped to one uniform record::
+
+    {"prompt_text": str, "answer": str, "index": int, "extra": str (JSON)}
+
+``prompt_text`` is the question as the dataset states it (no template: apply one from
+:mod:`templates` when building prompts), ``answer`` the gold final answer compared by
+:func:`rewards.math_reward`, ``index`` the 0-based line in the source file (records come back in
+hashed-key order, not file order; sort by ``index`` when order matters), ``extra`` any other fields.
+
+Formats (one JSON object per line):
+
+- ``gsm8k``: ``{"question", "answer"}``; the gold answer is the text after ``####`` in ``answer``.
+- ``math``: ``{"problem", "solution"}`` (Hendrycks MATH); the gold answer is the last ``\\boxed{}`` of
+  ``solution``, or the ``answer`` field when present (MATH-500 has one).
+- ``dapo``: DAPO-Math-17k (``BytedTsinghua-SIA/DAPO-Math-17k``, the verl RL format), as we understand
+  it: ``{"data_source", "prompt": [{"role": "user", "content": ...}], "ability",
+  "reward_model": {"ground_truth": ..., "style": "rule-lax"}, "extra_info": {"index": ...}}``. The
+  prompt is the content of the last ``user`` message *including* DAPO's own instruction ("... the
+  last line of your response should be of the form Answer: $Answer ..."); use template ``dapo``. A
+  plain-string ``prompt`` is accepted too.
+- ``prompts``: our own uniform ``{"prompt_text", "answer", ...}`` (e.g. the perfectible subset).
+
+A builder's config name is a fingerprint of its source files' bytes, so editing a JSONL file builds a
+new dataset instead of silently reading the stale one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from jaxrl_mismatch.data.jsonl import write_jsonl  # noqa: F401  (re-exported: the prompts-format writer)
+from jaxrl_mismatch.data.rewards import gsm8k_final_answer, last_boxed
+
+Record = dict[str, object]
+
+
+class DataFormatError(ValueError):
+    """A JSONL line that does not match its declared format; the message names file, line and field."""
+
+
+def _field(obj: Mapping, key: str, where: str, fmt: str, kind: type | tuple[type, ...] = str) -> object:
+    if key not in obj:
+        raise DataFormatError(f"{where}: missing field {key!r} ({fmt} format needs it; found {sorted(obj)})")
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise DataFormatError(f"{where}: field {key!r} should be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _convert_gsm8k(obj: Mapping, where: str) -> tuple[str, str, dict]:
+    question = _field(obj, "question", where, "gsm8k")
+    solution = _field(obj, "answer", where, "gsm8k")
+    try:
+        answer = gsm8k_final_answer(solution)
+    except ValueError as e:
+        raise DataFormatError(f"{where}: field 'answer': {e}") from None
+    return question, answer, {k: v for k, v in obj.items() if k != "question"}
+
+
+def _convert_math(obj: Mapping, where: str) -> tuple[str, str, dict]:
+    problem = _field(obj, "problem", where, "math")
+    if "answer" in obj and isinstance(obj["answer"], str) and obj["answer"].strip():
+        answer = obj["answer"].strip()
+    else:
+        solution = _field(obj, "solution", where, "math")
+        answer = last_boxed(solution)
+        if answer is None or not answer.strip():
+            raise DataFormatError(f"{where}: field 'solution' has no complete \\boxed{{...}} final answer")
+    return problem, answer, {k: v for k, v in obj.items() if k != "problem"}
+
+
+def _convert_dapo(obj: Mapping, where: str) -> tuple[str, str, dict]:
+    prompt = _field(obj, "prompt", where, "dapo", (list, str))
+    if isinstance(prompt, list):
+        users = [m for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"]
+        if not users or not isinstance(users[-1].get("content"), str):
+            raise DataFormatError(f"{where}: field 'prompt' has no user message with string 'content'")
+        prompt = users[-1]["content"]
+    rm = _field(obj, "reward_model", where, "dapo", Mapping)
+    truth = rm.get("ground_truth")
+    if isinstance(truth, list) and len(truth) == 1:  # some verl exports wrap it in a list
+        truth = truth[0]
+    if not isinstance(truth, (str, int, float)) or not str(truth).strip():
+        raise DataFormatError(f"{where}: field 'reward_model.ground_truth' missing or not a scalar answer")
+    return prompt, str(truth).strip(), {k: v for k, v in obj.items() if k not in ("prompt", "reward_model")}
+
+
+def _convert_prompts(obj: Mapping, where: str) -> tuple[str, str, dict]:
+    text = _field(obj, "prompt_text", where, "prompts")
+    answer = _field(obj, "answer", where, "prompts", (str, int, float))
+    return text, str(answer), {k: v for k, v in obj.items() if k not in ("prompt_text", "answer")}
+
+
+CONVERTERS: dict[str, Callable[[Mapping, str], tuple[str, str, dict]]] = {
+    "gsm8k": _convert_gsm8k,
+    "math": _convert_math,
+    "dapo": _convert_dapo,
+    "prompts": _convert_prompts,
+}
+
+
+def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
+    """Parse ``path`` in format ``fmt`` into uniform records, raising :class:`DataFormatError` with
+    ``path:line`` on the first bad line (empty lines are skipped)."""
+    if fmt not in CONVERTERS:
+        raise ValueError(f"unknown data format {fmt!r}; valid: {sorted(CONVERTERS)}")
+    convert = CONVERTERS[fmt]
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            text, answer, extra = convert(obj, where)
+            yield {"prompt_text": text, "answer": answer, "index": lineno - 1, "extra": json.dumps(extra, sort_keys=True)}
+
+
+def _fingerprint(files: Mapping[str, Sequence[str]]) -> str:
+    h = hashlib.sha256()
+    for split in sorted(files):
+        h.update(split.encode())
+        for p in files[split]:
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return "src_" + h.hexdigest()[:16]
+
+
+def _normalise_files(files: Mapping[str, str | Sequence[str]]) -> dict[str, list[str]]:
+    out = {}
+    for split, paths in files.items():
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        if not paths:
+            raise ValueError(f"split {split!r}: no JSONL files given")
+        for p in paths:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"split {split!r}: JSONL file {p} does not exist")
+        out[split] = [os.fspath(p) for p in paths]
+    if not out:
+        raise ValueError("no splits given: pass files={'train': 'path.jsonl', ...}")
+    return out
+
+
+class _JsonlBuilderMixin:
+    """Shared body of the four builders (a mixin, so TFDS registers only the concrete classes)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "uniform {prompt_text, answer, index, extra} records from local JSONL"}
+    FORMAT = ""
+    # TFDS locates checksum files next to a builder's code through importlib resources, which needs the
+    # `importlib_resources` backport for non-TFDS packages; we download nothing, so point at this file.
+    code_path = epath.Path(__file__)
+
+    def __init__(self, *, files: Mapping[str, str | Sequence[str]], data_dir: str, **kwargs):
+        self._files = _normalise_files(files)
+        config = tfds.core.BuilderConfig(name=_fingerprint(self._files), description=f"{self.FORMAT} JSONL: {self._files}")
+        super().__init__(data_dir=data_dir, config=config, file_format="array_record", **kwargs)
+
+    def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=f"{self.FORMAT} problems from local JSONL files, as uniform prompt/answer records.",
+            features=tfds.features.FeaturesDict(
+                {
+                    "prompt_text": tfds.features.Text(),
+                    "answer": tfds.features.Text(),
+                    "index": tfds.features.Scalar(dtype=np.int64),
+                    "extra": tfds.features.Text(),
+                }
+            ),
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # local files only
+        return {split: self._generate_examples(paths) for split, paths in self._files.items()}
+
+    def _generate_examples(self, paths):
+        for file_no, path in enumerate(paths):
+            for rec in read_jsonl(path, self.FORMAT):
+                yield f"{file_no}:{rec['index']}", rec
+
+
+class Gsm8kJsonl(_JsonlBuilderMixin, tfds.core.GeneratorBasedBuilder):
+    """GSM8K-format JSONL (``question``, ``answer`` with ``#### N``); TFDS name ``gsm8k_jsonl``."""
+
+    FORMAT = "gsm8k"
+
+
+class MathJsonl(_JsonlBuilderMixin, tfds.core.GeneratorBasedBuilder):
+    """MATH-format JSONL (``problem``, ``solution`` with ``\\boxed{}``); TFDS name ``math_jsonl``."""
+
+    FORMAT = "math"
+
+
+class DapoMathJsonl(_JsonlBuilderMixin, tfds.core.GeneratorBasedBuilder):
+    """DAPO-Math-17k-format JSONL (chat ``prompt``, ``reward_model.ground_truth``); TFDS name ``dapo_math_jsonl``."""
+
+    FORMAT = "dapo"
+
+
+class PromptsJsonl(_JsonlBuilderMixin, tfds.core.GeneratorBasedBuilder):
+    """Our uniform ``{prompt_text, answer}`` JSONL (e.g. a perfectible subset); TFDS name ``prompts_jsonl``."""
+
+    FORMAT = "prompts"
+
+
+BUILDERS: dict[str, type] = {b.FORMAT: b for b in (Gsm8kJsonl, MathJsonl, DapoMathJsonl, PromptsJsonl)}
+
+
+def builder_class(fmt: str) -> type:
+    """The TFDS builder class of a data format."""
+    if fmt not in BUILDERS:
+        raise ValueError(f"unknown data format {fmt!r}; valid: {sorted(BUILDERS)}")
+    return BUILDERS[fmt]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltDataset:
+    """A prepared dataset: the TFDS builder and its splits."""
+
+    builder: object
+    splits: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """``builder/config`` — what ``tfds.data_source(name, data_dir=..., split=...)`` takes on any host."""
+        return f"{self.builder.name}/{self.builder.builder_config.name}"
+
+    def data_source(self, split: str):
+        """Random-access source (``len``, ``[i]``) of raw TFDS examples (text fields as bytes)."""
+        if split not in self.splits:
+            raise ValueError(f"split {split!r} not in dataset (has {self.splits})")
+        return self.builder.as_data_source(split)
+
+    def records(self, split: str) -> list[Record]:
+        """All records of ``split`` decoded to ``str``, sorted by source ``index`` (file order)."""
+        src = self.data_source(split)
+        out = [_decode(src[i]) for i in range(len(src))]
+        return sorted(out, key=lambda r: r["index"])
+
+
+def _decode(ex: Mapping) -> Record:
+    def s(v):
+        return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+    return {"prompt_text": s(ex["prompt_text"]), "answer": s(ex["answer"]), "index": int(ex["index"]), "extra": s(ex["extra"])}
+
+
+def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str) -> BuiltDataset:
+    """Build (once; later calls reuse it) the ``array_record`` dataset of ``files`` under ``data_dir``.
+
+    ``files`` maps split name → JSONL path(s). Bad lines raise :class:`DataFormatError` naming the
+    file, line and field before anything is written.
+    """
+    files = _normalise_files(files)
+    for paths in files.values():  # validate every line up front: a clear error, no half-built dataset
+        for p in paths:
+            for _ in read_jsonl(p, fmt):
+                pass
+    builder = builder_class(fmt)(files=files, data_dir=data_dir)
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
+    return BuiltDataset(builder=builder, splits=tuple(files))
+
+
+def load_records(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, split: str) -> list[Record]:
+    """Build if needed and return ``split``'s uniform records in file order."""
+    return build(fmt, files, data_dir).records(split)

@@ -1,0 +1,134 @@
+"""Verifiable rewards: math answers checked with ``math-verify``, and a registry of reward functions.
+
+Every reward function has the signature ``reward(completion: str, answer: str) -> float`` with values
+in [0, 1]: 1.0 correct, 0.0 wrong or malformed. The completion is the *decoded response only*
+(special tokens skipped), never prompt + response.
+
+Math answers (:func:`math_reward`): the prediction is taken, in order of preference, from the last
+``\\boxed{...}`` (MATH, the Qwen/R1 templates), the last ``Answer: ...`` line (DAPO-Math-17k's own
+prompt asks for it), or the last ``#### ...`` (GSM8K). Only that span is parsed — parsing the whole
+text would let math-verify pick up some intermediate number and reward an answer the policy never
+gave. The gold answer is parsed as LaTeX and as a plain expression, so ``1/2``, ``0.5``,
+``\\frac{1}{2}`` and ``\\dfrac12`` are all equal, as in the math-verify grader used by verl/Oat.
+
+Timeouts: math-verify guards parsing with ``signal.alarm``, which only works in the main thread.
+We keep the timeout there and switch it off in worker threads (where a thread-pooled caller must
+bound time itself), instead of failing.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+
+from jaxrl_mismatch.data import arithmetic
+
+RewardFn = Callable[[str, str], float]
+
+_ANSWER_LINE = re.compile(r"Answer\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.MULTILINE)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or None."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        # "\boxed 5" (no braces) is valid LaTeX for a single token
+        m = re.match(r"\\(?:boxed|fbox)\s+(\S+)", text[start:])
+        return m.group(1) if m else None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None  # unbalanced: truncated response
+
+
+def extract_math_answer(completion: str) -> str | None:
+    """The span holding the final answer (boxed, then ``Answer:``, then ``####``), or None."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return boxed
+    for pattern in (_ANSWER_LINE, _GSM8K_FINAL):
+        found = pattern.findall(completion)
+        if found:
+            return found[-1]
+    return None
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """The gold answer of a GSM8K solution (text after ``####``, thousands separators removed)."""
+    found = _GSM8K_FINAL.findall(solution)
+    if not found:
+        raise ValueError(f"GSM8K answer has no '#### <answer>' line: {solution[-80:]!r}")
+    return found[-1].replace(",", "").strip()
+
+
+def _timeouts() -> int | None:
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str) -> list:
+    import math_verify  # deferred: imports sympy (~1 s), not needed by the arithmetic demo
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    t = _timeouts()
+    parsed = []
+    # LaTeX wrapped in $...$ covers \frac, \sqrt, \pi; the plain-expression pass covers 0.5, 1/2, -3.
+    for candidate, configs in (
+        (f"${text}$", [LatexExtractionConfig()]),
+        (text, [ExprExtractionConfig()]),
+    ):
+        try:
+            parsed = math_verify.parse(candidate, extraction_config=configs, parsing_timeout=t)
+        except Exception:  # math-verify raises on pathological input; treat as unparseable
+            parsed = []
+        if parsed:
+            return parsed
+    return parsed
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion's final answer is mathematically equal to ``answer``, else 0.0.
+
+    Malformed completions (no boxed/``Answer:``/``####`` answer, an unbalanced box, something that
+    does not parse) score 0.0. An empty gold answer is a data error and raises. (math-verify keeps
+    non-mathematical text as a string and compares it literally, so text answers still work.)
+    """
+    import math_verify
+
+    if not str(answer).strip():
+        raise ValueError(f"math reward: gold answer {answer!r} is empty")
+    span = extract_math_answer(completion)
+    if span is None or not span.strip():
+        return 0.0
+    gold = _parse(str(answer))
+    if not gold:
+        raise ValueError(f"math reward: gold answer {answer!r} cannot be parsed by math-verify")
+    pred = _parse(span)
+    if not pred:
+        return 0.0
+    try:
+        return 1.0 if math_verify.verify(gold, pred, timeout_seconds=_timeouts()) else 0.0
+    except Exception:
+        return 0.0
+
+
+REWARDS: dict[str, RewardFn] = {
+    "arithmetic": arithmetic.reward,
+    "math": math_reward,
+}
+
+
+def get_reward(name: str) -> RewardFn:
+    """A reward function by name (``arithmetic`` exact integer match; ``math`` math-verify)."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; valid: {sorted(REWARDS)}")
+    return REWARDS[name]

@@ -1,0 +1,180 @@
+"""Tokenizers: the character-level tokenizer of the arithmetic task, and a thin loader for any HF
+``tokenizer.json`` (Qwen3, R1-distill, ...).
+
+Why our own tokenizer for the demo: a real BPE vocabulary (150k entries) would make the tiny model's
+embedding and LM head dominate its size and its 2-core training time. A character-level vocabulary of
+~24 symbols keeps the model at a few hundred thousand parameters. It is built with the ``tokenizers``
+library and saved as a standard ``tokenizer.json`` + ``tokenizer_config.json`` +
+``special_tokens_map.json``, so the HF checkpoint directory is self-contained: transformers
+(``PreTrainedTokenizerFast`` / ``AutoTokenizer``), vLLM and :func:`load_tokenizer` all read it.
+
+The post-processor prepends ``<bos>``, so encoding a prompt "with special tokens" gives the same ids
+here, in transformers and in vLLM — the trainer and the rollout engine see identical prompt tokens.
+Runtime code depends only on ``tokenizers`` (transformers is a test-only dependency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# Everything the arithmetic task writes, plus a little headroom (space, parentheses, a few letters)
+# so that templates like "Q: ...\nA:" stay in-vocabulary. Order fixes the ids: never reorder.
+ARITHMETIC_CHARS = "0123456789+-*=#() :QA\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the special ids the trainer needs.
+
+    ``bos_id`` may be None (Qwen tokenizers have no BOS); ``pad_id`` falls back to ``eos_id`` when the
+    tokenizer defines no pad token, which is what HF generation does too.
+    """
+
+    tokenizer: Tokenizer
+    pad_id: int
+    bos_id: int | None
+    eos_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (including added special tokens)."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS (as vLLM/HF do)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, seqs: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        return self.tokenizer.decode_batch([list(s) for s in seqs], skip_special_tokens=skip_special_tokens)
+
+    def check_model_vocab(self, model_vocab_size: int) -> None:
+        """Raise if a model with ``model_vocab_size`` logits cannot represent every token id.
+
+        A model may have *more* rows than the tokenizer (vocabularies are padded for efficient
+        matmuls), never fewer: an id past the embedding table would be silently clipped by a gather.
+        """
+        if model_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"tokenizer/model mismatch: the tokenizer has {self.vocab_size} ids but the model's "
+                f"vocab_size is {model_vocab_size}; this tokenizer does not belong to this model"
+            )
+
+    def check_known(self, text: str) -> None:
+        """Raise when ``text`` contains characters this tokenizer maps to ``<unk>``.
+
+        Only meaningful for the closed-vocabulary arithmetic tokenizer: a prompt with an unknown
+        character would otherwise train the model on ``<unk>`` silently.
+        """
+        unk = self.tokenizer.token_to_id(UNK)
+        if unk is None:
+            return
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        bad = sorted({text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk})
+        if bad:
+            raise ValueError(f"text {text[:60]!r} has characters outside the tokenizer's vocabulary: {bad}")
+
+
+def build_arithmetic_tokenizer(chars: str = ARITHMETIC_CHARS) -> TextTokenizer:
+    """Character-level tokenizer: ids 0..3 are ``<pad> <bos> <eos> <unk>``, then one id per character."""
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"duplicate characters in tokenizer alphabet {chars!r}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character (spaces and newlines included) is its own pre-token.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join characters back without separators
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return TextTokenizer(tokenizer=tok, pad_id=vocab[PAD], bos_id=vocab[BOS], eos_id=vocab[EOS])
+
+
+def save_tokenizer(tok: TextTokenizer, out_dir: str, *, model_max_length: int = 512) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` to ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    tok.tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    t = tok.tokenizer
+    special = {
+        "pad_token": t.id_to_token(tok.pad_id),
+        "eos_token": t.id_to_token(tok.eos_id),
+    }
+    if tok.bos_id is not None:
+        special["bos_token"] = t.id_to_token(tok.bos_id)
+    if t.token_to_id(UNK) is not None:
+        special["unk_token"] = UNK
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "left",  # generation pads prompts on the left; training batches are built by us
+        **special,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
+        json.dump(special, f, indent=2)
+
+
+def _token_str(value: object) -> str | None:
+    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_tokenizer(path: str) -> TextTokenizer:
+    """Load a tokenizer directory (or a ``tokenizer.json`` path) with its special ids.
+
+    Special tokens come from ``tokenizer_config.json`` (then ``special_tokens_map.json``); when EOS
+    is missing there, ``generation_config.json``'s ``eos_token_id`` is used (Qwen base models).
+    """
+    d, file = (path, os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else (os.path.dirname(path), path)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no tokenizer.json at {file}")
+    tok = Tokenizer.from_file(file)
+    names: dict[str, str | None] = {}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
+        p = os.path.join(d, fname)
+        if os.path.exists(p):
+            with open(p) as f:
+                cfg = json.load(f)
+            for key in ("pad_token", "bos_token", "eos_token"):
+                if key in cfg:
+                    names[key] = _token_str(cfg[key])
+
+    def _id(key: str) -> int | None:
+        name = names.get(key)
+        if name is None:
+            return None
+        i = tok.token_to_id(name)
+        if i is None:
+            raise ValueError(f"{d}: {key} {name!r} from the tokenizer config is not in tokenizer.json's vocabulary")
+        return i
+
+    eos_id = _id("eos_token")
+    if eos_id is None:
+        gen = os.path.join(d, "generation_config.json")
+        if os.path.exists(gen):
+            with open(gen) as f:
+                e = json.load(f).get("eos_token_id")
+            eos_id = e[0] if isinstance(e, list) else e
+    if eos_id is None:
+        raise ValueError(f"{d}: no eos_token in tokenizer_config.json/special_tokens_map.json or generation_config.json")
+    pad_id = _id("pad_token")
+    return TextTokenizer(tokenizer=tok, pad_id=eos_id if pad_id is None else pad_id, bos_id=_id("bos_token"), eos_id=eos_id)

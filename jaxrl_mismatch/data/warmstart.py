@@ -1,0 +1,289 @@
+"""Warm start of the CPU demo policy: a tiny Qwen3-style model trained by SFT on the arithmetic task.
+
+Why a warm start: RL from a random network gets zero reward and no gradient signal; the papers start
+from a pretrained model that already solves part of the problems. Here a few minutes of supervised
+training on scratchpad solutions play that role — deliberately *short*, so the policy gets the
+format right but the arithmetic only partly (greedy accuracy in the tens of percent), leaving RL
+clear headroom to show.
+
+``jaxrl-mismatch warmstart --out DIR`` writes a self-contained HF checkpoint directory:
+``config.json`` + ``model.safetensors`` (``models.hf_io.save_hf``), ``tokenizer.json`` +
+``tokenizer_config.json`` + ``special_tokens_map.json``, ``generation_config.json``, and
+``task.json`` (the arithmetic spec the policy was trained on, so RL and evaluation draw prompts from
+the same distribution) plus ``warmstart.json`` (measured loss, accuracies, timings). transformers,
+vLLM and ``models.hf_io.load_hf`` load it. The directory is written under a temporary name and
+renamed at the end, so a killed run never leaves a half-written checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.data import arithmetic
+from jaxrl_mismatch.data.batching import bucket_length, make_train_batch
+from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokenizer, save_tokenizer
+from jaxrl_mismatch.models import ModelConfig, Transformer, decode_step, hf_io, init_cache, prefill, token_logprobs
+
+
+def tiny_config(vocab_size: int, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int) -> ModelConfig:
+    """A Qwen3-architecture config (GQA, q/k RMSNorm, untied LM head) sized for a 2-core CPU.
+
+    Untied embeddings: vLLM's CPU backend keeps a stale pre-packed LM head after in-place weight
+    updates of *tied* models (see shared/notes/vllm-cpu.md), and at this size the extra [D, V] matrix
+    costs nothing.
+    """
+    if hidden % heads:
+        raise ValueError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    return ModelConfig(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=-(-vocab_size // 8) * 8,  # pad to a multiple of 8; the tokenizer check allows a larger model
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+        max_position_embeddings=max_len,
+    )
+
+
+def sft_loss(
+    model: Transformer,
+    tokens: Int[Array, "batch seq_plus_1"],
+    attention_mask: Int[Array, "batch seq_plus_1"],
+    response_mask: Float[Array, "batch seq"],
+) -> Float[Array, ""]:
+    """Mean negative log-likelihood of the response tokens (answer + EOS) given the prompt.
+
+    Alignment is the batching contract: ``logp[:, t]`` scores ``tokens[:, t+1]``, and
+    ``response_mask[:, t]`` is 1 exactly there, so prompt tokens and padding carry no loss.
+    """
+    logp, _ = token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=64)
+    return -jnp.sum(logp * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
+
+
+def make_train_step(graphdef, optimizer):
+    """Jitted pure step ``(params, opt_state, batch arrays) -> (params, opt_state, loss, grad_norm)``."""
+
+    @jax.jit
+    def step(params, opt_state, tokens, attention_mask, response_mask):
+        def loss_fn(p):
+            return sft_loss(nnx.merge(graphdef, p), tokens, attention_mask, response_mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+
+    return step
+
+
+def make_generate(graphdef, cfg: ModelConfig, *, max_new_tokens: int, eos_id: int, pad_id: int):
+    """Jitted KV-cache decoding of left-padded prompts: greedy when ``temperature == 0`` else sampling.
+
+    Returns ``tokens [B, max_new_tokens]``; positions after a row's EOS hold ``pad_id``.
+    """
+
+    @jax.jit
+    def generate(params, prompt_ids, prompt_mask, key, temperature):
+        model = nnx.merge(graphdef, params)
+        b, p = prompt_ids.shape
+        cache = init_cache(cfg, b, p + max_new_tokens, jnp.float32)
+        logits, cache = prefill(model, prompt_ids, prompt_mask, cache)
+
+        def pick(logits, k):
+            greedy = jnp.argmax(logits, axis=-1)
+            sampled = jax.random.categorical(k, logits / jnp.maximum(temperature, 1e-6), axis=-1)
+            return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+        def body(carry, k):
+            logits, cache, done = carry
+            tok = pick(logits.astype(jnp.float32), k)
+            out = jnp.where(done, pad_id, tok)
+            done = done | (tok == eos_id)
+            logits, cache = decode_step(model, out, cache)
+            return (logits, cache, done), out
+
+        keys = jax.random.split(key, max_new_tokens)
+        _, toks = jax.lax.scan(body, (logits, cache, jnp.zeros((b,), bool)), keys)
+        return toks.T
+
+    return generate
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad prompt id lists into (ids, mask) int32 arrays, as ``kv_cache.prefill`` expects."""
+    p = max(len(r) for r in rows)
+    ids = np.full((len(rows), p), pad_id, np.int32)
+    mask = np.zeros((len(rows), p), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, p - len(r) :] = r
+        mask[i, p - len(r) :] = 1
+    return ids, mask
+
+
+def evaluate(generate, params, tok: TextTokenizer, problems: list[arithmetic.Problem], *, temperature: float, seed: int, batch: int = 128) -> dict:
+    """Accuracy (exact final answer), well-formed fraction and mean response length on ``problems``."""
+    correct, formed, lengths = 0, 0, []
+    key = jax.random.PRNGKey(seed)
+    batch = min(batch, len(problems))
+    for start in range(0, len(problems), batch):
+        chunk = problems[start : start + batch]
+        rows = [tok.encode(p.prompt) for p in chunk]
+        rows += [rows[0]] * (batch - len(rows))  # fixed shape: one compilation
+        ids, mask = left_pad(rows, tok.pad_id)
+        key, sub = jax.random.split(key)
+        out = np.asarray(generate(params, ids, mask, sub, jnp.float32(temperature)))
+        for p, row in zip(chunk, out):
+            row = row.tolist()
+            n = row.index(tok.eos_id) + 1 if tok.eos_id in row else len(row)
+            text = tok.decode(row[:n])
+            lengths.append(n)
+            correct += arithmetic.reward(text, p.answer) == 1.0
+            formed += arithmetic.is_well_formed(text)
+    n = max(len(problems), 1)
+    return {"accuracy": correct / n, "well_formed": formed / n, "mean_response_tokens": float(np.mean(lengths))}
+
+
+def write_generation_config(tok: TextTokenizer, out_dir: str, max_new_tokens: int) -> None:
+    cfg = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id, "max_new_tokens": max_new_tokens}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="jaxrl-mismatch warmstart", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="checkpoint directory to write (HF format)")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    ap.add_argument("--steps", type=int, default=700, help="SFT steps (fewer: weaker policy, more RL headroom)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay, 5%% warmup)")
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=384)
+    ap.add_argument("--max-len", type=int, default=128, help="max_position_embeddings of the model")
+    ap.add_argument("--min-operands", type=int, default=3)
+    ap.add_argument("--max-operands", type=int, default=5)
+    ap.add_argument("--max-value", type=int, default=9)
+    ap.add_argument("--mul-prob", type=float, default=0.3)
+    ap.add_argument("--num-train", type=int, default=20000, help="distinct training problems")
+    ap.add_argument("--num-eval", type=int, default=256, help="validation problems for the final accuracy")
+    ap.add_argument("--log-every", type=int, default=100)
+    args = ap.parse_args(argv)
+    for name in ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"warmstart: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_eval < 0:
+        raise SystemExit(f"warmstart: --num-eval must be >= 0, got {args.num_eval}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if os.path.exists(os.path.join(args.out, "config.json")) and not args.force:
+        print(f"warmstart: {args.out} already holds a checkpoint; pass --force to overwrite", file=sys.stderr)
+        return 1
+    try:
+        spec = arithmetic.ArithmeticSpec(
+            min_operands=args.min_operands, max_operands=args.max_operands, max_value=args.max_value, mul_prob=args.mul_prob
+        )
+    except ValueError as e:
+        raise SystemExit(f"warmstart: {e}") from None
+    t0 = time.perf_counter()
+    tok = build_arithmetic_tokenizer()
+    train = arithmetic.generate(spec, "train", args.num_train, seed=args.seed)
+    val = arithmetic.generate(spec, "validation", args.num_eval, seed=args.seed) if args.num_eval else []
+    prompts = [tok.encode(p.prompt) for p in train]
+    answers = [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id] for p in train]
+    longest = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    max_new = max(len(a) for a in answers) + 8  # room for a policy that writes a little more than the data
+    if longest + 8 > args.max_len:
+        raise SystemExit(f"warmstart: problems need {longest + 8} positions > --max-len {args.max_len}")
+    # One fixed target length T (a multiple of 16) for every batch: the step compiles once.
+    data = make_train_batch(prompts, answers, pad_id=tok.pad_id, buckets=(bucket_length(longest - 1, range(16, 4097, 16)),))
+
+    cfg = tiny_config(tok.vocab_size, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                      kv_heads=args.kv_heads, intermediate=args.intermediate, max_len=args.max_len)
+    tok.check_model_vocab(cfg.vocab_size)
+    model = Transformer(cfg, precision.policy("fp32"), rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr * 0.05
+    )
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay))
+    opt_state = optimizer.init(params)
+    step = make_train_step(graphdef, optimizer)
+    print(f"warmstart: {n_params:,} parameters, {len(train)} train problems ({spec}), "
+          f"T={data.response_mask.shape[1]}, {args.steps} steps x {args.batch_size}", flush=True)
+
+    rng = np.random.default_rng(args.seed)
+    t_train, cpu_train = time.perf_counter(), time.process_time()
+    loss_hist = []
+    for i in range(1, args.steps + 1):
+        idx = rng.integers(0, len(train), size=args.batch_size)
+        params, opt_state, loss, gnorm = step(params, opt_state, data.tokens[idx], data.attention_mask[idx], data.response_mask[idx])
+        if i % args.log_every == 0 or i == args.steps:
+            loss_hist.append((i, float(loss)))
+            print(f"  step {i:5d}  loss {float(loss):.4f}  grad_norm {float(gnorm):.3f}  "
+                  f"{time.perf_counter() - t_train:6.1f}s", flush=True)
+    train_s, train_cpu_s = time.perf_counter() - t_train, time.process_time() - cpu_train
+
+    metrics: dict = {"steps": args.steps, "final_loss": loss_hist[-1][1], "loss": loss_hist, "train_seconds": train_s,
+                     "train_cpu_seconds": train_cpu_s,  # wall time depends on what else runs; CPU time less so
+                     "num_parameters": int(n_params)}
+    if val:
+        t_eval = time.perf_counter()
+        generate = make_generate(graphdef, cfg, max_new_tokens=max_new, eos_id=tok.eos_id, pad_id=tok.pad_id)
+        metrics["validation_greedy"] = evaluate(generate, params, tok, val, temperature=0.0, seed=args.seed)
+        metrics["validation_sampled_t1"] = evaluate(generate, params, tok, val, temperature=1.0, seed=args.seed + 1)
+        metrics["eval_seconds"] = time.perf_counter() - t_eval
+
+    tmp = args.out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_io.save_hf(nnx.merge(graphdef, params), cfg, tmp)
+    save_tokenizer(tok, tmp, model_max_length=args.max_len)
+    write_generation_config(tok, tmp, max_new)
+    with open(os.path.join(tmp, "task.json"), "w") as f:
+        json.dump({"task": "arithmetic", "spec": dataclasses.asdict(spec), "max_new_tokens": max_new, "seed": args.seed}, f, indent=2)
+    metrics["total_seconds"] = time.perf_counter() - t0
+    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    if os.path.exists(args.out):
+        shutil.rmtree(args.out)
+    os.replace(tmp, args.out)
+
+    if val:
+        g, s = metrics["validation_greedy"], metrics["validation_sampled_t1"]
+        print(f"warmstart: validation accuracy greedy {g['accuracy']:.1%} (well-formed {g['well_formed']:.1%}), "
+              f"sampled T=1 {s['accuracy']:.1%}, mean response {g['mean_response_tokens']:.1f} tokens", flush=True)
+    print(f"warmstart: wrote {args.out} in {metrics['total_seconds']:.1f}s "
+          f"(training {train_s:.1f}s wall, {train_cpu_s:.1f}s CPU)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

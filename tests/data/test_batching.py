@@ -1,0 +1,100 @@
+"""Batching: resumable prompt order, prompt tokenisation, and the exact alignment of training batches."""
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.data import arithmetic as A
+from jaxrl_mismatch.data.batching import PromptIterator, bucket_length, make_train_batch, tokenize_prompts
+from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer
+
+
+def test_iterator_covers_each_epoch_once_and_reshuffles():
+    it = PromptIterator(list(range(10)), batch_size=4, seed=3)
+    batches = [it.next_batch() for _ in range(5)]  # 20 items = 2 epochs
+    flat = sum(batches, [])
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != flat[10:]
+    assert batches[2] == flat[8:12]  # a batch crossing the epoch boundary
+    assert it.state == {"epoch": 2, "index": 0, "seed": 3, "num_records": 10}
+    ordered = PromptIterator(list(range(10)), 5, shuffle=False)
+    assert ordered.next_batch() + ordered.next_batch() == list(range(10))
+
+
+def test_iterator_resume_is_exact():
+    records = [f"p{i}" for i in range(13)]
+    ref = PromptIterator(records, batch_size=5, seed=11)
+    expected = [ref.next_batch() for _ in range(9)]
+    it = PromptIterator(records, batch_size=5, seed=11)
+    got = [it.next_batch() for _ in range(4)]
+    saved = dict(it.state)
+    resumed = PromptIterator(records, batch_size=5, seed=999)  # seed comes from the state
+    resumed.restore(saved)
+    got += [resumed.next_batch() for _ in range(5)]
+    assert got == expected
+    with pytest.raises(ValueError, match="13 records, this dataset has 12"):
+        PromptIterator(records[:12], 5).restore(saved)
+
+
+def test_tokenize_prompts_and_errors():
+    tok = build_arithmetic_tokenizer()
+    ids = tokenize_prompts(tok, ["7+5=", "1*2-3="], template="arithmetic")
+    assert ids == [tok.encode("7+5="), tok.encode("1*2-3=")] and ids[0][0] == tok.bos_id
+    with pytest.raises(ValueError, match="outside the tokenizer"):
+        tokenize_prompts(tok, ["what?"])
+    with pytest.raises(ValueError, match="max_prompt_len=3"):
+        tokenize_prompts(tok, ["1+2+3="], max_prompt_len=3)
+
+
+def test_bucket_length():
+    assert bucket_length(1) == 16 and bucket_length(16) == 16 and bucket_length(17) == 32
+    assert bucket_length(5, (4, 8)) == 8
+    with pytest.raises(ValueError, match="largest bucket 8"):
+        bucket_length(9, (4, 8))
+
+
+def test_train_batch_alignment():
+    prompts = [[1, 10, 11], [1, 12]]
+    completions = [[20, 21, 2], [22, 23, 24, 25, 2]]
+    logps = [[-0.1, -0.2, -0.3], [-1.0, -1.1, -1.2, -1.3, -1.4]]
+    b = make_train_batch(prompts, completions, logps, pad_id=0, buckets=(4, 8, 16), batch_size=4)
+    assert b.tokens.shape == (4, 9) and b.response_mask.shape == (4, 8)  # T = bucket(7 - 1) = 8
+    assert b.tokens[0].tolist() == [1, 10, 11, 20, 21, 2, 0, 0, 0]
+    assert b.attention_mask[1].tolist() == [1, 1, 1, 1, 1, 1, 1, 0, 0]
+    for i in range(2):
+        # every response-masked target is exactly a completion token, in order, with its logprob
+        sel = b.response_mask[i] == 1
+        assert b.targets[i][sel].tolist() == completions[i]
+        np.testing.assert_allclose(b.rollout_logp[i][sel], logps[i])
+        assert np.all(b.rollout_logp[i][~sel] == 0)
+        # the first response target is predicted from the last prompt token
+        first = int(np.argmax(sel))
+        assert b.input_ids[i][first] == prompts[i][-1]
+        # masked targets never attend to / predict padding
+        assert np.all(b.input_mask[i][sel] == 1) and np.all(b.attention_mask[i, 1:][sel] == 1)
+    assert b.prompt_lens.tolist() == [3, 2, 0, 0] and b.completion_lens.tolist() == [3, 5, 0, 0]
+    assert b.row_mask.tolist() == [1, 1, 0, 0]
+    assert not b.response_mask[2:].any() and not b.attention_mask[2:].any()
+    assert b.tokens.dtype == np.int32 and b.response_mask.dtype == np.float32
+
+
+def test_train_batch_sft_and_empty_completion():
+    tok = build_arithmetic_tokenizer()
+    p = A.generate(A.ArithmeticSpec(), "train", 1)[0]
+    b = make_train_batch([tok.encode(p.prompt)], [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id]], pad_id=tok.pad_id)
+    assert tok.decode(b.targets[0][b.response_mask[0] == 1]) == p.response
+    assert np.all(b.rollout_logp == 0)
+    e = make_train_batch([[1, 5]], [[]], [[]], pad_id=0)
+    assert e.response_mask.sum() == 0 and e.tokens.shape == (1, 17)
+
+
+def test_train_batch_errors():
+    with pytest.raises(ValueError, match="row 0 has 2 completion tokens but 1 rollout"):
+        make_train_batch([[1]], [[3, 4]], [[-1.0]], pad_id=0)
+    with pytest.raises(ValueError, match="non-finite"):
+        make_train_batch([[1]], [[3]], [[float("nan")]], pad_id=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        make_train_batch([[]], [[3]], pad_id=0)
+    with pytest.raises(ValueError, match="do not fit batch_size=1"):
+        make_train_batch([[1], [1]], [[3], [3]], pad_id=0, batch_size=1)
+    with pytest.raises(ValueError, match="largest bucket"):
+        make_train_batch([[1] * 10], [[3] * 10], pad_id=0, buckets=(8,))

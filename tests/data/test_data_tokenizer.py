@@ -1,0 +1,69 @@
+"""The arithmetic tokenizer: round trips, special ids, HF-loadable files, vocabulary checks."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from jaxrl_mismatch.data import arithmetic as A
+from jaxrl_mismatch.data import tokenizer as T
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return T.build_arithmetic_tokenizer()
+
+
+def test_special_ids_and_round_trip(tok):
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    for p in A.generate(A.ArithmeticSpec(), "train", 50):
+        text = p.prompt + p.response
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_id and len(ids) == len(text) + 1  # one id per character
+        assert tok.decode(ids) == text
+        assert tok.encode(text, add_special_tokens=False) == ids[1:]
+
+
+def test_unknown_characters_are_reported(tok):
+    tok.check_known("1+2=")
+    with pytest.raises(ValueError, match=r"\['x', 'y'\]"):
+        tok.check_known("1+x=y")
+
+
+def test_model_vocab_check(tok):
+    tok.check_model_vocab(tok.vocab_size)
+    tok.check_model_vocab(64)  # padded embedding tables are fine
+    with pytest.raises(ValueError, match="tokenizer/model mismatch"):
+        tok.check_model_vocab(tok.vocab_size - 1)
+
+
+def test_saved_files_load_in_tokenizers_transformers_and_ours(tok, tmp_path):
+    T.save_tokenizer(tok, str(tmp_path))
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert raw.encode("7+5*3=").ids == tok.encode("7+5*3=")
+
+    back = T.load_tokenizer(str(tmp_path))
+    assert (back.pad_id, back.bos_id, back.eos_id, back.vocab_size) == (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size)
+
+    transformers = pytest.importorskip("transformers")
+    for hf in (
+        transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), **{
+            k: v for k, v in json.loads((tmp_path / "special_tokens_map.json").read_text()).items()
+        }),
+        transformers.AutoTokenizer.from_pretrained(str(tmp_path)),
+    ):
+        assert hf("7+5*3=")["input_ids"] == tok.encode("7+5*3=")
+        assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+        assert hf.decode(tok.encode("12-3=9#9") + [tok.eos_id], skip_special_tokens=True) == "12-3=9#9"
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        T.load_tokenizer(str(tmp_path))
+    tok = T.build_arithmetic_tokenizer()
+    T.save_tokenizer(tok, str(tmp_path))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "<end>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="eos_token '<end>'"):
+        T.load_tokenizer(str(tmp_path))

@@ -1,0 +1,115 @@
+"""TFDS builders over tiny local JSONL files: build, read back via as_data_source, clear errors."""
+
+import json
+
+import pytest
+
+tfds = pytest.importorskip("tensorflow_datasets")
+
+from jaxrl_mismatch.data import get_task  # noqa: E402
+from jaxrl_mismatch.data import math_datasets as M  # noqa: E402
+from jaxrl_mismatch.data.rewards import math_reward  # noqa: E402
+
+tfds.disable_progress_bar()
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+GSM8K = [
+    {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?", "answer": "48/2 = 24\n#### 72"},
+    {"question": "What is 1,000 + 234?", "answer": "#### 1,234"},
+    {"question": "Half of one?", "answer": "#### 0.5"},
+]
+MATH = [
+    {"problem": "Compute $\\frac{2}{4}$.", "solution": "Reduce: $\\boxed{\\frac{1}{2}}$.", "level": "Level 1"},
+    {"problem": "What is $3^2$?", "solution": "It is $\\boxed{9}$."},
+    {"problem": "With answer field", "solution": "no box here", "answer": "\\sqrt{2}"},
+]
+DAPO_PROMPT = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is 6*7?\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+DAPO = [
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"content": DAPO_PROMPT, "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "42", "style": "rule-lax"},
+        "extra_info": {"index": "a1b2"},
+    },
+    {"data_source": "math_dapo", "prompt": "plain string prompt", "reward_model": {"ground_truth": 7}},
+]
+
+
+def test_gsm8k_build_and_read(tmp_path):
+    ds = M.build("gsm8k", {"train": _write(tmp_path / "train.jsonl", GSM8K), "test": _write(tmp_path / "test.jsonl", GSM8K[:1])}, str(tmp_path / "tfds"))
+    recs = ds.records("train")
+    assert [r["answer"] for r in recs] == ["72", "1234", "0.5"]
+    assert recs[0]["prompt_text"].startswith("Natalia") and [r["index"] for r in recs] == [0, 1, 2]
+    assert json.loads(recs[0]["extra"]) == {"answer": "48/2 = 24\n#### 72"}
+    assert len(ds.data_source("test")) == 1
+    # array_record on disk, readable by name from any process via tfds.data_source
+    assert list((tmp_path / "tfds").rglob("*.array_record-*"))
+    src = tfds.data_source(ds.name, data_dir=str(tmp_path / "tfds"), split="train", try_gcs=False)
+    assert len(src) == 3
+    # gold answers grade with the math reward
+    assert math_reward("\\boxed{1/2}", recs[2]["answer"]) == 1.0
+
+
+def test_math_and_dapo_build_and_read(tmp_path):
+    recs = M.load_records("math", {"train": _write(tmp_path / "m.jsonl", MATH)}, str(tmp_path / "tfds"), "train")
+    assert [r["answer"] for r in recs] == ["\\frac{1}{2}", "9", "\\sqrt{2}"]
+    assert json.loads(recs[0]["extra"])["level"] == "Level 1"
+    assert math_reward("so \\boxed{0.5}", recs[0]["answer"]) == 1.0
+
+    recs = M.load_records("dapo", {"train": _write(tmp_path / "d.jsonl", DAPO)}, str(tmp_path / "tfds"), "train")
+    assert [r["prompt_text"] for r in recs] == [DAPO_PROMPT, "plain string prompt"]
+    assert [r["answer"] for r in recs] == ["42", "7"]
+    assert json.loads(recs[0]["extra"])["extra_info"] == {"index": "a1b2"}
+    assert math_reward("6*7 = 42\nAnswer: 42", recs[0]["answer"]) == 1.0
+    assert math_reward("Answer: 41", recs[0]["answer"]) == 0.0
+
+
+def test_changed_source_rebuilds(tmp_path):
+    path = tmp_path / "g.jsonl"
+    a = M.load_records("gsm8k", {"train": _write(path, GSM8K[:1])}, str(tmp_path / "tfds"), "train")
+    b = M.load_records("gsm8k", {"train": _write(path, GSM8K[:2])}, str(tmp_path / "tfds"), "train")
+    assert len(a) == 1 and len(b) == 2
+
+
+@pytest.mark.parametrize(
+    "fmt, rows, match",
+    [
+        ("gsm8k", [GSM8K[0], {"question": "q"}], r"b\.jsonl:2: missing field 'answer'"),
+        ("gsm8k", [GSM8K[0], {"question": "q", "answer": "no marker"}], r"b\.jsonl:2: field 'answer'.*####"),
+        ("gsm8k", ["{not json"], r"b\.jsonl:1: not valid JSON"),
+        ("math", [{"problem": "p", "solution": "no box"}], r"b\.jsonl:1: field 'solution' has no complete"),
+        ("math", [{"problem": 3, "solution": "\\boxed{1}"}], r"b\.jsonl:1: field 'problem' should be str"),
+        ("dapo", [{"prompt": [{"role": "system", "content": "x"}], "reward_model": {"ground_truth": "1"}}], r"b\.jsonl:1: field 'prompt' has no user"),
+        ("dapo", [{"prompt": "p", "reward_model": {}}], r"b\.jsonl:1: field 'reward_model.ground_truth'"),
+    ],
+)
+def test_bad_lines_name_file_line_and_field(tmp_path, fmt, rows, match):
+    with pytest.raises(M.DataFormatError, match=match):
+        M.build(fmt, {"train": _write(tmp_path / "b.jsonl", rows)}, str(tmp_path / "tfds"))
+    assert not (tmp_path / "tfds").exists()  # validated before anything is written
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        M.build("gsm8k", {"train": str(tmp_path / "nope.jsonl")}, str(tmp_path))
+    with pytest.raises(ValueError, match="unknown data format"):
+        M.builder_class("csv")
+
+
+def test_task_registry_loads_file_tasks(tmp_path):
+    task = get_task("gsm8k")
+    recs = task.load("train", files={"train": _write(tmp_path / "g.jsonl", GSM8K)}, data_dir=str(tmp_path / "tfds"))
+    assert task.reward("\\boxed{72}", recs[0]["answer"]) == 1.0
+    assert task.template == "qwen_boxed"
+    with pytest.raises(ValueError, match="unknown task"):
+        get_task("imagenet")

