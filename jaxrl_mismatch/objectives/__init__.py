@@ -1,0 +1,78 @@
+"""Objectives: advantages, policy losses, mismatch corrections, aggregation, diagnostics (pure, jit-able).
+
+The train step calls, once per batch, ``norm = normalizers(cfg, mask, old_logp, rollout_logp)`` and then,
+per microbatch, ``loss, aux = policy_loss(cfg, logp=…, old_logp=…, rollout_logp=…, advantages=…, mask=…,
+norm=norm)``. Conventions (ρ, bounds, clamping) are stated once in ``ratios.py``. Option names → paper and
+equation: ``docs/objectives.md``.
+"""
+
+from jaxrl_mismatch.objectives.advantages import (
+    ADVANTAGES,
+    compute_advantages,
+    drgrpo_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    token_advantages,
+)
+from jaxrl_mismatch.objectives.aggregation import AGGREGATIONS, aggregate, global_normalizer, num_seqs, num_tokens
+from jaxrl_mismatch.objectives.corrections import (
+    IS_WEIGHTS,
+    REJECTIONS,
+    batch_normalize,
+    icepop,
+    is_weights,
+    rejection_mask,
+    seq_is,
+    seq_mis,
+    seq_tis,
+    token_is,
+    token_mis,
+    token_tis,
+    weight_mean,
+)
+from jaxrl_mismatch.objectives.diagnostics import (
+    inject_mismatch,
+    surrogate_j,
+    variance_weights,
+    weight_distortion,
+    zero_mismatch,
+)
+from jaxrl_mismatch.objectives.losses import LOSSES, gmpo_objective, gspo_objective, pg_objective, ppo_clip_objective
+from jaxrl_mismatch.objectives.policy import (
+    PRESETS,
+    Normalizers,
+    ObjectiveConfig,
+    correction_weights,
+    normalizers,
+    objective_config,
+    policy_loss,
+)
+from jaxrl_mismatch.objectives.ratios import (
+    LOG_RATIO_CLAMP,
+    SEQ_LEVELS,
+    log_ratio_ppo,
+    log_rho,
+    ratio_ppo,
+    rho,
+    seq_log_ratio,
+)
+
+REGISTRY = {
+    "advantages": tuple(ADVANTAGES),
+    "loss": tuple(LOSSES),
+    "correction": tuple(IS_WEIGHTS),
+    "rejection": tuple(REJECTIONS),
+    "agg": tuple(AGGREGATIONS),
+    "preset": tuple(PRESETS),
+}
+
+__all__ = [
+    "ADVANTAGES", "AGGREGATIONS", "IS_WEIGHTS", "LOG_RATIO_CLAMP", "LOSSES", "PRESETS", "REGISTRY", "REJECTIONS",
+    "SEQ_LEVELS", "Normalizers", "ObjectiveConfig", "aggregate", "batch_normalize", "compute_advantages",
+    "correction_weights", "drgrpo_advantages", "global_normalizer", "gmpo_objective", "grpo_advantages",
+    "gspo_objective", "icepop", "inject_mismatch", "is_weights", "log_ratio_ppo", "log_rho", "normalizers",
+    "num_seqs", "num_tokens", "objective_config", "pg_objective", "policy_loss", "ppo_clip_objective", "ratio_ppo",
+    "rejection_mask", "rho", "rloo_advantages", "seq_is", "seq_log_ratio", "seq_mis", "seq_tis", "surrogate_j",
+    "token_advantages", "token_is", "token_mis", "token_tis", "variance_weights", "weight_distortion",
+    "weight_mean", "zero_mismatch",
+]

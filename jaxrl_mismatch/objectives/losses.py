@@ -1,0 +1,102 @@
+"""Per-token policy objectives (to be *maximised*), before correction weights and aggregation.
+
+Each function returns ``(objective [B, T], indicators)`` where ``indicators`` maps a name to a bool
+``[B, T]`` array of tokens where a clip was active (summarised by ``policy.policy_loss``). The loss is
+``−aggregate(weight · objective)`` (see ``policy.py``). Sequence-level objectives (GSPO, GMPO) are written in
+their token form — every token of sequence i carries the sequence value, and the gradient of the
+``seq-mean-token-mean`` aggregate equals the gradient of the sequence objective exactly.
+
+* ``ppo``  — ``min(r_t A_t, clip(r_t, 1−ε_low, 1+ε_high) A_t)``, decoupled ε (DAPO clip-higher), optional
+  dual-clip ``max(·, c·A_t)`` for A_t < 0 (Ye et al. 2020). FP16 paper eq. 8 (GRPO; with TIS weight: eq. 9,
+  with seq-MIS weight: eq. 10).
+* ``gspo`` — sequence ratio ``s_i = exp((1/|y_i|) Σ_t log r_t)`` clipped at [1−ε_low, 1+ε_high]
+  (Zheng et al. 2025; objective-hacking eq. 16), GSPO-token form ``s_it = sg(s_i) · π_t/sg(π_t)``.
+* ``gmpo`` — geometric-mean ratio: ``A_i · exp((1/|y_i|) Σ_t clip_A(log r_t))`` where the log-ratio is clipped
+  to [−ε, ε] on the side that would increase ``A · log r`` (Zhao et al. 2025b, GMPO).
+* ``pg``   — vanilla policy gradient ``A_t · π_t/sg(π_t)`` (value A_t, gradient A_t ∇log π_t); with the
+  sequence IS weight ``π(y|θ)/μ(y|θ_old)`` it is PG-seq-IS (FP16 paper eq. 5) and TIS/MIS (eqs. 6–7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_mismatch.objectives._types import TokenFloat, TokenMask
+from jaxrl_mismatch.objectives.ratios import (
+    as_bool_mask,
+    broadcast_seq,
+    log_ratio_ppo,
+    score,
+    seq_log_ratio,
+)
+
+sg = jax.lax.stop_gradient
+Objective = tuple[TokenFloat, dict[str, jax.Array]]
+
+
+def _adv(advantages: TokenFloat, mask: TokenMask) -> TokenFloat:
+    return jnp.where(as_bool_mask(mask), advantages.astype(jnp.float32), 0.0)
+
+
+def ppo_clip_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
+                       eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> Objective:
+    """Token PPO-clip objective with decoupled ε and optional dual-clip c (FP16 paper eq. 8; DAPO).
+
+    Indicators: ``clip_low`` (A<0 and r<1−ε_low: the clipped branch is taken, gradient 0), ``clip_high``
+    (A>0 and r>1+ε_high), ``dual_clip`` (A<0 and r>c: bounded at c·A, gradient 0).
+    """
+    m = as_bool_mask(mask)
+    a = _adv(advantages, m)
+    r = jnp.exp(log_ratio_ppo(logp, old_logp, m))
+    obj = jnp.minimum(r * a, jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high) * a)
+    ind = {"clip_low": m & (a < 0) & (r < 1.0 - eps_low), "clip_high": m & (a > 0) & (r > 1.0 + eps_high)}
+    if dual_clip is not None:
+        obj = jnp.where(a < 0, jnp.maximum(obj, dual_clip * a), obj)
+        ind["dual_clip"] = m & (a < 0) & (r > dual_clip)
+    return obj, ind
+
+
+def gspo_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
+                   eps_low: float = 3e-4, eps_high: float = 4e-4) -> Objective:
+    """GSPO(-token) objective with the length-normalised sequence ratio (objective-hacking eq. 16)."""
+    m = as_bool_mask(mask)
+    a = _adv(advantages, m)
+    log_s = broadcast_seq(seq_log_ratio(log_ratio_ppo(logp, old_logp, m), m, "seq_mean"), m)
+    s_tok = jnp.exp(sg(log_s)) * score(logp, m)
+    obj = jnp.minimum(s_tok * a, jnp.clip(s_tok, 1.0 - eps_low, 1.0 + eps_high) * a)
+    s = jnp.exp(log_s)
+    ind = {"clip_low": m & (a < 0) & (s < 1.0 - eps_low), "clip_high": m & (a > 0) & (s > 1.0 + eps_high)}
+    return obj, ind
+
+
+def gmpo_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
+                   eps: float = 0.4) -> Objective:
+    """GMPO objective: ``A · geometric mean of token ratios``, token log-ratios clipped to [−ε, ε] (GMPO eq. 1)."""
+    m = as_bool_mask(mask)
+    a = _adv(advantages, m)
+    lr = log_ratio_ppo(logp, old_logp, m)
+    sgn = jnp.sign(a)
+    # min over (unclipped, clipped) of sgn·log r, i.e. PPO's pessimistic choice applied in log space.
+    lr_c = sgn * jnp.minimum(sgn * lr, sgn * jnp.clip(lr, -eps, eps))
+    log_g = broadcast_seq(seq_log_ratio(jnp.where(m, lr_c, 0.0), m, "seq_mean"), m)
+    obj = a * jnp.exp(sg(log_g)) * jnp.exp(lr_c - sg(lr_c))
+    ind = {"clip_low": m & (a < 0) & (lr < -eps), "clip_high": m & (a > 0) & (lr > eps)}
+    return obj, ind
+
+
+def pg_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask) -> Objective:
+    """Vanilla PG surrogate ``A_t · π_t/sg(π_t)``: value A_t, gradient ``A_t ∇log π_t`` (FP16 paper eqs. 3, 5)."""
+    del old_logp
+    m = as_bool_mask(mask)
+    return _adv(advantages, m) * score(logp, m), {}
+
+
+LOSSES: dict[str, Callable[..., Objective]] = {
+    "ppo": ppo_clip_objective,
+    "gspo": gspo_objective,
+    "gmpo": gmpo_objective,
+    "pg": pg_objective,
+}
