@@ -82,8 +82,8 @@ def make_update_fn(
 
     def microbatch_loss(params, mb, normaliser, scale_state):
         logp, entropy = _forward_logprobs(graphdef, params, mb["tokens"], mb["attention_mask"], chunk_size)
-        loss, _ = objective.loss(logp, entropy, mb, normaliser)
-        return precision.scale_loss(scale_state, loss), (loss, logp, entropy)
+        loss, aux = objective.loss(logp, entropy, mb, normaliser)
+        return precision.scale_loss(scale_state, loss), (loss, aux, logp, entropy)
 
     grad_fn = jax.grad(microbatch_loss, has_aux=True)
 
@@ -92,13 +92,23 @@ def make_update_fn(
         mbs = _split_microbatches(dict(batch), num_microbatches)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
 
-        def body(acc, mb):
-            grads, (loss, logp, entropy) = grad_fn(state.params, mb, normaliser, state.loss_scale)
-            acc_grads, acc_loss = acc
-            acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
-            return (acc_grads, acc_loss + loss), (logp, entropy)
+        # Each microbatch's loss and aux values are its additive share of the whole-batch value (the
+        # objective divides by whole-batch normalisers), so sums over the scan are the batch values.
+        aux_zeros = jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, jnp.float32),
+            jax.eval_shape(lambda: grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], mbs),
+                                           normaliser, state.loss_scale)[1][1]),
+        )
 
-        (grads, loss), (logp, entropy) = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
+        def body(acc, mb):
+            grads, (loss, aux, logp, entropy) = grad_fn(state.params, mb, normaliser, state.loss_scale)
+            acc_grads, acc_loss, acc_aux = acc
+            acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
+            acc_aux = jax.tree_util.tree_map(jnp.add, acc_aux, aux)
+            return (acc_grads, acc_loss + loss, acc_aux), (logp, entropy)
+
+        init = (zeros, jnp.zeros((), jnp.float32), aux_zeros)
+        (grads, loss, aux), (logp, entropy) = jax.lax.scan(body, init, mbs)
         logp, entropy = _merge_microbatches(logp), _merge_microbatches(entropy)
 
         grads, finite = precision.unscale_and_check(state.loss_scale, grads)
@@ -118,6 +128,7 @@ def make_update_fn(
         )
 
         metrics = dict(objective.metrics(logp, entropy, batch))
+        metrics.update(aux)
         mean_len = jnp.maximum(jnp.sum(batch["response_mask"]) / batch["response_mask"].shape[0], 1.0)
         clipped = grad_norm if max_grad_norm is None else jnp.minimum(grad_norm, max_grad_norm)
         metrics.update(

@@ -10,26 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_mismatch import schedules as S
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compilations(fun_name: str):
-    """Count XLA backend compilations of `jit(fun_name)` via jax.monitoring (public listener API)."""
-    counts = {"compiles": 0}
-
-    def listener(event, duration, **kwargs):
-        del duration
-        if event == BACKEND_COMPILE and kwargs.get("fun_name") == f"jit({fun_name})":
-            counts["compiles"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
+from jaxrl_mismatch.train.compiles import count_compilations
 
 def _mesh(n_devices: int) -> Mesh:
     devices = np.array(jax.devices()[:n_devices])
