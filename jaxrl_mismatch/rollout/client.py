@@ -61,7 +61,18 @@ CHANNEL_OPTIONS = [
 
 
 class RolloutError(RuntimeError):
-    """The rollout server failed a call in a way retries did not fix; the message names the RPC and status."""
+    """The rollout server failed a call in a way retries did not fix; the message names the RPC and status.
+
+    `code` is the gRPC status when the server answered with one (None for client-side errors), so the
+    trainer can tell what state the server is in without parsing messages: INVALID_ARGUMENT (the call
+    was refused, nothing changed), INTERNAL (the engine failed; after a failed weight push the previous
+    weights are still served and the push may be retried), FAILED_PRECONDITION (the engine is unusable:
+    restart the server; this client re-pushes the weights once it sees the new process).
+    """
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class EngineMismatchError(RolloutError):
@@ -185,7 +196,7 @@ class RolloutClient:
                     raise self._translate(what, e) from None
                 delay = next(delays, None)
                 if delay is None:
-                    raise RolloutError(f"{what} on {self.target}: {code.name} after {self._retry.max_attempts} attempts: {e.details()}") from None
+                    raise RolloutError(f"{what} on {self.target}: {code.name} after {self._retry.max_attempts} attempts: {e.details()}", code=code) from None
                 log.warning("%s on %s: %s (%s); retrying in %.2fs", what, self.target, code.name, e.details(), delay)
                 time.sleep(delay)
 
@@ -194,7 +205,7 @@ class RolloutClient:
         if trailing.get(ERROR_KIND_KEY) == NON_FINITE and NON_FINITE_DETAIL_KEY in trailing:
             i, j, t, value, version = trailing[NON_FINITE_DETAIL_KEY].split(",")
             return NonFiniteLogprobsError(int(i), int(j), int(t), float(value), int(version))
-        return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()}")
+        return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()}", code=e.code())
 
     # -- health / info -------------------------------------------------------------------------------
     def wait_until_ready(self, timeout_s: float) -> None:

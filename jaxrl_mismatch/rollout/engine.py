@@ -72,10 +72,61 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> None:
-        """Replace the full weight set (HF names, validated) and set the weight version, atomically."""
+        """Replace the full weight set and set the weight version, atomically.
+
+        `tensors` have passed the server's checks (`validation.TensorAssembler`: exactly the names, shapes
+        and dtype of `weight_specs`, every floating value finite), once for all engines. An engine raises
+        ValueError to refuse a set (INVALID_ARGUMENT; old weights stay), WeightReloadError when applying a
+        valid set failed, EngineUnusableError when it can no longer serve (see server.py for the codes).
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources (called on server shutdown)."""
+
+
+class WeightReloadError(RuntimeError):
+    """The engine failed while applying a weight set that had passed validation (an internal error).
+
+    Not a malformed request, so the server answers INTERNAL rather than INVALID_ARGUMENT. `restored` says
+    whether the engine then put the previous weights back: if True, the old weights and version are in
+    service and the engine keeps serving (the trainer may push again); if False, the engine's parameters
+    may be half-updated, it refuses every further call, and the server process must be restarted.
+    """
+
+    def __init__(self, message: str, *, restored: bool):
+        super().__init__(message)
+        self.restored = restored
+
+
+class EngineUnusableError(RuntimeError):
+    """The engine cannot serve any more (unknown weight state after a failed reload and restore, or closed).
+
+    The server answers FAILED_PRECONDITION, not UNAVAILABLE: retrying against this process cannot succeed,
+    only a restart of the server (which reloads the checkpoint) can, so clients must not back off and retry.
+    """
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int | None) -> int:
+    """The prompt + completion limit an engine serves with; the same rule for every engine.
+
+    None means the model's `max_position_embeddings`. Left to itself vLLM would derive the default from
+    several config keys (and scale it by some RoPE-scaling factors), so the JAX and vLLM engines could
+    validate the same request differently; resolving it here keeps `GetInfo.max_model_len` and the
+    server's request checks identical across engines. A limit beyond the positions the model was built
+    for is refused (vLLM refuses it too), rather than served with untrained positions.
+    """
+    if max_position_embeddings is None:
+        if requested is None:
+            raise ValueError("config.json has no max_position_embeddings; pass max_model_len explicitly")
+        limit = requested
+    else:
+        limit = int(max_position_embeddings)
+    value = limit if requested is None else int(requested)
+    if value < 2:
+        raise ValueError(f"max_model_len must be >= 2 (one prompt and one completion token), got {value}")
+    if value > limit:
+        raise ValueError(f"max_model_len {value} exceeds the model's max_position_embeddings {limit}")
+    return value
 
 
 class NonFiniteLogprobsError(RuntimeError):

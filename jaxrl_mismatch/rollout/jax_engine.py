@@ -37,6 +37,7 @@ from jaxrl_mismatch.rollout.engine import (
     NonFiniteLogprobsError,
     SamplingSpec,
     TensorSpec,
+    resolve_max_model_len,
 )
 
 _POLICY = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -63,7 +64,8 @@ class JaxEngine(Engine):
     Args:
       model_dir: HF checkpoint (config.json + safetensors).
       dtype: weights and compute dtype (precision preset fp32 / bf16 / fp16).
-      max_model_len: prompt + completion limit; defaults to the model's max_position_embeddings.
+      max_model_len: prompt + completion limit; defaults to the model's max_position_embeddings, and may
+        not exceed it (`engine.resolve_max_model_len`, the rule the vLLM engine follows too).
       max_batch_rows: rows (prompts x n) per jitted program; larger requests run in several programs,
         bounding the KV cache's memory.
     """
@@ -79,7 +81,7 @@ class JaxEngine(Engine):
         self._graphdef, params, self._rest = nnx.split(model, nnx.Param, ...)
         self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
         self._specs = _hf_specs(params, dtype)
-        self._max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        self._max_model_len = resolve_max_model_len(max_model_len, cfg.max_position_embeddings)
         self._max_batch_rows = max_batch_rows
         self._lock = threading.Lock()  # guards the (params, version) pair, nothing else
         self._params, self._version = params, 0
@@ -96,6 +98,9 @@ class JaxEngine(Engine):
 
     def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> None:
         """Convert HF tensors to a complete new param tree, then swap it in under the lock.
+
+        The tensors come from the server's validation (names, shapes, dtype, finite values), which is
+        shared with the vLLM engine, so both engines accept and refuse exactly the same pushes.
 
         The new tree is built (and placed on device) before the lock is taken, so a generation running
         meanwhile finishes on the old tree and the next one starts on the new one — never a mix.

@@ -12,6 +12,22 @@ Security. The server binds 127.0.0.1 unless told otherwise, and the mutating RPC
 Shutdown) require `authorization: Bearer <token>` metadata with the shared token (from `--token-file`
 or the JAXRL_ROLLOUT_TOKEN environment variable — never a command-line value, which `ps` would show).
 Generate and GetInfo are read-only and open to anyone who can reach the port.
+
+Errors. A malformed call is INVALID_ARGUMENT naming the field and never reaches the engine (that
+includes pushed weights with NaN/inf values: checked here once, so every engine refuses the same pushes).
+An engine's own failures are mapped so that the client knows what state the server is in:
+
+- ValueError (the engine refused a weight set) -> INVALID_ARGUMENT; the old weights stay in service.
+- NonFiniteLogprobsError -> INTERNAL with `jaxrl-error: non-finite-logprobs` metadata; still serving.
+- WeightReloadError(restored=True) -> INTERNAL, `jaxrl-error: weight-reload-failed`; the previous
+  weights and version stay in service and the server keeps serving.
+- WeightReloadError(restored=False) or EngineUnusableError -> FAILED_PRECONDITION,
+  `jaxrl-error: engine-unusable`; health turns NOT_SERVING and every later Generate / UpdateWeights
+  fails the same way.
+- anything else -> INTERNAL; still serving.
+
+FAILED_PRECONDITION rather than UNAVAILABLE for an unusable engine: clients retry UNAVAILABLE, and no
+retry can succeed against this process; only a restart (which reloads the checkpoint) can.
 """
 
 from __future__ import annotations
@@ -26,13 +42,20 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
-from jaxrl_mismatch.rollout.engine import Completion, Engine, NonFiniteLogprobsError, check_finite_logprobs
+from jaxrl_mismatch.rollout.engine import (
+    Completion,
+    Engine,
+    EngineUnusableError,
+    NonFiniteLogprobsError,
+    WeightReloadError,
+    check_finite_logprobs,
+)
 from jaxrl_mismatch.rollout.validation import (
     MAX_MESSAGE_BYTES,
     Limits,
@@ -48,6 +71,8 @@ TOKEN_ENV = "JAXRL_ROLLOUT_TOKEN"
 ERROR_KIND_KEY = "jaxrl-error"  # trailing metadata naming a machine-readable error kind
 NON_FINITE = "non-finite-logprobs"
 NON_FINITE_DETAIL_KEY = "jaxrl-non-finite"  # "prompt,sample,position,value,weight_version"
+WEIGHT_RELOAD_FAILED = "weight-reload-failed"  # INTERNAL; the previous weights stay in service
+ENGINE_UNUSABLE = "engine-unusable"  # FAILED_PRECONDITION; the server must be restarted
 READY_PREFIX = "JAXRL_ROLLOUT_READY"
 LISTENING_PREFIX = "JAXRL_ROLLOUT_LISTENING"
 
@@ -78,10 +103,12 @@ def completions_to_proto(completions: list[list[Completion]], server_id: str) ->
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Validates every call, then delegates to the engine; the engine is attached once it has loaded."""
 
-    def __init__(self, *, token: str, limits: Limits, stop_event: threading.Event):
+    def __init__(self, *, token: str, limits: Limits, stop_event: threading.Event,
+                 on_engine_unusable: Callable[[], None] | None = None):
         self._token = token.encode()
         self._limits = limits
         self._stop_event = stop_event
+        self._on_engine_unusable = on_engine_unusable
         self._engine: Engine | None = None
         self._update_lock = threading.Lock()  # one UpdateWeights at a time keeps versions monotone
         self.server_id = uuid.uuid4().hex
@@ -94,6 +121,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if self._engine is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
         return self._engine
+
+    def _abort_engine_failure(self, context: grpc.ServicerContext, rpc: str, e: Exception) -> None:
+        """Answer an engine exception with the status that tells the client the server's state (module doc)."""
+        if isinstance(e, EngineUnusableError) or (isinstance(e, WeightReloadError) and not e.restored):
+            log.error("%s: the engine is unusable and refuses further calls: %s", rpc, e)
+            if self._on_engine_unusable is not None:
+                self._on_engine_unusable()
+            context.set_trailing_metadata(((ERROR_KIND_KEY, ENGINE_UNUSABLE),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"engine unusable, restart the rollout server: {type(e).__name__}: {e}")
+        if isinstance(e, WeightReloadError):
+            log.error("%s: applying the weights failed, previous weights restored: %s", rpc, e)
+            context.set_trailing_metadata(((ERROR_KIND_KEY, WEIGHT_RELOAD_FAILED),))
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"weight update failed, the previous weights stay in service: {type(e).__name__}: {e}")
+        log.error("engine failed in %s", rpc, exc_info=e)
+        context.abort(grpc.StatusCode.INTERNAL, f"engine error in {rpc}: {type(e).__name__}: {e}")
 
     def _authenticate(self, context: grpc.ServicerContext) -> None:
         md = dict(context.invocation_metadata())
@@ -117,9 +161,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             detail = f"{e.prompt},{e.sample},{e.position},{e.value},{e.weight_version}"
             context.set_trailing_metadata(((ERROR_KIND_KEY, NON_FINITE), (NON_FINITE_DETAIL_KEY, detail)))
             context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except Exception as e:  # an engine bug must not look like a transport error to the client
-            log.exception("engine failed in Generate")
-            context.abort(grpc.StatusCode.INTERNAL, f"engine error: {type(e).__name__}: {e}")
+        except Exception as e:  # an engine failure must not look like a transport error to the client
+            self._abort_engine_failure(context, "Generate", e)
         return completions_to_proto(completions, self.server_id)
 
     def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
@@ -136,8 +179,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 # The engine contract: a rejected update leaves the old weights and version in service.
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:
-                log.exception("engine failed in UpdateWeights")
-                context.abort(grpc.StatusCode.INTERNAL, f"weight update failed: {type(e).__name__}: {e}")
+                self._abort_engine_failure(context, "UpdateWeights", e)
         return rollout_pb2.UpdateWeightsResponse(
             weight_version=version, num_tensors=len(tensors), num_bytes=assembler.num_bytes
         )
@@ -173,7 +215,11 @@ class RolloutServer:
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str, limits: Limits = Limits(), max_workers: int = 8):
         self.stop_event = threading.Event()
-        self.servicer = RolloutServicer(token=token, limits=limits, stop_event=self.stop_event)
+        self.servicer = RolloutServicer(
+            token=token, limits=limits, stop_event=self.stop_event,
+            # An unusable engine turns health NOT_SERVING, so supervisors and new clients see it.
+            on_engine_unusable=lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
+        )
         self.health = health.HealthServicer()
         self._grpc = grpc.server(
             concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout"),
@@ -253,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--token-file", default=None, help=f"file holding the shared token (else ${TOKEN_ENV})")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit (default: model's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit, the same for both engines (default and maximum: the model's "
+                   "max_position_embeddings)")
     p.add_argument("--max-request-prompt-tokens", type=int, default=Limits.max_request_prompt_tokens)
     p.add_argument("--max-request-completion-tokens", type=int, default=Limits.max_request_completion_tokens)
     p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")

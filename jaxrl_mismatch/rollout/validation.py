@@ -30,6 +30,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21
 DEFAULT_MAX_REQUEST_COMPLETION_TOKENS = 1 << 22
 MAX_STOP_TOKEN_IDS = 64
+# Elements per block of the finiteness scan: bounds its temporary boolean array (16 MiB) for any tensor size.
+_FINITE_SCAN_BLOCK = 1 << 24
 
 
 class RequestError(ValueError):
@@ -132,11 +134,51 @@ def check_chunk_header(chunk: rollout_pb2.WeightChunk, specs: dict[str, TensorSp
     return spec
 
 
+def count_non_finite(arr: np.ndarray) -> tuple[int, int]:
+    """(number of NaN/inf values, flat index of the first) of a floating array; (0, -1) if all are finite.
+
+    Integer arrays are always finite. Scans in blocks so that a multi-GB embedding does not need a
+    same-sized temporary.
+    """
+    if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
+        return 0, -1
+    flat = arr.reshape(-1)
+    count, first = 0, -1
+    for start in range(0, flat.size, _FINITE_SCAN_BLOCK):
+        bad = ~np.isfinite(flat[start : start + _FINITE_SCAN_BLOCK])
+        n = int(np.count_nonzero(bad))
+        if n and first < 0:
+            first = start + int(np.argmax(bad))
+        count += n
+    return count, first
+
+
+def check_finite_tensor(name: str, arr: np.ndarray) -> None:
+    """Refuse a pushed tensor with NaN/inf values (RequestError naming it), before any engine sees it.
+
+    Why at the server: a non-finite weight can only ever produce non-finite (or meaningless) log-probs,
+    and would be discovered one Generate later, after the trainer had moved on to that version. Refusing
+    the push keeps the previous weights in service and names the culprit tensor at the step that caused
+    it; doing it here, once, makes every engine refuse exactly the same pushes.
+    """
+    count, first = count_non_finite(arr)
+    if count:
+        index = tuple(int(i) for i in np.unravel_index(first, arr.shape))
+        value = float(arr.reshape(-1)[first])
+        raise RequestError(
+            f"tensor {name!r}",
+            f"{count} non-finite value(s), the first {value} at index {index}; refusing to serve them "
+            "(the previous weights stay in service)",
+        )
+
+
 class TensorAssembler:
-    """Reassembles streamed chunks into whole tensors, checking order, bounds and completeness.
+    """Reassembles streamed chunks into whole tensors, checking order, bounds, completeness and finiteness.
 
     Chunks of a tensor must arrive in order and contiguously (offset == bytes received so far), so a gap,
-    an overlap or a duplicate is detected without bookkeeping of byte ranges.
+    an overlap or a duplicate is detected without bookkeeping of byte ranges. Each tensor's values are
+    checked for NaN/inf as soon as its last byte has arrived, so a bad push fails at the first bad tensor
+    instead of after the whole stream.
     """
 
     def __init__(self, specs: dict[str, TensorSpec], current_version: int):
@@ -174,6 +216,12 @@ class TensorAssembler:
         buf[filled:end] = np.frombuffer(chunk.data, dtype=np.uint8)
         self._filled[name] = end
         self.num_bytes += len(chunk.data)
+        if end == buf.size:
+            check_finite_tensor(name, self._typed(name))
+
+    def _typed(self, name: str) -> np.ndarray:
+        spec = self._specs[name]
+        return self._buffers[name].view(wire_dtype(spec.dtype)).reshape(spec.shape)
 
     def finish(self) -> tuple[dict[str, np.ndarray], int]:
         """All tensors, complete, as arrays of the wire dtype and shape; and the target version."""
@@ -187,8 +235,7 @@ class TensorAssembler:
         for name, buf in self._buffers.items():
             if self._filled[name] != buf.size:
                 raise RequestError(f"tensor {name!r}", f"incomplete: {self._filled[name]} of {buf.size} bytes received")
-            spec = self._specs[name]
-            tensors[name] = buf.view(wire_dtype(spec.dtype)).reshape(spec.shape)
+            tensors[name] = self._typed(name)
         return tensors, self.version
 
 

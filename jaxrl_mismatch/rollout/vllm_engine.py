@@ -44,9 +44,12 @@ from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
     EngineInfo,
+    EngineUnusableError,
     NonFiniteLogprobsError,
     SamplingSpec,
     TensorSpec,
+    WeightReloadError,
+    resolve_max_model_len,
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -58,28 +61,16 @@ _NON_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class WeightUpdateError(ValueError):
-    """A pushed weight set does not fit the model (name, shape, dtype) or is not finite.
+    """A pushed weight set does not fit the model (name, shape, dtype) or its version goes backwards.
 
     Raised before anything is applied, so the previous weights and version stay in service. A ValueError,
-    so the server answers INVALID_ARGUMENT.
+    so the server answers INVALID_ARGUMENT. Non-finite values are refused earlier, by the server's
+    UpdateWeights validation (`validation.TensorAssembler`), for every engine alike.
     """
 
 
-class WeightReloadError(RuntimeError):
-    """vLLM failed while loading a validated weight set (an internal error, not a malformed request).
-
-    `restored` says whether the engine then reloaded the previous weights successfully: if True, the old
-    weights and version are in service and the engine keeps serving; if False, the engine refuses every
-    further call (its parameters may be half-updated) and the server process must be restarted.
-    """
-
-    def __init__(self, message: str, *, restored: bool):
-        super().__init__(message)
-        self.restored = restored
-
-
-class EngineUnusableError(RuntimeError):
-    """The engine is in an unknown weight state after a failed reload and a failed restore."""
+# WeightReloadError and EngineUnusableError (raised below) are defined in engine.py, so that the server
+# maps them to gRPC status codes without importing this module (and torch); they stay importable from here.
 
 
 def checkpoint_weight_shapes(model_dir: str, *, tied: bool) -> dict[str, tuple[int, ...]]:
@@ -113,13 +104,6 @@ def request_seed(seed: int, prompt_index: int) -> int:
     """
     state = np.random.SeedSequence([seed % (1 << 64), prompt_index]).generate_state(1, np.uint64)[0]
     return int(state) >> 2
-
-
-def _finite_check(name: str, arr: np.ndarray) -> None:
-    values = arr.astype(np.float32) if arr.dtype.name == "bfloat16" else arr
-    if not np.isfinite(values).all():
-        bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
-        raise WeightUpdateError(f"tensor {name!r}: {bad} non-finite value(s); refusing to serve them")
 
 
 def _to_torch(arr: np.ndarray):
@@ -182,7 +166,8 @@ class VLLMEngine(Engine):
       model_dir: HF checkpoint (config.json + safetensors), read from the local disk only.
       dtype: serving dtype, "float32" | "bfloat16" | "float16"; also the wire dtype of weight pushes
         (`weight_specs`), so the trainer sends exactly the values that will be served.
-      max_model_len: prompt + completion limit; defaults to the model's max_position_embeddings.
+      max_model_len: prompt + completion limit; defaults to the model's max_position_embeddings (resolved
+        here with `engine.resolve_max_model_len`, the JAX engine's rule, instead of vLLM's own derivation).
       seed: vLLM's engine seed (requests carry their own seeds; see `request_seed`).
       kv_cache_bytes: KV-cache size. On CPU it defaults to 1 GiB (vLLM would otherwise size it from
         `gpu_memory_utilization` x total RAM, and refuse to start when that much is not free); the
@@ -222,6 +207,7 @@ class VLLMEngine(Engine):
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{model_dir}/config.json has no 'architectures' entry")
+        max_model_len = resolve_max_model_len(max_model_len, hf_config.get("max_position_embeddings"))
         self._model_dir = model_dir
         self._dtype = dtype
         self._architecture = str(architectures[0])
@@ -321,7 +307,7 @@ class VLLMEngine(Engine):
     def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> None:
         """Validate the full weight set, reload it in place, re-tie the head, reset the prefix cache.
 
-        Validation (names, shapes, dtypes, finiteness) happens before anything is applied; a rejected set
+        Validation (names, shapes, dtypes, version) happens before anything is applied; a rejected set
         raises WeightUpdateError and leaves the old weights and version in service. If vLLM then fails
         while loading, the previous weights are reloaded (WeightReloadError, restored=True); if even that
         fails, the engine refuses every further call (restored=False). The version changes only after a
@@ -373,7 +359,11 @@ class VLLMEngine(Engine):
 
     # -- helpers ------------------------------------------------------------------------------------
     def validate_weights(self, tensors: dict[str, np.ndarray], version: int) -> None:
-        """Raise WeightUpdateError naming the first tensor that does not match `weight_specs`."""
+        """Raise WeightUpdateError naming the first tensor that does not match `weight_specs`.
+
+        Only metadata is checked here (cheap); the values' finiteness is checked once per push by the
+        server, which reassembles every tensor anyway, instead of a second full pass over the weights.
+        """
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise WeightUpdateError(f"version must be an integer, got {version!r}")
         unknown = sorted(set(tensors) - set(self._specs))
@@ -394,7 +384,6 @@ class VLLMEngine(Engine):
                 raise WeightUpdateError(f"tensor {name!r}: shape {tuple(arr.shape)} != expected {spec.shape}")
             if arr.dtype.name != spec.dtype:
                 raise WeightUpdateError(f"tensor {name!r}: dtype {arr.dtype.name} != expected {spec.dtype}")
-            _finite_check(name, arr)
 
     def _sampling_params(self, spec: SamplingSpec, prompt_index: int):
         from vllm import SamplingParams

@@ -16,7 +16,7 @@ from jaxrl_mismatch.models import hf_io
 from jaxrl_mismatch.models.logprobs import token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
-from jaxrl_mismatch.rollout.client import EngineMismatchError, RolloutClient, weight_chunks
+from jaxrl_mismatch.rollout.client import EngineMismatchError, RolloutClient, RolloutError, weight_chunks
 from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError, SamplingSpec
 from jaxrl_mismatch.rollout.sampling import token_logprobs_processed
 
@@ -155,9 +155,18 @@ def test_update_weights_then_logprobs_follow_new_weights(served, tmp_path):
         assert err.value.code() == code and needle in err.value.details(), err.value.details()
     assert client.generate(PROMPTS, PLAIN) == out
 
-    # NaN weights are accepted as data, but their non-finite log-probs are reported, never returned.
+    # NaN weights are refused at the server, as with the vLLM engine: INVALID_ARGUMENT naming the tensor.
     poisoned = dict(new, **{"model.norm.weight": np.full_like(new["model.norm.weight"], np.nan)})
-    client.push_weights(poisoned, version=3)
+    with pytest.raises(RolloutError, match=r"INVALID_ARGUMENT: tensor 'model\.norm\.weight': 32 non-finite") as err:
+        client.push_weights(poisoned, version=2)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.info().weight_version == 1
+    assert client.generate(PROMPTS, PLAIN) == out
+
+    # Finite weights that overflow in the forward pass (final-norm gains 3e38: the hidden state becomes
+    # inf, the logits NaN) pass that check; their non-finite log-probs are reported, never returned.
+    overflow = dict(new, **{"model.norm.weight": np.full_like(new["model.norm.weight"], 3e38)})
+    client.push_weights(overflow, version=3)
     with pytest.raises(NonFiniteLogprobsError) as err:
         client.generate(PROMPTS, PLAIN)
     assert (err.value.prompt, err.value.sample, err.value.position, err.value.weight_version) == (0, 0, 0, 3)
@@ -194,3 +203,16 @@ def test_malformed_requests_named_and_server_keeps_serving(served, kwargs, field
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field + ":"), err.value.details()
     assert len(client.generate([[1, 2, 3]], SamplingSpec(max_tokens=3))[0][0].token_ids) == 3
+
+
+def test_max_model_len_flows_to_both_engines(tiny_checkpoints, tmp_path):
+    """`--max-model-len` reaches each engine's constructor through `load_engine`, and both resolve it with
+    the same rule (default and maximum: max_position_embeddings, 256 here); the vLLM engine refuses an
+    out-of-range value before vLLM starts, so this runs without vLLM."""
+    from jaxrl_mismatch.rollout.server import load_engine
+
+    assert load_engine("jax", tiny_checkpoints["untied"], "float32", 128).info().max_model_len == 128
+    assert load_engine("jax", tiny_checkpoints["untied"], "float32", None).info().max_model_len == 256
+    for engine in ("jax", "vllm"):
+        with pytest.raises(ValueError, match="max_model_len 300 exceeds the model's max_position_embeddings 256"):
+            load_engine(engine, tiny_checkpoints["untied"], "float32", 300)

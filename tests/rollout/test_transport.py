@@ -18,6 +18,7 @@ from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
 from jaxrl_mismatch.rollout.client import (
     EngineMismatchError,
     RolloutClient,
+    RolloutError,
     StaleCompletionError,
     weight_chunks,
 )
@@ -25,12 +26,16 @@ from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
     EngineInfo,
+    EngineUnusableError,
     NonFiniteLogprobsError,
     SamplingSpec,
     TensorSpec,
+    WeightReloadError,
+    check_finite_logprobs,
+    resolve_max_model_len,
 )
-from jaxrl_mismatch.rollout.server import RolloutServer
-from jaxrl_mismatch.rollout.validation import Limits
+from jaxrl_mismatch.rollout.server import ENGINE_UNUSABLE, ERROR_KIND_KEY, WEIGHT_RELOAD_FAILED, RolloutServer
+from jaxrl_mismatch.rollout.validation import Limits, count_non_finite
 
 TOKEN = "s3cret-test-token"
 
@@ -44,6 +49,7 @@ class FakeEngine(Engine):
         self.version = 0
         self.logprob = -1.0
         self.reported_version: int | None = None  # overrides the version stamped on completions
+        self.update_calls = 0  # how many weight sets reached the engine
         self._lock = threading.Lock()
 
     def info(self) -> EngineInfo:
@@ -65,6 +71,7 @@ class FakeEngine(Engine):
         return {k: TensorSpec(v.shape, v.dtype.name) for k, v in self.weights.items()}
 
     def update_weights(self, tensors, version):
+        self.update_calls += 1
         with self._lock:
             self.weights = {k: np.array(v) for k, v in tensors.items()}
             self.version = version
@@ -168,6 +175,12 @@ def _chunk(**kw):
         (lambda: list(weight_chunks(_good(), 2))[:-1] + [_chunk(offset=4, data=b"\0" * 8)], "'b'"),  # gap
         (lambda: [_chunk(version=0)], "version"),
         (lambda: [_chunk(), _chunk(version=3, name="w")], "version"),
+        # Non-finite values: refused by the server for every engine, naming tensor, count, first value, index.
+        (lambda: list(weight_chunks({**_good(), "b": np.array([1.0, np.nan, 2.0], np.float32)}, 2)),
+         "tensor 'b': 1 non-finite value(s), the first nan at index (1,)"),
+        (lambda: list(weight_chunks({**_good(), "w": np.where(np.eye(4) > 0, np.float32(-np.inf), 1.0)
+                                     .astype(np.float32)}, 2, chunk_bytes=5)),
+         "tensor 'w': 4 non-finite value(s), the first -inf at index (0, 0)"),
     ],
 )
 def test_bad_update_is_rejected_and_old_weights_stay(served, chunks, needle):
@@ -178,7 +191,7 @@ def test_bad_update_is_rejected_and_old_weights_stay(served, chunks, needle):
         stub.UpdateWeights(iter(chunks()), timeout=10, metadata=_md())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in err.value.details(), err.value.details()
-    assert engine.version == 1
+    assert engine.version == 1 and engine.update_calls == 1  # the engine never saw the bad set
     after = stub.Generate(_req(max_tokens=4), timeout=10)
     assert after == before
 
@@ -201,6 +214,138 @@ def test_non_finite_logprob_is_reported_not_passed_on(served):
     assert "prompt 0, sample 0, position 0" in str(err.value)
     engine.logprob = -1.0
     assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].logprobs == [-1.0, -1.0]
+
+
+def test_client_check_names_the_first_non_finite_logprob():
+    """The client's own check of every response (independent of the server's): crafted completions."""
+    ok = Completion(token_ids=[1, 2], logprobs=[-0.5, -1.5], finish_reason="length", weight_version=4)
+    bad = Completion(token_ids=[1, 2, 3], logprobs=[-0.5, -1.5, -math.inf], finish_reason="stop", weight_version=4)
+    check_finite_logprobs([[ok, ok], [ok, ok]])
+    with pytest.raises(NonFiniteLogprobsError, match=r"-inf at prompt 1, sample 0, position 2 \(weight version 4\)"):
+        check_finite_logprobs([[ok, ok], [bad, ok]])
+
+
+def test_non_finite_count_is_blockwise_and_covers_bfloat16(monkeypatch):
+    import ml_dtypes
+
+    from jaxrl_mismatch.rollout import validation
+
+    monkeypatch.setattr(validation, "_FINITE_SCAN_BLOCK", 3)  # the first bad value sits in a later block
+    arr = np.zeros((2, 5), np.float32)
+    arr[1, 2], arr[1, 4] = np.inf, np.nan
+    assert count_non_finite(arr) == (2, 7)
+    assert count_non_finite(arr.astype(ml_dtypes.bfloat16)) == (2, 7)
+    assert count_non_finite(np.ones((2, 5), np.float16)) == (0, -1)
+    assert count_non_finite(np.arange(10, dtype=np.int32)) == (0, -1)
+
+
+def test_max_model_len_rule_shared_by_both_engines():
+    assert resolve_max_model_len(None, 256) == 256  # default: the model's max_position_embeddings
+    assert resolve_max_model_len(192, 256) == 192
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 256"):
+        resolve_max_model_len(300, 256)
+    with pytest.raises(ValueError, match=">= 2"):
+        resolve_max_model_len(1, 256)
+    with pytest.raises(ValueError, match="no max_position_embeddings"):
+        resolve_max_model_len(None, None)
+    assert resolve_max_model_len(512, None) == 512
+
+
+class FailingEngine(FakeEngine):
+    """FakeEngine whose next update / generate raises what the real vLLM engine raises when it fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.update_error: Exception | None = None
+        self.unusable = False
+        self.generate_calls = 0
+
+    def update_weights(self, tensors, version):
+        if self.update_error is not None:
+            self.update_calls += 1
+            if isinstance(self.update_error, WeightReloadError) and not self.update_error.restored:
+                self.unusable = True
+            raise self.update_error
+        super().update_weights(tensors, version)
+
+    def generate(self, prompts, spec):
+        self.generate_calls += 1
+        if self.unusable:
+            raise EngineUnusableError("vLLM engine unusable: restoring weight version 1 failed; restart")
+        return super().generate(prompts, spec)
+
+
+@pytest.fixture
+def failing():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    engine = FailingEngine()
+    server = RolloutServer(port=0, token=TOKEN)
+    server.attach(engine)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    status = lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status  # noqa: E731
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    client.push_weights(_good(), version=1)
+    yield engine, server, client, rollout_pb2_grpc.RolloutStub(channel), status
+    client.close()
+    server.stop(0)
+
+
+def test_failed_reload_with_restore_is_internal_and_server_keeps_serving(failing):
+    from grpc_health.v1 import health_pb2
+
+    engine, _, client, stub, health = failing
+    before = client.generate([[1]], SamplingSpec(max_tokens=3))
+    engine.update_error = WeightReloadError("vLLM failed to load weight version 2: OSError: disk", restored=True)
+    with pytest.raises(RolloutError) as err:
+        client.push_weights(_good(2.0), version=2)
+    assert err.value.code == grpc.StatusCode.INTERNAL
+    assert "UpdateWeights on" in str(err.value) and "INTERNAL" in str(err.value)
+    assert "previous weights stay in service" in str(err.value) and "OSError: disk" in str(err.value)
+    with pytest.raises(grpc.RpcError) as raw:  # the machine-readable kind, for other clients
+        _update(stub, _good(2.0), 2)
+    assert dict(raw.value.trailing_metadata())[ERROR_KIND_KEY] == WEIGHT_RELOAD_FAILED
+    assert health() == health_pb2.HealthCheckResponse.SERVING
+    assert client.info().weight_version == 1 and client.generate([[1]], SamplingSpec(max_tokens=3)) == before
+    engine.update_error = None  # the trainer may simply push again
+    client.push_weights(_good(2.0), version=2)
+    assert client.generate([[1]], SamplingSpec(max_tokens=3))[0][0].weight_version == 2
+
+
+def test_unusable_engine_is_failed_precondition_not_retried_and_not_serving(failing):
+    from grpc_health.v1 import health_pb2
+
+    engine, _, client, stub, health = failing
+    engine.update_error = WeightReloadError("vLLM failed to load weight version 2: restoring failed too",
+                                            restored=False)
+    with pytest.raises(RolloutError, match=r"UpdateWeights on .*: FAILED_PRECONDITION: engine unusable, "
+                                           r"restart the rollout server: .*restoring failed too") as err:
+        client.push_weights(_good(2.0), version=2)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert health() == health_pb2.HealthCheckResponse.NOT_SERVING  # supervisors and new clients see it
+    calls = engine.generate_calls
+    with pytest.raises(RolloutError, match=r"Generate on .*: FAILED_PRECONDITION: .*EngineUnusableError") as err:
+        client.generate([[1]], SamplingSpec(max_tokens=2))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert engine.generate_calls == calls + 1  # not retried: no retry can help, only a restart
+    with pytest.raises(grpc.RpcError) as raw:
+        stub.Generate(_req(max_tokens=2), timeout=10)
+    assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(raw.value.trailing_metadata())[ERROR_KIND_KEY] == ENGINE_UNUSABLE
+
+
+def test_other_engine_errors_are_internal_naming_the_rpc(failing, monkeypatch):
+    engine, _, client, _, _ = failing
+
+    def broken(prompts, spec):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(engine, "generate", broken)
+    with pytest.raises(RolloutError, match="Generate on .*: INTERNAL: engine error in Generate: "
+                                           "RuntimeError: kernel exploded") as err:
+        client.generate([[1]], SamplingSpec(max_tokens=2))
+    assert err.value.code == grpc.StatusCode.INTERNAL
 
 
 def test_client_stale_versions_and_compatibility(served):

@@ -6,7 +6,9 @@ the same weights, teacher-forced without a KV cache. Bound 5e-5 in float32, as i
 (whose docstring gives the reasoning).
 
 One server (tied embeddings: the case with the CPU LM-head re-tie) for the whole module; the untied case is
-covered at engine level. Start-up is 30-90 s on the shared CI machine, so the tests share it and push
+covered at engine level. It starts without `--max-model-len`, so the server's default path (the model's
+max_position_embeddings, resolved as for the JAX engine) is the one exercised; an explicit value is tested
+at engine level. Start-up is 30-90 s on the shared CI machine, so the tests share it and push
 versions in order.
 """
 
@@ -23,7 +25,9 @@ import pytest
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 
 from .conftest import TOKEN, ServerProcess, read_checkpoint, write_checkpoint
-from .test_vllm_engine import FILTERED, MAX_MODEL_LEN, PLAIN, PROMPTS, TOL, VOCAB, make_tiny_qwen3, perturbed
+from .test_vllm_engine import FILTERED, PLAIN, PROMPTS, TOL, VOCAB, make_tiny_qwen3, perturbed
+
+MAX_POSITION_EMBEDDINGS = 256  # make_tiny_qwen3's config: the default max_model_len of both engines
 
 pytestmark = pytest.mark.vllm
 
@@ -74,7 +78,7 @@ def server(tmp_path_factory, token_file):
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    proc = ServerProcess(ckpt, token_file, engine="vllm", extra=("--max-model-len", str(MAX_MODEL_LEN)))
+    proc = ServerProcess(ckpt, token_file, engine="vllm")
     try:
         proc.start(timeout_s=420)
     finally:
@@ -101,7 +105,7 @@ def client(server):
 
 def test_info_and_specs_over_grpc(server, client):
     info = client.check_compatible(architecture="Qwen3ForCausalLM", vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
-    assert (info.engine, info.dtype, info.max_model_len) == ("vllm", "float32", MAX_MODEL_LEN)
+    assert (info.engine, info.dtype, info.max_model_len) == ("vllm", "float32", MAX_POSITION_EMBEDDINGS)
     specs = client.weight_specs()
     assert set(specs) == set(read_checkpoint(server[1])) and "lm_head.weight" not in specs
 
@@ -133,8 +137,8 @@ def test_pushed_weights_are_served_and_bad_pushes_rejected(server, client, tmp_p
         assert all(c.weight_version == version for s in served[spec] for c in s)
         assert ref.max_error(PROMPTS, served[spec], spec) < TOL
 
-    # Rejected: unknown name and wrong shape (by the server's stream checks), a tied model's lm_head and
-    # non-finite values (by the vLLM engine's own validation) -> INVALID_ARGUMENT naming the tensor.
+    # Rejected: unknown name, wrong shape, a tied model's lm_head (not in the engine's specs) and non-finite
+    # values (by the server's stream checks, shared with the JAX engine) -> INVALID_ARGUMENT naming the tensor.
     stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(proc.target))
     md = (("authorization", f"Bearer {TOKEN}"),)
     other = perturbed(new, seed=22)
