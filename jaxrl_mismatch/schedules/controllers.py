@@ -211,7 +211,7 @@ class TriggeredStepDecay(Controller):
 class LengthTriggeredDecay(TriggeredStepDecay):
     """The LR paper's length-triggered step decay (Sec. 3 "Response Length Determines the Decay Schedule").
 
-    Fed the per-step mean response length (`metric`, default `"response_length/mean"`):
+    Fed the per-step mean response length (`metric`, default `"length/mean"`):
 
     * baseline = mean of the first `baseline_window` observations (the early, benign phase; Fig. 12
       shows ~1000 tokens before the surge);
@@ -232,7 +232,7 @@ class LengthTriggeredDecay(TriggeredStepDecay):
 
     kind = "length_triggered_decay"
 
-    def __init__(self, lr0: float = 1.0, *, metric: str = "response_length/mean", surge_ratio: float = 3.0,
+    def __init__(self, lr0: float = 1.0, *, metric: str = "length/mean", surge_ratio: float = 3.0,
                  baseline_window: int = 20, window: int = 10, period_factor: float = 1.8,
                  decay_period: int | None = None, floor: float = 0.1, factor: float = 0.5,
                  min_steps_before_detect: int | None = None, onset_ratio: float | None = None):

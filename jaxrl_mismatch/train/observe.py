@@ -18,11 +18,6 @@ import jax
 import numpy as np
 
 
-def _field(name: str) -> str:
-    # clu builds a dataclass from the names: they must be identifiers ("mismatch/rho_std" is not).
-    return name.replace("/", "__")
-
-
 class StepAccumulator:
     """Averages the metrics of several update calls (PPO epochs × minibatches) into one step record.
 
@@ -41,17 +36,20 @@ class StepAccumulator:
             if self._acc is not None:
                 raise ValueError(f"metric names changed within a step: {sorted(set(names) ^ set(self._names))}")
             self._names = names
+            # clu builds a dataclass whose fields must be identifiers ("mismatch/rho_mean_pi_0-0.1" is
+            # not), so fields are positional (m0, m1, ...) and the names are kept alongside.
             self._cls = clu_metrics.Collection.create(
-                **{_field(n): clu_metrics.Average.from_output(_field(n)) for n in names}
+                **{f"m{i}": clu_metrics.Average.from_output(f"m{i}") for i in range(len(names))}
             )
-        update = self._cls.single_from_model_output(**{_field(n): metrics[n] for n in names})
+        update = self._cls.single_from_model_output(**{f"m{i}": metrics[n] for i, n in enumerate(names)})
         self._acc = update if self._acc is None else self._acc.merge(update)
 
     def compute(self) -> dict[str, float]:
         """The averaged metrics as Python floats; resets the accumulator."""
         if self._acc is None:
             return {}
-        out = {n: float(v) for n, v in zip(self._names, (self._acc.compute()[_field(n)] for n in self._names))}
+        computed = self._acc.compute()
+        out = {n: float(computed[f"m{i}"]) for i, n in enumerate(self._names)}
         self._acc = None
         return out
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -187,8 +188,14 @@ def place_state(state: TrainState, mesh: Mesh) -> TrainState:
 
 
 def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
-    arrays = {k: jnp.asarray(v) for k, v in batch.items()}
-    return jax.device_put(arrays, batch_shardings(arrays, mesh))
+    """Host batch → global arrays on the batch sharding.
+
+    Every process holds the whole batch (see `train.distributed.lead_computes`) and contributes the
+    shards its devices own, so this works unchanged on one host and on a multi-host mesh.
+    """
+    hosts = {k: np.asarray(v) for k, v in batch.items()}
+    shardings = batch_shardings(hosts, mesh)
+    return {k: jax.make_array_from_callback(h.shape, shardings[k], lambda idx, h=h: h[idx]) for k, h in hosts.items()}
 
 
 __all__ = [

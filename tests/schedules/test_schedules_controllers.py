@@ -10,7 +10,7 @@ import pytest
 
 from jaxrl_mismatch.schedules import controllers as C
 
-KEY = "response_length/mean"
+KEY = "length/mean"
 
 
 def _surge_trace(n_steps, surge_step, ratio, noise=0.0, seed=0, base=1000.0, ramp=0):
@@ -136,7 +136,7 @@ def test_steps_must_increase_and_metric_must_exist():
     ctrl.update(3, {KEY: 1.0})
     with pytest.raises(ValueError, match="strictly increasing"):
         ctrl.update(3, {KEY: 1.0})
-    with pytest.raises(KeyError, match=r"needs metric 'response_length/mean'; got \['length'\]"):
+    with pytest.raises(KeyError, match=r"needs metric 'length/mean'; got \['length'\]"):
         ctrl.update(4, {"length": 1.0})
 
 

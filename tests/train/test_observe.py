@@ -11,10 +11,10 @@ from jaxrl_mismatch.train.observe import RunWriter, StepAccumulator, read_jsonl
 
 def test_accumulator_averages_minibatches_and_resets():
     acc = StepAccumulator()
-    acc.add({"mismatch/rho_std": jnp.float32(1.0), "grad/norm": jnp.float32(4.0)})
-    acc.add({"mismatch/rho_std": jnp.float32(3.0), "grad/norm": jnp.float32(0.0)})
+    acc.add({"mismatch/rho_mean_pi_0-0.1": jnp.float32(1.0), "grad/norm": jnp.float32(4.0)})
+    acc.add({"mismatch/rho_mean_pi_0-0.1": jnp.float32(3.0), "grad/norm": jnp.float32(0.0)})
     out = acc.compute()
-    assert out == {"grad/norm": 2.0, "mismatch/rho_std": 2.0}
+    assert out == {"grad/norm": 2.0, "mismatch/rho_mean_pi_0-0.1": 2.0}
     assert acc.compute() == {}
 
 

@@ -1,0 +1,82 @@
+"""Multi-host JAX: one trainer process per host, the same loop on every process.
+
+On a TPU pod or a multi-node GPU job every host runs `jaxrl-mismatch train`; `initialize` calls
+`jax.distributed.initialize()` (which reads the cluster from the environment: TPU metadata, SLURM,
+or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). Process 0 talks to the rollout
+server; the rollout batch is broadcast to every process, which then places its own shards. On one
+host all of this reduces to plain calls.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+_ENV_HINTS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_NUM_NODES", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def initialize(mode: str) -> bool:
+    """`always`: initialise; `auto`: only when the environment describes a multi-process job; `never`."""
+    if mode == "never":
+        return False
+    if mode == "auto":
+        hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+        multi = (os.environ.get("JAX_COORDINATOR_ADDRESS") or int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) > 1
+                 or "," in hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+        if not multi:
+            return False
+    jax.distributed.initialize()
+    return True
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The full value of a (possibly multi-host sharded) array on this host."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def gather_params(params: Any) -> Any:
+    """Params as host-complete arrays (weight push and HF export need every tensor whole)."""
+    if jax.process_count() == 1:
+        return params
+    return jax.tree_util.tree_map(to_host, params)
+
+
+_DTYPES = (np.int32, np.float32)
+
+
+def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], dict[str, float]]],
+                  keys: tuple[str, ...], stat_keys: tuple[str, ...]):
+    """Run `fn` (the rollout) on process 0 and broadcast its (arrays, scalars) result to every process.
+
+    `keys` / `stat_keys` fix the order on every process. Shapes change from step to step (bucketed
+    lengths), so a header of shapes and dtypes is broadcast first; `broadcast_one_to_all` needs
+    identically shaped inputs on all processes.
+    """
+    if jax.process_count() == 1:
+        return fn()
+    from jax.experimental import multihost_utils
+
+    arrays, stats = fn() if is_lead else ({}, {})
+    header = np.zeros((len(keys), 3), np.int32)
+    if is_lead:
+        for i, k in enumerate(keys):
+            a = arrays[k]
+            if a.ndim != 2 or a.dtype not in _DTYPES:
+                raise ValueError(f"rollout array {k!r}: need a 2-d int32/float32 array, got {a.dtype}{a.shape}")
+            header[i] = (a.shape[0], a.shape[1], _DTYPES.index(a.dtype.type))
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
+    out = {}
+    for i, k in enumerate(keys):
+        rows, cols, code = (int(v) for v in header[i])
+        local = arrays[k] if is_lead else np.zeros((rows, cols), _DTYPES[code])
+        out[k] = np.asarray(multihost_utils.broadcast_one_to_all(local))
+    vec = np.array([stats.get(k, np.nan) for k in stat_keys] if is_lead else [0.0] * len(stat_keys), np.float32)
+    vec = np.asarray(multihost_utils.broadcast_one_to_all(vec))
+    return out, {k: float(v) for k, v in zip(stat_keys, vec)}
