@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import sys
 from typing import Sequence
 
@@ -43,6 +44,10 @@ def _warmstart(c) -> None:
         raise SystemExit(f"train: warm start failed (exit {rc})")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -63,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxrl_mismatch.train.loop import RolloutFailure, Trainer
 
     trainer = Trainer(c)
+    # SIGTERM (a scheduler's preemption, `kill`) unwinds like Ctrl-C so that `finally` stops the rollout
+    # server and flushes pending checkpoint writes; the run resumes from its last checkpoint.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = trainer.run()
     except RolloutFailure as e:

@@ -16,6 +16,22 @@ import sys
 import time
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM the server when the trainer process dies, even by SIGKILL.
+
+    The server runs in its own session (so a Ctrl-C in the trainer's terminal reaches only the trainer,
+    which then stops the server gracefully); without this, a killed trainer would leave it orphaned.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not glibc Linux: fall back to the trainer's own stop()/atexit
+        pass
+
+
 class ServerStartError(RuntimeError):
     """The rollout server subprocess exited or did not become ready; the message quotes its log."""
 
@@ -62,7 +78,8 @@ class ManagedServer:
         log = open(self.log_path, "a")
         log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
         log.flush()
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         log.close()
         self.starts += 1
         deadline = time.monotonic() + self.startup_timeout_s
