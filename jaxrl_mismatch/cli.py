@@ -15,6 +15,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("jaxrl_mismatch.rollout.server", "main", "start a gRPC rollout server (jax or vllm engine)"),
     "report": ("jaxrl_mismatch.report.plot", "main", "write a PNG report of a run directory"),
     "warmstart": ("jaxrl_mismatch.data.warmstart", "main", "supervised warm start of the tiny demo policy"),
+    "perfectible": ("jaxrl_mismatch.train.perfectible_run", "main", "keep prompts the initial policy solves 20-80% of the time"),
 }
 
 

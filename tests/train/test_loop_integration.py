@@ -184,3 +184,22 @@ def test_loop_runs_with_the_vllm_engine(tmp_path_factory, tmp_path):
         # vLLM fp32 vs our fp32 trainer: measured ≲1e-5 per token (docs/rollout.md).
         assert r["mismatch/log_ppl_abs_diff"] < 1e-3
     assert [r["rollout/weight_version"] for r in steps] == [1.0, 2.0]
+
+
+@pytest.mark.slow
+def test_perfectible_keeps_prompts_in_the_accuracy_band(base_model, tmp_path):
+    """A real policy behind a real server: the [lo, hi] run keeps exactly the prompts whose accuracy in the
+    unfiltered run (same seeds, so the same samples) lies in the band."""
+    from jaxrl_mismatch.train.perfectible_run import main as perfectible
+
+    read_records = read_jsonl
+
+    common = ["--model", str(base_model), "--num", "12", "--k", "4", "--max-tokens", "24", "--temperature", "1.5"]
+    assert perfectible([*common, "--lo", "0", "--hi", "1", "--out", str(tmp_path / "all.jsonl")]) == 0
+    everything = read_records(str(tmp_path / "all.jsonl"))
+    assert len(everything) == 12
+    assert all(r["initial_accuracy"] * 4 == int(r["initial_accuracy"] * 4) for r in everything)
+    assert perfectible([*common, "--lo", "0.25", "--hi", "0.75", "--out", str(tmp_path / "band.jsonl")]) == 0
+    band = read_records(str(tmp_path / "band.jsonl"))
+    expected = [r["prompt_text"] for r in everything if 0.25 <= r["initial_accuracy"] <= 0.75]
+    assert [r["prompt_text"] for r in band] == expected
