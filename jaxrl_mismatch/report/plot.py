@@ -21,13 +21,26 @@ from jaxrl_mismatch.train.observe import read_jsonl  # noqa: E402
 # (title, metric names tried in order, y scale)
 PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("train reward", ("reward/mean",), "linear"),
-    ("validation accuracy (avg@k)", ("val/accuracy",), "linear"),
+    ("validation accuracy (avg@k, greedy)", ("val/accuracy",), "linear"),
     ("log_ppl_abs_diff (mismatch indicator)", ("mismatch/log_ppl_abs_diff",), "log"),
     ("ρ std (token ratio π/μ)", ("mismatch/rho_std",), "log"),
     ("grad norm / response length", ("grad/norm_clipped_per_token", "grad/norm"), "log"),
     ("mean response length", ("length/mean",), "linear"),
     ("learning rate", ("lr",), "log"),
 )
+
+
+_SMOOTHED = ("reward/mean", "grad/norm_clipped_per_token", "grad/norm", "mismatch/log_ppl_abs_diff", "mismatch/rho_std")
+
+
+def _moving_average(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
 
 
 def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
@@ -62,7 +75,17 @@ def make_report(run_dir: str, out: str | None = None) -> str:
             continue
         xs, ys = _series(records, name)
         marker = "o" if len(xs) < 30 else None
-        ax.plot(xs, ys, marker=marker, lw=1.5)
+        if name in _SMOOTHED and len(ys) >= 20:
+            # Per-step values are noisy (one rollout batch each): show them faintly under a moving average.
+            ax.plot(xs, ys, lw=0.8, alpha=0.35)
+            ax.plot(xs, _moving_average(ys, 10), lw=2.0, label="10-step mean")
+            ax.legend(fontsize=8)
+        else:
+            ax.plot(xs, ys, marker=marker, lw=1.5, label=name)
+        if name == "val/accuracy" and _series(records, "val/greedy_accuracy")[0]:
+            gx, gy = _series(records, "val/greedy_accuracy")
+            ax.plot(gx, gy, marker=marker, lw=1.5, ls="--", label="val/greedy_accuracy")
+            ax.legend(fontsize=8)
         if scale == "log" and min(ys) > 0:
             ax.set_yscale("log")
         if name == "length/mean" and surge_step is not None:
