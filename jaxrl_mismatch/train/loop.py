@@ -157,7 +157,13 @@ class Trainer:
         if not self.is_lead:
             return
         if r.address:
-            token = open(r.token_file).read().strip() if r.token_file else os.environ.get("JAXRL_ROLLOUT_TOKEN")
+            token = os.environ.get("JAXRL_ROLLOUT_TOKEN")
+            if r.token_file:
+                with open(r.token_file) as f:
+                    token = f.read().strip()
+            if not token:
+                raise ValueError("config.rollout.token_file: an external rollout server (rollout.address) needs the "
+                                 "shared token for weight pushes; set rollout.token_file or $JAXRL_ROLLOUT_TOKEN")
             target = r.address
         else:
             self.server = ManagedServer(engine=r.engine, model_dir=self.c.model.path, dtype=r.dtype,
