@@ -203,3 +203,52 @@ def test_perfectible_keeps_prompts_in_the_accuracy_band(base_model, tmp_path):
     band = read_records(str(tmp_path / "band.jsonl"))
     expected = [r["prompt_text"] for r in everything if 0.25 <= r["initial_accuracy"] <= 0.75]
     assert [r["prompt_text"] for r in band] == expected
+
+
+@pytest.mark.slow
+def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishes(base_model, tmp_path):
+    """An external server that dies and stays down: the run checkpoints the last finished step, raises a
+    message that says how to resume, and a rerun (server back) continues without losing a step."""
+    import threading
+    import time
+
+    from jaxrl_mismatch.train.loop import RolloutFailure, Trainer
+    from jaxrl_mismatch.train.server_proc import ManagedServer
+
+    server = ManagedServer(engine="jax", model_dir=str(base_model), dtype="float32", work_dir=str(tmp_path / "srv"))
+    server.start()
+    run_dir = tmp_path / "run"
+    c = tiny_config(base_model, run_dir, address=server.address, token_file=server.token_file)
+    c.steps = 4
+    c.checkpoint.every = 100  # only the failure path and the end write checkpoints
+
+    def kill_after_first_step():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= 0 for r in read_jsonl(str(run_dir / "metrics.jsonl"))):
+                server.stop(grace_s=0)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    t = Trainer(c)
+    try:
+        with pytest.raises(RolloutFailure, match=r"resumable checkpoint of step (\d+).*rerun the same command") as err:
+            t.run()
+    finally:
+        t.close()
+    killer.join(timeout=10)
+    done = int(__import__("re").search(r"checkpoint of step (\d+)", str(err.value)).group(1))
+    assert done >= 1
+    steps_logged = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
+    assert steps_logged == list(range(done))  # every finished step was logged and checkpointed
+
+    server.start()  # the operator brings the server back (same port), then reruns the same command
+    try:
+        summary = _run(c)
+    finally:
+        server.stop()
+    assert (summary["start_step"], summary["end_step"]) == (done, 4)
+    steps_logged = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
+    assert steps_logged == [0, 1, 2, 3]
