@@ -86,7 +86,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
             gx, gy = _series(records, "val/greedy_accuracy")
             ax.plot(gx, gy, marker=marker, lw=1.5, ls="--", label="val/greedy_accuracy")
             ax.legend(fontsize=8)
-        if scale == "log" and min(ys) > 0:
+        if scale == "log" and min(ys) > 0 and max(ys) > min(ys):
             ax.set_yscale("log")
         if name == "length/mean" and surge_step is not None:
             ax.axvline(surge_step, color="red", ls="--", label=f"surge detected (step {int(surge_step)})")

@@ -305,11 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-completion-tokens", type=int, default=Limits.max_request_completion_tokens)
     p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
     p.add_argument("--grace-s", type=float, default=5.0, help="grace period for in-flight calls on shutdown")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop when the launching process exits (a trainer's managed server must not outlive it)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    parent = os.getppid() if args.exit_with_parent else None
     token = read_token(args.token_file)
     limits = Limits(
         max_request_prompt_tokens=args.max_request_prompt_tokens,
@@ -332,7 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     _announce(READY_PREFIX, {**base, "server_id": server.servicer.server_id, "vocab_size": info.vocab_size,
                              "weight_version": info.weight_version}, args.ready_file)
     while not server.stop_event.wait(0.5):
-        pass
+        # Reparenting means the launcher died (even by SIGKILL, when it could not stop us itself).
+        if parent is not None and os.getppid() != parent:
+            print(f"serve: parent process {parent} exited", flush=True)
+            break
     print("serve: stopping", flush=True)
     server.stop(args.grace_s)
     return 0

@@ -16,22 +16,6 @@ import sys
 import time
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGTERM the server when the trainer process dies, even by SIGKILL.
-
-    The server runs in its own session (so a Ctrl-C in the trainer's terminal reaches only the trainer,
-    which then stops the server gracefully); without this, a killed trainer would leave it orphaned.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not glibc Linux: fall back to the trainer's own stop()/atexit
-        pass
-
-
 class ServerStartError(RuntimeError):
     """The rollout server subprocess exited or did not become ready; the message quotes its log."""
 
@@ -69,7 +53,7 @@ class ManagedServer:
             os.remove(self.ready_file)
         args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", "--engine", self.engine, "--model", self.model_dir,
                 "--dtype", self.dtype, "--port", str(self.port), "--token-file", self.token_file,
-                "--ready-file", self.ready_file]
+                "--ready-file", self.ready_file, "--exit-with-parent"]
         if self.max_model_len:
             args += ["--max-model-len", str(self.max_model_len)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -78,8 +62,9 @@ class ManagedServer:
         log = open(self.log_path, "a")
         log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
         log.flush()
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        # Own session: a Ctrl-C in the trainer's terminal reaches only the trainer, which then stops the
+        # server gracefully; --exit-with-parent covers a trainer killed outright.
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.starts += 1
         deadline = time.monotonic() + self.startup_timeout_s
