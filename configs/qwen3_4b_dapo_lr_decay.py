@@ -43,6 +43,7 @@ def get_config():
     c.trainer.fp32_lm_head = True
     c.trainer.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
     c.trainer.chunk_size = 1024
+    c.trainer.remat = True  # 8k-token responses: recompute block activations in the backward pass
 
     c.optim.lr = 1e-6
     c.optim.weight_decay = 0.01

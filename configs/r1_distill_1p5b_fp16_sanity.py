@@ -40,6 +40,7 @@ def get_config():
     c.trainer.precision = "fp16"  # FP16 compute with dynamic loss scaling; float32 master weights
     c.trainer.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
     c.trainer.chunk_size = 1024
+    c.trainer.remat = True  # 8k-token responses: recompute block activations in the backward pass
 
     c.optim.lr = 1e-6
     c.optim.max_grad_norm = 1.0

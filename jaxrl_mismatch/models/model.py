@@ -202,6 +202,11 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, policy, rngs, dtype=policy.logits_dtype)
+        # Recompute each block's activations in the backward pass instead of storing them (training forward
+        # only; `forward_cached` is never differentiated). Trades ~1/3 more FLOPs for activation memory
+        # that no longer grows with depth on GPU/TPU — long-context RL on 4B+ models needs it. (XLA:CPU
+        # reports no memory change for jax.checkpoint at all, so the saving is not measurable here.)
+        self.remat = False
 
     def __call__(
         self,
@@ -238,6 +243,15 @@ class Transformer(nnx.Module):
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed(input_ids)
         new_kv = []
+        if kv is None and self.remat:
+            for layer in self.layers:
+                graphdef, state = nnx.split(layer)
+
+                def block(state, h, graphdef=graphdef):
+                    return nnx.merge(graphdef, state)(h, positions, mask, inv_freq)[0]
+
+                x = jax.checkpoint(block)(state, x)
+            return self.final_norm(x), None
         for i, layer in enumerate(self.layers):
             x, layer_kv = layer(x, positions, mask, inv_freq, None if kv is None else kv[i], index)
             new_kv.append(layer_kv)

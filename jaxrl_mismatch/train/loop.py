@@ -79,6 +79,7 @@ class Trainer:
         self.model_cfg, model = load_hf(c.model.path, policy=self.policy, mesh=self.mesh)
         self.tok = load_tokenizer(c.model.path)
         self.tok.check_model_vocab(self.model_cfg.vocab_size)
+        model.remat = bool(c.trainer.remat)
         graphdef, params = split_model(model)
         # -- optimizer, objective, step --------------------------------------------------------------
         opt = make_optimizer(c.optim.name, learning_rate=build_schedule(c.optim), max_grad_norm=c.optim.max_grad_norm,

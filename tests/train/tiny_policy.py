@@ -47,7 +47,7 @@ def synthetic_batch(batch: int = 8, seq: int = 16, prompt_len: int = 5, seed: in
 
 
 def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=1, lr=1e-2, seed=0,
-          objective=None, max_grad_norm=1.0):
+          objective=None, max_grad_norm=1.0, remat=False):
     """(mesh, graphdef, state, update, old_logprobs) on the requested mesh."""
     import jax
 
@@ -55,6 +55,7 @@ def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=
     mesh = make_mesh(mesh_axes or {"data": -1}, devices=devices)
     pol = precision.policy(policy_name, param_dtype="float32")
     model = Transformer(tiny_config(), pol, rngs=nnx.Rngs(seed))
+    model.remat = remat
     graphdef, params = split_model(model)
     opt = make_optimizer("adamw", learning_rate=lr, max_grad_norm=max_grad_norm)
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol), seed=seed), mesh)
