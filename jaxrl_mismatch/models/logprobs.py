@@ -24,8 +24,12 @@ def token_logprobs(
     attention_mask: Int[Array, "batch seq"],
     *,
     chunk_size: int = 256,
+    temperature: float = 1.0,
 ) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
     """(log π(targets[b,t] | input_ids[b,:t+1]), entropy of π(· | input_ids[b,:t+1])), float32 [B, S].
+
+    `temperature` scores the distribution softmax(logits / T) — the one an engine sampling at T drew from
+    — so that an RL trainer's π and the engine's μ describe the same distribution.
 
     Callers pass `input_ids = tokens[:, :-1]`, `targets = tokens[:, 1:]` and the input's attention
     mask. Values at padded input positions (attention_mask == 0) are 0, so they never leak into a
@@ -33,7 +37,7 @@ def token_logprobs(
     precision policy controls); the gather and the entropy sum are in float32.
     """
     hidden = model(input_ids, positions_from_mask(attention_mask), attention_mask)
-    return logprobs_from_hidden(model, hidden, targets, attention_mask, chunk_size=chunk_size)
+    return logprobs_from_hidden(model, hidden, targets, attention_mask, chunk_size=chunk_size, temperature=temperature)
 
 
 def logprobs_from_hidden(
@@ -43,8 +47,11 @@ def logprobs_from_hidden(
     attention_mask: Int[Array, "batch seq"],
     *,
     chunk_size: int = 256,
+    temperature: float = 1.0,
 ) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
     """The LM-head part of `token_logprobs`, for callers that already have the final hidden states."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature!r}")
     b, s, d = hidden.shape
     c = max(1, min(chunk_size, s))
     n = -(-s // c)
@@ -60,6 +67,8 @@ def logprobs_from_hidden(
     @jax.checkpoint
     def chunk(state, h, t):
         logits = nnx.merge(graphdef, state).logits(h)
+        if temperature != 1.0:
+            logits = logits / jnp.asarray(temperature, logits.dtype)
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         logp = jnp.take_along_axis(logp_all, t[:, :, None], axis=-1)[:, :, 0].astype(jnp.float32)
         logp_all = logp_all.astype(jnp.float32)

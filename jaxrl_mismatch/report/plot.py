@@ -54,7 +54,7 @@ def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
 
 
 def make_report(run_dir: str, out: str | None = None) -> str:
-    """Render `<run_dir>/metrics.jsonl` (+ `val.jsonl` if present) to a PNG; returns its path."""
+    """Render `<run_dir>/metrics.jsonl` to a PNG; returns its path."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics.jsonl in run directory {run_dir!r}")

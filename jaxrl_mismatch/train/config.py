@@ -46,12 +46,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.dtype = "float32"  # rollout precision: float32 | bfloat16 | float16 (separate from the trainer's)
     c.rollout.group_size = 8  # samples per prompt (GRPO group)
     c.rollout.max_tokens = 64  # max response tokens
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
-    c.rollout.top_k = 0  # 0 = off
+    c.rollout.temperature = 1.0  # the trainer scores π at the same temperature (softmax(logits / T))
+    c.rollout.top_p = 1.0  # must stay 1.0 for training rollouts (see validate)
+    c.rollout.top_k = 0  # must stay 0 (off) for training rollouts
     c.rollout.max_model_len = 0  # 0 = the model's max_position_embeddings
     c.rollout.startup_timeout_s = 600.0
     c.rollout.generate_timeout_s = 1800.0
+    c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
     c.rollout.restart_on_failure = True  # managed server died: restart it and continue
 
     c.batch = ml_collections.ConfigDict()
@@ -163,11 +164,35 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path}: must be a number >= 0, got {v!r}")
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
-    if not c.rollout.temperature >= 0:
-        raise ConfigError(f"config.rollout.temperature: must be >= 0, got {c.rollout.temperature!r}")
-    if not 0 < c.rollout.top_p <= 1:
-        raise ConfigError(f"config.rollout.top_p: must be in (0, 1], got {c.rollout.top_p!r}")
-    if c.rollout.group_size < 2 and c.objective.advantages in ("grpo", "drgrpo", "rloo"):
+    if not c.rollout.temperature >= 1e-5:
+        raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
+                          f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")
+    # With top-p / top-k the engine's log-probs are renormalised over the kept tokens while the trainer's
+    # recompute covers the whole vocabulary: ρ = π/μ would be biased (TRL #6789). Refuse rather than
+    # report a mismatch that is an artefact of the sampler (rollout/sampling.py has the processing for
+    # consumers that want to compare the processed distributions).
+    if c.rollout.top_p != 1.0:
+        raise ConfigError(f"config.rollout.top_p: must be 1.0 for training rollouts (got {c.rollout.top_p!r}); "
+                          "top-p renormalised log-probs would bias ρ = π/μ")
+    if c.rollout.top_k != 0:
+        raise ConfigError(f"config.rollout.top_k: must be 0 for training rollouts (got {c.rollout.top_k!r}); "
+                          "top-k renormalised log-probs would bias ρ = π/μ")
+    from jaxrl_mismatch.rollout.validation import Limits
+
+    limit = Limits().max_request_completion_tokens
+    for what, n in (("rollout.group_size", c.rollout.group_size), ("eval.k", c.eval.k)):
+        if n * c.rollout.max_tokens > limit:
+            raise ConfigError(f"config.{what}: {n} samples × rollout.max_tokens {c.rollout.max_tokens} exceed one "
+                              f"Generate request's {limit} completion tokens")
+    if not c.eval.temperature >= 0:
+        raise ConfigError(f"config.eval.temperature: must be >= 0 (0 = greedy), got {c.eval.temperature!r}")
+    if not 0 < c.diagnostics.weight_distortion_pi_low <= 1:
+        raise ConfigError("config.diagnostics.weight_distortion_pi_low: must be in (0, 1], got "
+                          f"{c.diagnostics.weight_distortion_pi_low!r}")
+    for path in ("rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.startup_timeout_s"):
+        if not _get(c, path) > 0:
+            raise ConfigError(f"config.{path}: must be > 0, got {_get(c, path)!r}")
+    if c.rollout.group_size < 2:
         raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
     if not c.model.path and not c.model.warmstart_if_missing:
         raise ConfigError("config.model.path: empty; point it to a local HF checkpoint directory")
@@ -198,6 +223,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         build_schedule(c.optim)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.optim.schedule_kwargs: {e}") from None
+    try:
+        build_optimizer(c.optim)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.optim: {e}") from None
     if c.controller.name != "none" and c.controller.name not in CONTROLLERS:
         raise ConfigError(
             f"config.controller.name: unknown controller {c.controller.name!r}; valid: ['none'] + {sorted(CONTROLLERS)}"
@@ -236,3 +265,12 @@ def build_schedule(optim: ml_collections.ConfigDict):
         warm = linear_warmup_schedule(peak_value=float(optim.lr), warmup_steps=int(optim.warmup_steps))
         sched = optax.join_schedules([warm, after], [int(optim.warmup_steps)])
     return sched
+
+
+def build_optimizer(optim: ml_collections.ConfigDict):
+    """The Optax chain of `config.optim`, passing each optimizer only the hyperparameters it takes."""
+    from jaxrl_mismatch.schedules import OPTIMIZERS, make_optimizer
+
+    accepted = OPTIMIZERS[optim.name][1]
+    hparams = {k: optim[k] for k in accepted if k in optim}
+    return make_optimizer(optim.name, learning_rate=build_schedule(optim), max_grad_norm=optim.max_grad_norm, **hparams)

@@ -51,19 +51,63 @@ def gather_params(params: Any) -> Any:
 _DTYPES = (np.int32, np.float32)
 
 
+class LeadFailure(RuntimeError):
+    """Process 0 failed in a step only it performs (rollout, push, eval); raised on every process so that
+    all of them take the same error path (a collective checkpoint save) instead of deadlocking."""
+
+
+def _broadcast_ok(ok: bool) -> bool:
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.array([1 if ok else 0], np.int32)))[0])
+
+
+def on_lead(is_lead: bool, fn: Callable[[], dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+    """Run `fn` on process 0 only (it returns scalars named by `keys`) and give every process the result.
+
+    A failure on process 0 is re-raised there and raised as `LeadFailure` on the others.
+    """
+    if jax.process_count() == 1:
+        return fn()
+    from jax.experimental import multihost_utils
+
+    out, error = {}, None
+    if is_lead:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
+            error = e
+    if not _broadcast_ok(error is None):
+        if error is not None:
+            raise error
+        raise LeadFailure("process 0 failed (see its log)")
+    vec = np.array([out.get(k, np.nan) for k in keys] if is_lead else [0.0] * len(keys), np.float32)
+    vec = np.asarray(multihost_utils.broadcast_one_to_all(vec))
+    return out if is_lead else {k: float(v) for k, v in zip(keys, vec) if np.isfinite(v)}
+
+
 def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], dict[str, float]]],
                   keys: tuple[str, ...], stat_keys: tuple[str, ...]):
     """Run `fn` (the rollout) on process 0 and broadcast its (arrays, scalars) result to every process.
 
     `keys` / `stat_keys` fix the order on every process. Shapes change from step to step (bucketed
     lengths), so a header of shapes and dtypes is broadcast first; `broadcast_one_to_all` needs
-    identically shaped inputs on all processes.
+    identically shaped inputs on all processes. A failure on process 0 reaches every process.
     """
     if jax.process_count() == 1:
         return fn()
     from jax.experimental import multihost_utils
 
-    arrays, stats = fn() if is_lead else ({}, {})
+    arrays, stats, error = {}, {}, None
+    if is_lead:
+        try:
+            arrays, stats = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
+            error = e
+    if not _broadcast_ok(error is None):
+        if error is not None:
+            raise error
+        raise LeadFailure("process 0 failed to produce the rollout batch (see its log)")
     header = np.zeros((len(keys), 3), np.int32)
     if is_lead:
         for i, k in enumerate(keys):

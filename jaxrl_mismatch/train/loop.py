@@ -31,11 +31,11 @@ from jaxrl_mismatch.objectives import (
     variance_weights,
     weight_distortion,
 )
-from jaxrl_mismatch.rollout import RolloutClient, RolloutError, SamplingSpec
-from jaxrl_mismatch.schedules import get_lr, make_controller, make_optimizer, set_lr_scale
+from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutClient, RolloutError, SamplingSpec
+from jaxrl_mismatch.schedules import get_lr, make_controller, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.checkpoint import Checkpointer, abstract_state_of
-from jaxrl_mismatch.train.config import build_schedule, validate
+from jaxrl_mismatch.train.config import build_optimizer, validate
 from jaxrl_mismatch.train.objective import PolicyObjective
 from jaxrl_mismatch.train.observe import RunWriter, StepAccumulator
 from jaxrl_mismatch.train.rollouts import BATCH_KEYS, STAT_KEYS, collect, evaluate, to_train_batch
@@ -60,7 +60,6 @@ def _task_options(c: ml_collections.ConfigDict, model_dir: str, split: str, n: i
         if os.path.exists(path):
             with open(path) as f:
                 spec = json.load(f).get("spec", {})
-        spec.pop("name", None)
         return {"n": n, "seed": c.seed, **spec}
     return {"files": c.task.files.to_dict(), "data_dir": c.task.data_dir or os.path.join(c.run_dir, "tfds")}
 
@@ -82,22 +81,28 @@ class Trainer:
         model.remat = bool(c.trainer.remat)
         graphdef, params = split_model(model)
         # -- optimizer, objective, step --------------------------------------------------------------
-        opt = make_optimizer(c.optim.name, learning_rate=build_schedule(c.optim), max_grad_norm=c.optim.max_grad_norm,
-                             b1=c.optim.b1, b2=c.optim.b2, eps=c.optim.eps,
-                             **({"weight_decay": c.optim.weight_decay} if c.optim.name == "adamw" else {}))
+        opt = build_optimizer(c.optim)
         overrides = c.objective.overrides.to_dict()
         self.obj_cfg = objective_config(c.objective.preset, **overrides)
         objective = PolicyObjective(
             cfg=self.obj_cfg,
-            metrics_cfg=MetricsConfig(eps_low=self.obj_cfg.eps_low, eps_high=self.obj_cfg.eps_high,
-                                      tis_cap=self.obj_cfg.correction_cap),
+            # The correction/* fractions are measured against the bounds the objective really uses.
+            metrics_cfg=MetricsConfig(
+                eps_low=self.obj_cfg.eps_low, eps_high=self.obj_cfg.eps_high, tis_cap=self.obj_cfg.correction_cap,
+                mask_low=self.obj_cfg.correction_low, mask_high=self.obj_cfg.correction_cap,
+                **({"phi_delta": c.diagnostics.weight_distortion_delta,
+                    "phi_pi_low": c.diagnostics.weight_distortion_pi_low}
+                   if c.diagnostics.weight_distortion_delta >= 0 else {})),
             kl_coef=c.objective.kl_coef, entropy_coef=c.objective.entropy_coef,
         )
         rows = c.batch.prompts_per_step * c.rollout.group_size
         self.mb_rows = rows // c.batch.minibatches
+        # π is scored at the rollout temperature: the distribution μ actually sampled from.
         self.update_fn = make_update_fn(graphdef, opt, objective, num_microbatches=c.batch.microbatches,
-                                        max_grad_norm=c.optim.max_grad_norm, chunk_size=c.trainer.chunk_size)
-        self.old_logprobs = make_old_logprobs(graphdef, self.mesh, chunk_size=c.trainer.chunk_size)
+                                        max_grad_norm=c.optim.max_grad_norm, chunk_size=c.trainer.chunk_size,
+                                        temperature=c.rollout.temperature)
+        self.old_logprobs = make_old_logprobs(graphdef, self.mesh, chunk_size=c.trainer.chunk_size,
+                                              temperature=c.rollout.temperature)
         self.state = place_state(init_state(params, opt, precision.loss_scale_for(self.policy), seed=c.seed), self.mesh)
         self.ref_params = jax.tree_util.tree_map(jnp.copy, self.state.params) if c.objective.kl_coef else None
         self.update = None  # jitted on the first batch (needs its layout)
@@ -110,6 +115,9 @@ class Trainer:
         val = self.task.load(c.task.val_split, **_task_options(c, c.model.path, c.task.val_split, c.task.num_val))
         if not train or not val:
             raise ValueError(f"task {c.task.name!r}: empty split (train {len(train)}, validation {len(val)})")
+        # Tokenise every training prompt now: a prompt over max_prompt_len fails at start-up, not at step 900.
+        ids = self._tokenize([r["prompt_text"] for r in train])
+        train = [{"prompt_ids": p, "answer": r["answer"]} for p, r in zip(ids, train)]
         self.prompts = PromptIterator(train, c.batch.prompts_per_step, seed=c.seed)
         self.val_records = val[: c.task.num_val]
         self.val_ids = self._tokenize([r["prompt_text"] for r in self.val_records])
@@ -120,6 +128,8 @@ class Trainer:
         self.server: ManagedServer | None = None
         self.client: RolloutClient | None = None
         self.writer: RunWriter | None = None
+        self.stop_requested = False  # set by a signal handler; honoured between steps
+        self._unwritten: tuple[int, dict] | None = None  # a finished step's record not yet written
 
     # -- helpers -------------------------------------------------------------------------------------
     def _tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -130,7 +140,12 @@ class Trainer:
 
     def _next_prompts(self) -> tuple[list[list[int]], list[str]]:
         recs = self.prompts.next_batch()
-        return self._tokenize([r["prompt_text"] for r in recs]), [r["answer"] for r in recs]
+        return [r["prompt_ids"] for r in recs], [r["answer"] for r in recs]
+
+    def _seed(self, purpose: str, *extra: int) -> int:
+        """Independent seeds per purpose and step (rollouts, eval, injected noise never share a stream)."""
+        tag = int.from_bytes(purpose.encode()[:8].ljust(8, b"\0"), "little")
+        return int(np.random.SeedSequence([self.c.seed, tag, self.step, *extra]).generate_state(1, np.uint64)[0] >> 2)
 
     def _hf_weights(self) -> dict[str, np.ndarray]:
         return params_to_hf(distributed.gather_params(self.state.params), self.model_cfg)
@@ -171,14 +186,18 @@ class Trainer:
                                         work_dir=self.c.run_dir, max_model_len=r.max_model_len,
                                         startup_timeout_s=r.startup_timeout_s)
             target, token = self.server.start(), self.server.token
-        self.client = RolloutClient(target, token=token, generate_timeout_s=r.generate_timeout_s,
-                                    wait_ready_s=r.startup_timeout_s, max_staleness=0)
+        self.client = RolloutClient(target, token=token, timeout_s=r.push_timeout_s,
+                                    generate_timeout_s=r.generate_timeout_s, wait_ready_s=r.startup_timeout_s,
+                                    max_staleness=0)
         self.client.check_compatible(architecture=self.model_cfg.architecture, vocab_size=self.model_cfg.vocab_size,
                                      tokenizer_vocab_size=self.tok.vocab_size)
-        self.client.set_weights_provider(lambda: (self.weight_version, self._hf_weights()))
+        # After a server restart the client re-pushes the last weights it pushed (it holds them).
 
     def _restore(self) -> None:
-        latest = self.ckpt.latest_step() if self.c.resume else None
+        latest = self.ckpt.latest_step()
+        if latest is not None and not self.c.resume:
+            raise ValueError(f"config.resume is False but {self.ckpt.directory} holds checkpoints (latest step "
+                             f"{latest}); use a new run_dir or move them aside")
         if latest is None:
             return
         state, meta = self.ckpt.restore(latest, abstract_state=abstract_state_of(self.state))
@@ -190,18 +209,27 @@ class Trainer:
         self.weight_version = int(meta["weight_version"])
         log.info("resumed from step %d (weight version %d)", self.step, self.weight_version)
 
-    def _sync_weights_after_restore(self) -> None:
-        """The server holds the base checkpoint (or newer weights of the crashed run): push ours, versioned."""
-        if self.step == 0 or not self.is_lead:
-            return
-        server_version = self.client.info().weight_version
-        self.weight_version = max(self.weight_version, server_version) + 1
-        self._rollout_call("UpdateWeights", lambda: self.client.push_weights(self._hf_weights(), self.weight_version))
+    def _sync_weights(self) -> None:
+        """Push the trainer's weights once at connect time, as a version above anything the server has seen.
 
-    def _save(self) -> None:
+        A fresh managed server holds the base checkpoint (version 0), a reused external server may hold a
+        previous run's weights at a higher version, a resumed run has newer params than either: one push
+        covers all three, and leaves the client holding a version >= 1 to re-push after a restart.
+        """
+        weights = self._hf_weights()  # every process joins the gather (multi-host)
+
+        def push() -> dict[str, float]:
+            server_version = self.client.info().weight_version
+            version = max(self.weight_version, server_version) + 1
+            self._rollout_call("UpdateWeights", lambda: self.client.push_weights(weights, version))
+            return {"version": float(version)}
+
+        self.weight_version = int(distributed.on_lead(self.is_lead, push, ("version",))["version"])
+
+    def _save(self, data_state: dict | None = None) -> None:
         meta = {
             "step": self.step,
-            "data": self.prompts.state,
+            "data": data_state if data_state is not None else self.prompts.state,
             "controller": self.controller.state_dict() if self.controller is not None else None,
             "weight_version": self.weight_version,
             "config": self.c.to_dict(),
@@ -221,11 +249,15 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------------
     def _rollout_batch(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         c = self.c
-        seed0 = (c.seed * 1_000_003 + self.step * 101) % (1 << 62)
-        collected = self._rollout_call("Generate", lambda: collect(
-            self.client, self._next_prompts, lambda rnd: self._spec(seed0 + rnd), self._reward,
-            num_groups=c.batch.prompts_per_step, dynamic_sampling=c.batch.dynamic_sampling,
-            max_oversample_rounds=c.batch.max_oversample_rounds))
+        start = self.prompts.state
+
+        def attempt():
+            self.prompts.restore(start)  # a retry after a server restart samples the same prompts again
+            return collect(self.client, self._next_prompts, lambda rnd: self._spec(self._seed("rollout", rnd)),
+                           self._reward, num_groups=c.batch.prompts_per_step, dynamic_sampling=c.batch.dynamic_sampling,
+                           max_oversample_rounds=c.batch.max_oversample_rounds)
+
+        collected = self._rollout_call("Generate", attempt)
         tb, rewards, gids = to_train_batch(collected.groups, pad_id=self.tok.pad_id)
         seq_adv = np.asarray(compute_advantages(c.objective.advantages, jnp.asarray(rewards), jnp.asarray(gids),
                                                 c.batch.prompts_per_step))
@@ -251,7 +283,7 @@ class Trainer:
         if d.zero_mismatch:
             batch["rollout_logp"] = batch["old_logp"].copy()
         if d.inject_mismatch_scale:
-            seed = (c.seed * 7919 + self.step) % (1 << 31)
+            seed = self._seed("inject") % (1 << 31)
             batch["rollout_logp"] = np.asarray(inject_mismatch(jnp.asarray(batch["rollout_logp"]), jnp.asarray(mask),
                                                                scale=d.inject_mismatch_scale, seed=seed))
         weight = np.ones_like(mask)
@@ -259,7 +291,7 @@ class Trainer:
             weight = weight * np.asarray(weight_distortion(jnp.asarray(batch["old_logp"]), jnp.asarray(mask),
                                                            delta=d.weight_distortion_delta, pi_low=d.weight_distortion_pi_low))
         if d.variance_sigma:
-            seed = (c.seed * 104729 + self.step) % (1 << 31)
+            seed = self._seed("variance") % (1 << 31)
             weight = weight * np.asarray(variance_weights(jnp.asarray(mask), sigma=d.variance_sigma, seed=seed))
         if d.weight_distortion_delta >= 0 or d.variance_sigma:
             batch["token_weight"] = weight.astype(np.float32)
@@ -282,11 +314,12 @@ class Trainer:
         return acc.compute()
 
     def _evaluate(self) -> dict[str, float]:
+        return distributed.on_lead(self.is_lead, self._evaluate_on_lead, ("val/accuracy", "val/greedy_accuracy"))
+
+    def _evaluate_on_lead(self) -> dict[str, float]:
         c, out = self.c, {}
-        if not self.is_lead:
-            return out
         answers = [r["answer"] for r in self.val_records]
-        seed = (c.seed * 31337 + self.step) % (1 << 62)
+        seed = self._seed("eval")
         out["val/accuracy"] = self._rollout_call("Generate", lambda: evaluate(
             self.client, self.val_ids, answers, self._reward, k=c.eval.k, temperature=c.eval.temperature,
             max_tokens=c.rollout.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed))
@@ -297,7 +330,10 @@ class Trainer:
         return out
 
     def train_step(self) -> dict[str, float]:
+        """One RL step. `self.step` advances as soon as the update is applied; the record of the finished
+        step waits in `self._unwritten` until `run` writes it (also on the failure path)."""
         t0 = time.perf_counter()
+        self._step_data_start = self.prompts.state
         batch, stats = distributed.lead_computes(self.is_lead, self._rollout_batch, BATCH_KEYS, STAT_KEYS)
         t_rollout = time.perf_counter() - t0
         batch = self._add_trainer_logprobs(batch)
@@ -306,27 +342,41 @@ class Trainer:
         t_update = time.perf_counter() - t0 - t_rollout
         metrics["lr"] = float(get_lr(self.state.opt_state))
         if self.controller is not None:
+            # The controller sees step s's metrics; the scale it returns drives the next step's update.
             scale = self.controller.update(self.step, metrics)
             metrics.update({f"controller/{k}": float(v) for k, v in self.controller.metrics().items()})
             self.state = self.state.replace(opt_state=set_lr_scale(self.state.opt_state, scale, self.mesh))
         self.step += 1
-        if self.is_lead:
-            self.weight_version += 1
-            weights = self._hf_weights()
-            self._rollout_call("UpdateWeights", lambda: self.client.push_weights(weights, self.weight_version))
-        metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update,
-                        "time/step_s": time.perf_counter() - t0, "rollout/weight_version": float(self.weight_version)})
+        metrics.update({"time/rollout_s": t_rollout, "time/update_s": t_update})
+        self._unwritten = (self.step - 1, metrics)
+        weights = self._hf_weights()  # every process joins the gather (multi-host); process 0 pushes
+        version = self.weight_version + 1
+
+        def push() -> dict[str, float]:
+            self._rollout_call("UpdateWeights", lambda: self.client.push_weights(weights, version))
+            return {}
+
+        distributed.on_lead(self.is_lead, push, ())
+        self.weight_version = version
+        metrics.update({"time/step_s": time.perf_counter() - t0, "rollout/weight_version": float(version)})
         return metrics
 
     # -- the run -------------------------------------------------------------------------------------
+    def _write_pending(self) -> None:
+        if self._unwritten is not None and self.writer is not None:
+            self.writer.write(*self._unwritten)
+        self._unwritten = None
+
     def run(self) -> dict[str, Any]:
+        """Train to `config.steps`. A rollout failure that cannot be recovered, or a stop request (SIGTERM),
+        ends the run between steps with a checkpoint of the last finished step: rerunning resumes it."""
         c = self.c
         self._restore()
         self._connect()
-        self._sync_weights_after_restore()
+        self._sync_weights()
         self.writer = RunWriter(c.run_dir, resume_from_step=self.step if self.step else None,
                                 tensorboard=c.log.tensorboard) if self.is_lead else None
-        summary: dict[str, Any] = {"start_step": self.step}
+        summary: dict[str, Any] = {"start_step": self.step, "stopped_early": False}
         progress = _progress(c, self.step)
         try:
             if self.step == 0:
@@ -334,23 +384,28 @@ class Trainer:
                 summary["initial"] = first
                 if self.writer is not None:
                     self.writer.write(-1, {**first, "lr": float(get_lr(self.state.opt_state))})
-            while self.step < c.steps:
+            while self.step < c.steps and not self.stop_requested:
                 metrics = self.train_step()
                 last = self.step == c.steps
                 if (c.eval.every and self.step % c.eval.every == 0) or last:
                     metrics.update(self._evaluate())
-                if self.writer is not None:
-                    self.writer.write(self.step - 1, metrics)
+                self._write_pending()
                 progress.update(1)
                 progress.set_postfix(_postfix(metrics), refresh=False)
                 if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or last:
                     self._save()
                 summary["final"] = {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/"))}
-        except (RolloutError, ServerStartError) as e:
-            self._save()
+            if self.stop_requested and self.step < c.steps:
+                self._save()
+                summary["stopped_early"] = True
+        except (RolloutError, ServerStartError, NonFiniteLogprobsError, distributed.LeadFailure) as e:
+            # A step that failed before its update keeps the data position it started from.
+            data_state = None if self._unwritten is not None else getattr(self, "_step_data_start", None)
+            self._write_pending()
+            self._save(data_state)
             self.ckpt.wait()
             raise RolloutFailure(
-                f"rollout server failed at step {self.step}: {e}\n"
+                f"rollout failed at step {self.step}: {e}\n"
                 f"A resumable checkpoint of step {self.step} is in {os.path.join(c.run_dir, 'checkpoints')}; "
                 f"fix the server (log: {self.server.log_path if self.server else c.rollout.address}) and rerun "
                 f"the same command to resume."

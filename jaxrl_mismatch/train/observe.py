@@ -18,19 +18,39 @@ import jax
 import numpy as np
 
 
-class StepAccumulator:
-    """Averages the metrics of several update calls (PPO epochs × minibatches) into one step record.
+def reduction(name: str) -> str:
+    """How a metric combines over the updates of one step: extremes stay extremes, state is the last value."""
+    if name.endswith(("_max", "/max")):
+        return "max"
+    if name.endswith(("_min", "/min")):
+        return "min"
+    if name.startswith("loss_scale/"):
+        return "last"  # the scale and the skipped-step counter are running state, not per-update samples
+    return "mean"
 
-    A clu `Collection` of `Average` metrics is created on first use from the metric names (the step's
-    metric dict is stable), then merged per minibatch on the device and computed once per step.
+
+class StepAccumulator:
+    """Combines the metrics of several update calls (PPO epochs × minibatches) into one step record.
+
+    Means use a clu `Collection` of `Average` metrics, created on first use from the metric names (the
+    step's metric dict is stable) and merged per update; `*_max` / `*_min` metrics keep their extreme and
+    running state (`loss_scale/*`) its last value (`reduction`).
     """
 
     def __init__(self) -> None:
         self._cls = None
         self._names: tuple[str, ...] = ()
         self._acc = None
+        self._other: dict[str, float] = {}
 
     def add(self, metrics: Mapping[str, jax.Array]) -> None:
+        for n, v in metrics.items():
+            how = reduction(n)
+            if how != "mean":
+                v = float(v)
+                old = self._other.get(n)
+                self._other[n] = v if old is None or how == "last" else (max(old, v) if how == "max" else min(old, v))
+        metrics = {n: v for n, v in metrics.items() if reduction(n) == "mean"}
         names = tuple(sorted(metrics))
         if self._cls is None or names != self._names:
             if self._acc is not None:
@@ -45,12 +65,13 @@ class StepAccumulator:
         self._acc = update if self._acc is None else self._acc.merge(update)
 
     def compute(self) -> dict[str, float]:
-        """The averaged metrics as Python floats; resets the accumulator."""
-        if self._acc is None:
-            return {}
-        computed = self._acc.compute()
-        out = {n: float(computed[f"m{i}"]) for i, n in enumerate(self._names)}
-        self._acc = None
+        """The step's metrics as Python floats; resets the accumulator."""
+        out = dict(self._other)
+        self._other = {}
+        if self._acc is not None:
+            computed = self._acc.compute()
+            out.update({n: float(computed[f"m{i}"]) for i, n in enumerate(self._names)})
+            self._acc = None
         return out
 
 

@@ -18,6 +18,7 @@ from jaxrl_mismatch.data.batching import tokenize_prompts
 from jaxrl_mismatch.data.perfectible import filter_perfectible, save_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.rollout import RolloutClient, SamplingSpec
+from jaxrl_mismatch.rollout.validation import Limits
 from jaxrl_mismatch.train.server_proc import ManagedServer
 
 
@@ -79,8 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 stop_token_ids=(tok.eos_id,))
             return [[tok.decode(c.token_ids) for c in group] for group in client.generate(ids, spec)]
 
+        # As many prompts per Generate request as the server's completion-token limit allows.
+        batch = max(1, min(64, Limits().max_request_completion_tokens // (a.k * a.max_tokens)))
         kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records], sample_fn,
-                                  task.reward, k=a.k, lo=a.lo, hi=a.hi)
+                                  task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=batch)
         client.close()
     finally:
         if server is not None:

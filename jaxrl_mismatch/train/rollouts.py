@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxrl_mismatch.data.batching import TrainBatch, make_train_batch
 from jaxrl_mismatch.rollout import Completion, RolloutClient, SamplingSpec
+from jaxrl_mismatch.rollout.validation import Limits
 
 
 # Scalars `collect` reports, in a fixed order (multi-host broadcast relies on it).
@@ -38,10 +39,35 @@ class Group:
         return bool(np.ptp(self.rewards) > 0)
 
 
+def request_chunks(prompt_ids: Sequence[list[int]], spec: SamplingSpec, limits: Limits = Limits()) -> list[slice]:
+    """Split prompts into Generate requests within the server's per-request token limits.
+
+    A real run asks for more than one request may carry (64 prompts × 16 samples × 8192 tokens is 8.4M
+    completion tokens, over the default 4M and over gRPC's 64 MiB message size), so the trainer sends
+    several requests of consecutive prompts.
+    """
+    per_prompt = spec.n * spec.max_tokens
+    if per_prompt > limits.max_request_completion_tokens:
+        raise ValueError(f"one prompt asks for n × max_tokens = {per_prompt} completion tokens, over the request "
+                         f"limit {limits.max_request_completion_tokens}; lower rollout.group_size or max_tokens")
+    chunks, start, completion, prompt = [], 0, 0, 0
+    for i, p in enumerate(prompt_ids):
+        if i > start and (completion + per_prompt > limits.max_request_completion_tokens
+                          or prompt + len(p) > limits.max_request_prompt_tokens):
+            chunks.append(slice(start, i))
+            start, completion, prompt = i, 0, 0
+        completion += per_prompt
+        prompt += len(p)
+    chunks.append(slice(start, len(prompt_ids)))
+    return chunks
+
+
 def sample_groups(client: RolloutClient, prompt_ids: Sequence[list[int]], answers: Sequence[str],
                   spec: SamplingSpec, reward_fn: Callable[[list[int], str], float]) -> list[Group]:
-    """One Generate call for all prompts; score every completion with `reward_fn(token_ids, answer)`."""
-    outs = client.generate(list(prompt_ids), spec)
+    """Generate for all prompts (in as few requests as the limits allow); score every completion."""
+    outs = []
+    for chunk in request_chunks(prompt_ids, spec):
+        outs += client.generate(list(prompt_ids[chunk]), spec)
     groups = []
     for p, a, comps in zip(prompt_ids, answers, outs):
         rewards = np.array([reward_fn(c.token_ids, a) for c in comps], np.float32)

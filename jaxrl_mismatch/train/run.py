@@ -44,10 +44,6 @@ def _warmstart(c) -> None:
         raise SystemExit(f"train: warm start failed (exit {rc})")
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -63,14 +59,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxrl_mismatch.train import distributed
 
     distributed.initialize(c.distributed.initialize)
+    import jax
+
     if c.model.warmstart_if_missing:
-        _warmstart(c)
+        if jax.process_index() == 0:
+            _warmstart(c)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("warmstart")
     from jaxrl_mismatch.train.loop import RolloutFailure, Trainer
 
     trainer = Trainer(c)
-    # SIGTERM (a scheduler's preemption, `kill`) unwinds like Ctrl-C so that `finally` stops the rollout
-    # server and flushes pending checkpoint writes; the run resumes from its last checkpoint.
-    signal.signal(signal.SIGTERM, _interrupt)
+
+    # SIGTERM (a scheduler's preemption, `kill`): finish the current step, checkpoint it, stop the
+    # rollout server and exit; the same command resumes. (Interrupting mid-update would leave a donated,
+    # half-updated state behind.)
+    def request_stop(signum, frame):
+        print(f"train: signal {signum}: stopping after the current step", file=sys.stderr, flush=True)
+        trainer.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
     try:
         summary = trainer.run()
     except RolloutFailure as e:
@@ -78,11 +87,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
     finally:
         trainer.close()
+    if summary.get("stopped_early"):
+        print(f"train: stopped at step {summary['end_step']} on request; checkpoint written, rerun to resume",
+              flush=True)
+        return 0
     print(f"train: finished steps {summary['start_step']} → {summary['end_step']}", flush=True)
     for key in ("initial", "final"):
         if key in summary:
             print(f"train: {key}: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary[key].items())), flush=True)
-    if c.log.report:
+    if c.log.report and jax.process_index() == 0:
         from jaxrl_mismatch.report.plot import make_report
 
         print(f"train: report written to {make_report(c.run_dir)}", flush=True)

@@ -51,9 +51,11 @@ class Objective(Protocol):
     def metrics(self, logp: jax.Array, entropy: jax.Array, batch: Batch) -> dict[str, jax.Array]: ...
 
 
-def _forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int):
+def _forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,
+                      temperature: float = 1.0):
     model = nnx.merge(graphdef, params)
-    return token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=chunk_size)
+    return token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=chunk_size,
+                          temperature=temperature)
 
 
 def _split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
@@ -78,11 +80,17 @@ def make_update_fn(
     num_microbatches: int = 1,
     max_grad_norm: float | None = 1.0,
     chunk_size: int = 256,
+    temperature: float = 1.0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The pure update function (not yet jitted; see `jit_update`)."""
+    """The pure update function (not yet jitted; see `jit_update`).
+
+    `temperature` is the rollout sampling temperature: π is scored as softmax(logits / T), the
+    distribution μ sampled from, so ρ = π/μ compares like with like.
+    """
 
     def microbatch_loss(params, mb, normaliser, scale_state):
-        logp, entropy = _forward_logprobs(graphdef, params, mb["tokens"], mb["attention_mask"], chunk_size)
+        logp, entropy = _forward_logprobs(graphdef, params, mb["tokens"], mb["attention_mask"], chunk_size,
+                                          temperature)
         loss, aux = objective.loss(logp, entropy, mb, normaliser)
         return precision.scale_loss(scale_state, loss), (loss, aux, logp, entropy)
 
@@ -168,7 +176,7 @@ def jit_update(update_fn, state: TrainState, batch_example: Batch, mesh: Mesh):
     )
 
 
-def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 256):
+def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 256, temperature: float = 1.0):
     """Jitted teacher-forced forward giving log π(y_t|θ) (θ_old, or a reference policy's params).
 
     Returns `fn(params, tokens, attention_mask) -> (logp, entropy)`, each `[B, S-1]` float32 and sharded
@@ -177,7 +185,7 @@ def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 2
     out_sh = NamedSharding(mesh, P(("data", "fsdp"), None))
 
     def fn(params, tokens, attention_mask) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
-        return _forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size)
+        return _forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)
 
     return jax.jit(fn, out_shardings=(out_sh, out_sh))
 

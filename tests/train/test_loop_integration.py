@@ -93,7 +93,8 @@ def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path):
     lengths = [r["length/mean"] for r in steps]
     assert steps[-1]["controller/baseline"] == pytest.approx((lengths[0] + lengths[1]) / 2, rel=1e-5)
     assert steps[-1]["controller/windowed_mean"] == pytest.approx(sum(lengths) / 3, rel=1e-5)
-    assert [r["rollout/weight_version"] for r in steps] == [1.0, 2.0, 3.0]
+    # Version 1 is the connect-time push of the initial weights; each step pushes the next.
+    assert [r["rollout/weight_version"] for r in steps] == [2.0, 3.0, 4.0]
     assert "val/accuracy" in recs[0] and "val/accuracy" in steps[1] and "val/accuracy" in steps[2]
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
 
@@ -108,7 +109,7 @@ def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path):
     # The restored controller's window spans the resume: step 3 averages the lengths of steps 1-3.
     assert steps[3]["controller/windowed_mean"] == pytest.approx(
         sum(r["length/mean"] for r in steps[1:4]) / 3, rel=1e-5)
-    # Versions keep increasing after the resume push (the restarted server began at version 0).
+    # Versions keep increasing after the resume push (the new managed server began at version 0).
     versions = [r["rollout/weight_version"] for r in steps]
     assert versions == sorted(versions) and len(set(versions)) == 5
     from jaxrl_mismatch.train.checkpoint import Checkpointer
@@ -183,7 +184,7 @@ def test_loop_runs_with_the_vllm_engine(tmp_path_factory, tmp_path):
         assert _finite(r["reward/mean"]) and _finite(r["grad/norm"])
         # vLLM fp32 vs our fp32 trainer: measured ≲1e-5 per token (docs/rollout.md).
         assert r["mismatch/log_ppl_abs_diff"] < 1e-3
-    assert [r["rollout/weight_version"] for r in steps] == [1.0, 2.0]
+    assert [r["rollout/weight_version"] for r in steps] == [2.0, 3.0]
 
 
 @pytest.mark.slow
@@ -252,3 +253,61 @@ def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishe
     assert (summary["start_step"], summary["end_step"]) == (done, 4)
     steps_logged = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
     assert steps_logged == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_rollout_temperature_is_matched_by_the_trainer(base_model, tmp_path):
+    """At T = 0.7 the engine's μ is softmax(logits / 0.7); the trainer scores π the same way, so the
+    measured mismatch stays at float32 rounding (scoring at T = 1 would put it near 0.1 nats)."""
+    from jaxrl_mismatch.train.loop import Trainer
+
+    t = Trainer(tiny_config(base_model, tmp_path / "run", temperature=0.7))
+    try:
+        t._connect()
+        t._sync_weights()
+        m = t.train_step()
+    finally:
+        t.close()
+    assert m["mismatch/log_ppl_abs_diff"] < 1e-4, m["mismatch/log_ppl_abs_diff"]
+
+
+@pytest.mark.slow
+def test_stop_request_checkpoints_between_steps_and_resume_refuses_to_overwrite(base_model, tmp_path):
+    import threading
+    import time
+
+    from jaxrl_mismatch.train.loop import Trainer
+
+    run_dir = tmp_path / "run"
+    c = tiny_config(base_model, run_dir)
+    c.steps = 50
+    c.checkpoint.every = 100
+    t = Trainer(c)
+
+    def stop_after_first_step():  # what run.py's SIGTERM handler does
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not t.stop_requested:
+            if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= 0 for r in read_jsonl(str(run_dir / "metrics.jsonl"))):
+                t.stop_requested = True
+            time.sleep(0.05)
+
+    threading.Thread(target=stop_after_first_step, daemon=True).start()
+    try:
+        summary = t.run()
+    finally:
+        t.close()
+    assert summary["stopped_early"] and 1 <= summary["end_step"] < 50
+    from jaxrl_mismatch.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    try:
+        assert ckpt.latest_step() == summary["end_step"]
+    finally:
+        ckpt.close()
+    c.resume = False
+    t = Trainer(c)
+    try:
+        with pytest.raises(ValueError, match="resume is False"):
+            t.run()
+    finally:
+        t.close()

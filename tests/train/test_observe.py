@@ -72,3 +72,14 @@ def test_report_writes_png_with_surge(tmp_path):
 def test_report_errors_on_missing_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         make_report(str(tmp_path))
+
+
+def test_accumulator_keeps_extremes_and_last_state():
+    acc = StepAccumulator()
+    acc.add({"length/max": jnp.float32(10), "mismatch/rho_min": jnp.float32(0.9),
+             "loss_scale/skipped_steps": jnp.float32(1), "reward/mean": jnp.float32(0.2)})
+    acc.add({"length/max": jnp.float32(7), "mismatch/rho_min": jnp.float32(0.95),
+             "loss_scale/skipped_steps": jnp.float32(2), "reward/mean": jnp.float32(0.4)})
+    out = acc.compute()
+    assert out["length/max"] == 10 and out["mismatch/rho_min"] == pytest.approx(0.9)
+    assert out["loss_scale/skipped_steps"] == 2 and out["reward/mean"] == pytest.approx(0.3)
