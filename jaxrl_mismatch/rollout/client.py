@@ -31,6 +31,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
+from jaxrl_mismatch.rollout.validation import Limits
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     EngineInfo,
@@ -240,6 +241,12 @@ class RolloutClient:
             weight_version=r.weight_version,
             max_model_len=r.max_model_len,
         )
+
+    def request_limits(self) -> Limits:
+        """The server's per-request token limits (a larger Generate must be split by the caller)."""
+        r = self._get_info(False)
+        return Limits(max_request_prompt_tokens=r.max_request_prompt_tokens,
+                      max_request_completion_tokens=r.max_request_completion_tokens)
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         """HF name -> (shape, wire dtype) the engine expects in UpdateWeights (cached per server process)."""

@@ -192,6 +192,7 @@ class Trainer:
         self.client.check_compatible(architecture=self.model_cfg.architecture, vocab_size=self.model_cfg.vocab_size,
                                      tokenizer_vocab_size=self.tok.vocab_size)
         # After a server restart the client re-pushes the last weights it pushed (it holds them).
+        self.limits = self.client.request_limits()
 
     def _restore(self) -> None:
         latest = self.ckpt.latest_step()
@@ -255,7 +256,7 @@ class Trainer:
             self.prompts.restore(start)  # a retry after a server restart samples the same prompts again
             return collect(self.client, self._next_prompts, lambda rnd: self._spec(self._seed("rollout", rnd)),
                            self._reward, num_groups=c.batch.prompts_per_step, dynamic_sampling=c.batch.dynamic_sampling,
-                           max_oversample_rounds=c.batch.max_oversample_rounds)
+                           max_oversample_rounds=c.batch.max_oversample_rounds, limits=self.limits)
 
         collected = self._rollout_call("Generate", attempt)
         tb, rewards, gids = to_train_batch(collected.groups, pad_id=self.tok.pad_id)
@@ -322,11 +323,11 @@ class Trainer:
         seed = self._seed("eval")
         out["val/accuracy"] = self._rollout_call("Generate", lambda: evaluate(
             self.client, self.val_ids, answers, self._reward, k=c.eval.k, temperature=c.eval.temperature,
-            max_tokens=c.rollout.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed))
+            max_tokens=c.rollout.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed, limits=self.limits))
         if c.eval.greedy:
             out["val/greedy_accuracy"] = self._rollout_call("Generate", lambda: evaluate(
                 self.client, self.val_ids, answers, self._reward, k=1, temperature=0.0,
-                max_tokens=c.rollout.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed))
+                max_tokens=c.rollout.max_tokens, stop_token_ids=(self.tok.eos_id,), seed=seed, limits=self.limits))
         return out
 
     def train_step(self) -> dict[str, float]:

@@ -18,7 +18,6 @@ from jaxrl_mismatch.data.batching import tokenize_prompts
 from jaxrl_mismatch.data.perfectible import filter_perfectible, save_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.rollout import RolloutClient, SamplingSpec
-from jaxrl_mismatch.rollout.validation import Limits
 from jaxrl_mismatch.train.server_proc import ManagedServer
 
 
@@ -81,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return [[tok.decode(c.token_ids) for c in group] for group in client.generate(ids, spec)]
 
         # As many prompts per Generate request as the server's completion-token limit allows.
-        batch = max(1, min(64, Limits().max_request_completion_tokens // (a.k * a.max_tokens)))
+        batch = max(1, min(64, client.request_limits().max_request_completion_tokens // (a.k * a.max_tokens)))
         kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records], sample_fn,
                                   task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=batch)
         client.close()

@@ -63,10 +63,11 @@ def request_chunks(prompt_ids: Sequence[list[int]], spec: SamplingSpec, limits: 
 
 
 def sample_groups(client: RolloutClient, prompt_ids: Sequence[list[int]], answers: Sequence[str],
-                  spec: SamplingSpec, reward_fn: Callable[[list[int], str], float]) -> list[Group]:
-    """Generate for all prompts (in as few requests as the limits allow); score every completion."""
+                  spec: SamplingSpec, reward_fn: Callable[[list[int], str], float],
+                  limits: Limits = Limits()) -> list[Group]:
+    """Generate for all prompts (in as few requests as the server's `limits` allow); score every completion."""
     outs = []
-    for chunk in request_chunks(prompt_ids, spec):
+    for chunk in request_chunks(prompt_ids, spec, limits):
         outs += client.generate(list(prompt_ids[chunk]), spec)
     groups = []
     for p, a, comps in zip(prompt_ids, answers, outs):
@@ -83,7 +84,7 @@ class Collected:
 
 def collect(client: RolloutClient, next_prompts: Callable[[], tuple[list[list[int]], list[str]]],
             spec_for_round: Callable[[int], SamplingSpec], reward_fn, *, num_groups: int,
-            dynamic_sampling: bool, max_oversample_rounds: int) -> Collected:
+            dynamic_sampling: bool, max_oversample_rounds: int, limits: Limits = Limits()) -> Collected:
     """Sample groups until `num_groups` informative ones are in hand (DAPO dynamic sampling).
 
     Round 0 samples one batch of prompts; each further round (at most `max_oversample_rounds`) samples
@@ -98,7 +99,7 @@ def collect(client: RolloutClient, next_prompts: Callable[[], tuple[list[list[in
     sampled = 0
     for rnd in range(max_oversample_rounds + 1 if dynamic_sampling else 1):
         prompt_ids, answers = next_prompts()
-        groups = sample_groups(client, prompt_ids, answers, spec_for_round(rnd), reward_fn)
+        groups = sample_groups(client, prompt_ids, answers, spec_for_round(rnd), reward_fn, limits)
         sampled += len(groups)
         rounds = rnd + 1
         if rnd == 0:
@@ -143,8 +144,9 @@ def to_train_batch(groups: Sequence[Group], *, pad_id: int) -> tuple[TrainBatch,
 
 
 def evaluate(client: RolloutClient, prompt_ids: Sequence[list[int]], answers: Sequence[str], reward_fn, *,
-             k: int, temperature: float, max_tokens: int, stop_token_ids: tuple[int, ...], seed: int) -> float:
+             k: int, temperature: float, max_tokens: int, stop_token_ids: tuple[int, ...], seed: int,
+             limits: Limits = Limits()) -> float:
     """avg@k: the mean reward over k samples of every held-out prompt (k=1, temperature 0: greedy)."""
     spec = SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids)
-    groups = sample_groups(client, prompt_ids, answers, spec, reward_fn)
+    groups = sample_groups(client, prompt_ids, answers, spec, reward_fn, limits)
     return float(np.mean(np.concatenate([g.rewards for g in groups])))

@@ -44,18 +44,6 @@ def init_state(params: Any, opt: optax.GradientTransformation, loss_scale: Any, 
     )
 
 
-def _path_str(path: tuple) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     """NamedShardings for every leaf of the state.
 
@@ -64,16 +52,15 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     parameter's sharding; everything else (counts, hyperparameters, loss scale, step, rng) is replicated.
     """
     param_sh = shd.param_shardings(state.params, mesh)
-    by_path = {
-        _path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_sh)[0]
-    }
-    replicated = NamedSharding(mesh, P())
+    by_path = {shd.tree_path(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_sh)[0]}
+    replicated = shd.replicated(mesh)
 
     def opt_leaf(path, leaf):
-        key = _path_str(path)
-        for ppath, s in by_path.items():
-            if key.endswith(ppath) and getattr(leaf, "ndim", 0) > 0:
-                return s
+        parts = shd.tree_path(path).split("/")
+        if getattr(leaf, "ndim", 0) > 0:
+            for i in range(len(parts)):  # the longest suffix that is a parameter path
+                if "/".join(parts[i:]) in by_path:
+                    return by_path["/".join(parts[i:])]
         return NamedSharding(mesh, P(*([None] * getattr(leaf, "ndim", 0))))
 
     return TrainState(

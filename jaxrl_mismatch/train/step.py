@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float
 
 from jaxrl_mismatch import precision
+from jaxrl_mismatch.models import sharding as shd
 from jaxrl_mismatch.models.logprobs import token_logprobs
 from jaxrl_mismatch.train.state import TrainState, state_shardings
 
@@ -161,13 +162,13 @@ def make_update_fn(
 
 def batch_shardings(batch: Batch, mesh: Mesh) -> dict[str, NamedSharding]:
     """Every batch array is split over ("data", "fsdp") on its leading (batch) dimension."""
-    return {k: NamedSharding(mesh, P(("data", "fsdp"), *([None] * (v.ndim - 1)))) for k, v in batch.items()}
+    return {k: shd.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
 
 
 def jit_update(update_fn, state: TrainState, batch_example: Batch, mesh: Mesh):
     """Jit `update_fn` once with explicit in/out NamedShardings and a donated state."""
     state_sh = state_shardings(state, mesh)
-    metrics_sh = NamedSharding(mesh, P())
+    metrics_sh = shd.replicated(mesh)
     return jax.jit(
         update_fn,
         in_shardings=(state_sh, batch_shardings(batch_example, mesh)),
@@ -182,7 +183,7 @@ def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 2
     Returns `fn(params, tokens, attention_mask) -> (logp, entropy)`, each `[B, S-1]` float32 and sharded
     like the batch. Params keep whatever sharding they already have.
     """
-    out_sh = NamedSharding(mesh, P(("data", "fsdp"), None))
+    out_sh = shd.batch_sharding(mesh)
 
     def fn(params, tokens, attention_mask) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
         return _forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)

@@ -432,3 +432,23 @@ def test_client_casts_to_the_engines_bfloat16_wire_dtype():
         client.close()
     finally:
         server.stop(0)
+
+
+def test_client_reports_the_servers_request_limits_and_split_requests_fit(served):
+    """The trainer splits Generate by the limits the server reports, not by defaults."""
+    from jaxrl_mismatch.rollout import RolloutClient, SamplingSpec
+    from jaxrl_mismatch.train.rollouts import request_chunks
+
+    _, server, _ = served
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    try:
+        limits = client.request_limits()
+        assert (limits.max_request_prompt_tokens, limits.max_request_completion_tokens) == (1000, 10_000)
+        prompts = [[1, 2, 3]] * 40
+        spec = SamplingSpec(n=5, max_tokens=60)  # 40 × 300 = 12,000 completion tokens: one request is too big
+        chunks = request_chunks(prompts, spec, limits)
+        assert len(chunks) == 2
+        outs = [g for c in chunks for g in client.generate(prompts[c], spec)]
+        assert len(outs) == 40
+    finally:
+        client.close()
