@@ -1,22 +1,28 @@
-"""Host-side LR controllers: small deterministic objects that watch training metrics and set the LR.
+"""Host-side LR controllers: small deterministic objects that watch training metrics and scale the LR.
 
 They implement the LR paper's closed-loop idea (`../shared/papers/lr-schedule-fixes-mismatch-blog.txt`):
 a fixed, epoch-timed schedule decays too early or too late because the collapse step does not scale
 with the dataset (Sec. 2 "Key Finding 2", Figs. 6–7), so the decay is timed from what the run observes.
 
-Contract shared by every controller (plain Python + numpy-free arithmetic, no jax, deterministic):
+Contract shared by every controller (plain Python, no jax/numpy, deterministic):
 
 * `update(step, metrics) -> float` consumes the metrics observed at training step `step` (strictly
-  increasing) and returns the value in effect for that step's update: `lr0 × scale`. With the
-  default `lr0=1.0` that *is* the multiplier to pass to `optim.set_lr_scale` (composes with any
-  in-graph schedule); with `lr0=<base LR>` it is an absolute LR for `optim.set_learning_rate`.
-* `state_dict()` is a JSON-able dict (kind, config, state of Python ints/floats/lists) that goes into
-  the checkpoint; `load_state_dict()` restores it into a controller built with the same config, after
-  which it continues exactly as an uninterrupted one would.
-* `metrics()` exposes the internals for logging (scale, lr, trigger/surge step, period, decays, …).
-  Missing quantities are `-1` for steps and `nan` for values.
+  increasing) and returns the LR *multiplier* in effect for that step's update, in (0, 1]. It is the
+  value for `optim.set_lr_scale`; the effective LR is `schedule(count) × scale` (the optimizer's
+  `learning_rate` is the one and only base LR — controllers carry none).
+* `state_dict()` is a JSON-able dict (kind, format, config, state of Python ints/floats/lists) that
+  goes into the checkpoint; `load_state_dict()` restores it into a controller built with the same
+  config, after which it continues exactly as an uninterrupted one would.
+* `metrics()` exposes the internals for logging (`scale`, trigger/surge step, period, decays, …) —
+  never an LR: the caller logs the actual LR. Missing quantities are `-1` for steps and `nan` for values.
 * A non-finite observation (e.g. the grad norm of an FP16 overflow step that was skipped) is ignored
   and counted (`num_nonfinite`), never a crash of the run.
+
+Checkpoints written before state format 2 (no `"format"` key) load as follows: a `lr0` in the saved
+config is dropped when it is 1.0 (the multiplier-only behaviour) and refused otherwise (an `lr0` ≠ 1
+made `update` return an absolute LR); `length_triggered_decay` states migrate (see its docstring);
+`metric_triggered` states are refused, because their alarm rule (first decay at 1.8 × the alarm step)
+no longer exists and their future decays cannot be reproduced.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import math
 from typing import Any, ClassVar, Mapping, Sequence
 
 from jaxrl_mismatch.schedules._registry import check_kwargs
+
+STATE_FORMAT = 2  # version of `state_dict()`; 1 = unversioned (with `lr0` in the config)
 
 
 def step_decay_scale(step: int, first_decay_step: int, decay_period: int, floor: float, factor: float = 0.5) -> float:
@@ -62,14 +70,17 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
+def _check_decay(floor: float, factor: float) -> None:
+    _check_number("floor", floor, low=0.0, high=1.0, low_open=True)
+    _check_number("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
+
+
 class Controller(abc.ABC):
-    """Base class: step bookkeeping, the `lr0 × scale` output, and (de)serialisation of `_state`."""
+    """Base class: step bookkeeping, the scale, and (de)serialisation of `_state`."""
 
     kind: ClassVar[str]
 
-    def __init__(self, lr0: float = 1.0):
-        _check_number("lr0", lr0, low=0.0, low_open=True)
-        self.lr0 = float(lr0)
+    def __init__(self) -> None:
         self._state: dict[str, Any] = {"last_step": -1, "scale": 1.0, "num_nonfinite": 0}
 
     @property
@@ -86,7 +97,7 @@ class Controller(abc.ABC):
         """Consume one step's metrics; return the new scale."""
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> float:
-        """Observe `metrics` of training step `step`; return `lr0 × scale` for that step's update."""
+        """Observe `metrics` of training step `step`; return the LR multiplier for that step's update."""
         if isinstance(step, bool) or not hasattr(step, "__index__"):
             raise TypeError(f"step must be an int, got {step!r}")
         step = int(step)
@@ -95,7 +106,7 @@ class Controller(abc.ABC):
         scale = float(self._advance(step, metrics))
         self._state["last_step"] = step
         self._state["scale"] = scale
-        return self.lr0 * scale
+        return scale
 
     def _read(self, metrics: Mapping[str, Any], key: str) -> float | None:
         """`metrics[key]` as a float, or None (counted) when it is not finite."""
@@ -108,19 +119,47 @@ class Controller(abc.ABC):
         return value
 
     def metrics(self) -> dict[str, float]:
-        return {"scale": self.scale, "lr": self.lr0 * self.scale, "num_nonfinite": float(self._state["num_nonfinite"])}
+        return {"scale": self.scale, "num_nonfinite": float(self._state["num_nonfinite"])}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "config": self.config(), "state": _copy(self._state)}
+        return {"kind": self.kind, "format": STATE_FORMAT, "config": self.config(), "state": _copy(self._state)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("kind") != self.kind:
-            raise ValueError(f"state is for controller {state.get('kind')!r}, not {self.kind!r}")
+        state = self._upgraded(state)
         _check_same_config(self.kind, self.config(), state.get("config", {}))
         missing = sorted(set(self._state) - set(state.get("state", {})))
         if missing:
             raise ValueError(f"{self.kind} state is missing field(s) {missing}")
         self._state = _copy(dict(state["state"]))
+
+    def _upgraded(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the kind; bring an older-format state to `STATE_FORMAT` (or refuse with the reason)."""
+        if state.get("kind") != self.kind:
+            raise ValueError(f"state is for controller {state.get('kind')!r}, not {self.kind!r}")
+        version = state.get("format", 1)
+        if version == STATE_FORMAT:
+            return _copy(dict(state))
+        if version != 1:
+            raise ValueError(f"{self.kind} state has format {version!r}; this version reads formats 1 and {STATE_FORMAT}")
+        state = _copy(dict(state))
+        state["config"] = _drop_lr0(self.kind, state.get("config", {}))
+        state["format"] = STATE_FORMAT
+        return self._upgrade_v1(state)
+
+    def _upgrade_v1(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Migrate a format-1 state whose `lr0` was already removed (default: nothing else changed)."""
+        return state
+
+
+def _drop_lr0(kind: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    config = dict(config)
+    lr0 = config.pop("lr0", 1.0)
+    if lr0 != 1.0:
+        raise ValueError(
+            f"{kind} state was saved with lr0={lr0!r}: controllers no longer carry a base LR (update() returns "
+            f"only the multiplier; the base LR is optim.learning_rate), and with lr0 != 1 the saved controller "
+            f"returned an absolute LR. Resume with a fresh controller, or from a checkpoint saved with lr0=1.0")
+    return config
 
 
 def _copy(value: Any) -> Any:
@@ -141,50 +180,130 @@ def _check_same_config(kind: str, mine: Mapping[str, Any], theirs: Mapping[str, 
 
 
 class ConstantScale(Controller):
-    """No control: always `lr0`. The neutral element for configs that switch controllers off."""
+    """No control: always 1. The neutral element for configs that switch controllers off."""
 
     kind = "constant"
 
     def config(self) -> dict[str, Any]:
-        return {"lr0": self.lr0}
+        return {}
 
     def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
         return 1.0
 
 
-class TriggeredStepDecay(Controller):
-    """Step decay that starts once a trigger fires; subclasses decide when (and what "surge step" is).
+class LengthTriggeredDecay(Controller):
+    """The LR paper's length-triggered step decay (blog Sec. 3 "Response Length Determines the Decay Schedule").
 
-    Timing, LR paper Sec. 3 ("Determining the Decay Period"): `decay_period = round(period_factor ×
-    onset_step)` (1.8 in the paper; `decay_period=<int>` fixes it instead) and, as in the paper's
-    scheduler which counts from the start of training, the halvings land on multiples of the period:
-    `period, 2·period, …` — the first one at ≈ 1.8 × the surge step. The decay never acts before the
-    trigger: if the trigger fires after `period` (a late detection, or a short fixed period), the first
-    halving is at the trigger step and the next ones every `period` after it. Halving stops at
-    `floor × lr0` (paper: 1/10). The trigger fires once; later observations only update statistics.
+    The paper: the average response length shows "a sharp surge that consistently precedes validation
+    performance degradation" (Fig. 12: ~1000 → 3000–4000 tokens around step 100), and "a delay factor
+    of 1.8x the start of the surge" is the best decay period (Fig. 13: 125 too early, 204 best, 250 too
+    late); then "decay LR by half every decay_period until it reaches a minimal floor (e.g. 1/10th)"
+    (Sec. 2). Fed the per-step mean response length (`metric`, default `"length/mean"`):
+
+    * settled level (baseline) = the running **minimum** of the `baseline_window`-step moving mean of
+      the length. It follows the level the run settles at, wherever that is: a run that starts long
+      (e.g. 3000 tokens for 10 steps) and settles at 900 has baseline 900, so a later rise to 2800 is a
+      3.1× surge. (A mean of the first steps would have stayed at ~1950 and never fired.) A moving
+      mean, not single steps, so noise lowers it only a little: under ±30 % i.i.d. noise the minimum
+      of a 20-step mean over a long run sits ~10 % below the level (std of the mean ≈ 4 %);
+    * surge = the moving average of the last `window` observations reaches `surge_ratio × baseline`
+      (paper: lengths roughly triple). Averaging makes single-step spikes harmless: one spike of
+      `k × level` lifts the mean by `(k − 1)/window × level`;
+    * surge step (onset) = the step where the surge *started*, not where the average caught up: the
+      centre of the first 3-step median above `onset_ratio × baseline` since the last median at or
+      below it (a 3-median ignores single-step spikes and dips). For a step change at `s` it is
+      exactly `s`; for a ramp it is where the ramp crossed `onset_ratio` (default a quarter of the
+      way to the surge level, 1.5× for ratio 3). If the median is quiet when the average fires (the
+      surge has already receded), the onset falls back to the start of the averaging window;
+    * `decay_period = round(period_factor × onset)` (`decay_period=<int>` fixes it instead) and, as in
+      the paper's scheduler which counts from the start of training, the halvings land on multiples of
+      the period: `period, 2·period, …` — the first one at ≈ 1.8 × the surge step. The decay never acts
+      before the trigger: if the trigger fires after `period` (a late detection, or a short fixed
+      period), the first halving is at the trigger step and the next ones every `period` after it.
+      Halving stops at `floor` (paper: 1/10). The trigger fires once.
+
+    Detection starts after `min_steps_before_detect` observations (default `baseline_window`).
+    A format-1 state (baseline = mean of the first `baseline_window` lengths) migrates: its saved
+    baseline seeds the running minimum; a state that had already fired continues its staircase exactly.
     """
 
-    def __init__(self, lr0: float = 1.0, *, period_factor: float = 1.8, decay_period: int | None = None,
-                 floor: float = 0.1, factor: float = 0.5):
-        super().__init__(lr0)
+    kind = "length_triggered_decay"
+
+    def __init__(self, *, metric: str = "length/mean", surge_ratio: float = 3.0, baseline_window: int = 20,
+                 window: int = 10, period_factor: float = 1.8, decay_period: int | None = None, floor: float = 0.1,
+                 factor: float = 0.5, min_steps_before_detect: int | None = None, onset_ratio: float | None = None):
+        super().__init__()
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"metric must be a non-empty metric name, got {metric!r}")
+        _check_number("surge_ratio", surge_ratio, low=1.0, low_open=True)
+        _check_int("baseline_window", baseline_window, 1)
+        _check_int("window", window, 3)
         _check_number("period_factor", period_factor, low=0.0, low_open=True)
         if decay_period is not None:
             _check_int("decay_period", decay_period, 1)
-        _check_number("floor", floor, low=0.0, high=1.0, low_open=True)
-        _check_number("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
+        _check_decay(floor, factor)
+        if min_steps_before_detect is not None:
+            _check_int("min_steps_before_detect", min_steps_before_detect, 0)
+        if onset_ratio is None:
+            onset_ratio = 1.0 + (surge_ratio - 1.0) / 4.0
+        _check_number("onset_ratio", onset_ratio, low=1.0, high=surge_ratio, high_open=True)
+        self.metric = metric
+        self.surge_ratio = float(surge_ratio)
+        self.baseline_window = baseline_window
+        self.window = window
         self.period_factor = float(period_factor)
         self.decay_period = decay_period
         self.floor = float(floor)
         self.factor = float(factor)
-        self._state.update({"trigger_step": -1, "onset_step": -1, "period": -1, "first_decay_step": -1})
+        self.min_steps_before_detect = baseline_window if min_steps_before_detect is None else min_steps_before_detect
+        self.onset_ratio = float(onset_ratio)
+        # `baseline` is None until `baseline_window` lengths were seen (JSON null: strict JSON stays valid).
+        self._state.update({"num_observed": 0, "baseline": None, "recent_values": [], "recent_steps": [],
+                            "onset_candidate": -1, "trigger_step": -1, "onset_step": -1, "period": -1,
+                            "first_decay_step": -1})
 
-    def _decay_config(self) -> dict[str, Any]:
-        return {"lr0": self.lr0, "period_factor": self.period_factor, "decay_period": self.decay_period,
-                "floor": self.floor, "factor": self.factor}
+    def config(self) -> dict[str, Any]:
+        return {"metric": self.metric, "surge_ratio": self.surge_ratio, "baseline_window": self.baseline_window,
+                "window": self.window, "period_factor": self.period_factor, "decay_period": self.decay_period,
+                "floor": self.floor, "factor": self.factor, "min_steps_before_detect": self.min_steps_before_detect,
+                "onset_ratio": self.onset_ratio}
 
-    @abc.abstractmethod
+    @property
+    def baseline(self) -> float:
+        """The settled length level (running minimum of the `baseline_window` moving mean); nan before."""
+        b = self._state["baseline"]
+        return math.nan if b is None else b
+
+    def _mean_of_last(self, n: int) -> float:
+        values = self._state["recent_values"]
+        return sum(values[-n:]) / n if len(values) >= n else math.nan
+
     def _observe(self, step: int, metrics: Mapping[str, Any]) -> int | None:
-        """Update statistics with this step; return the onset step if the trigger fires now, else None."""
+        """Update the statistics with this step; return the onset step if the surge trigger fires now."""
+        length = self._read(metrics, self.metric)
+        if length is None:
+            return None
+        s = self._state
+        keep = max(self.window, self.baseline_window, 3)
+        s["num_observed"] += 1
+        s["recent_values"] = (s["recent_values"] + [length])[-keep:]
+        s["recent_steps"] = (s["recent_steps"] + [step])[-keep:]
+        level = self._mean_of_last(self.baseline_window)
+        if not math.isnan(level):
+            s["baseline"] = level if s["baseline"] is None else min(s["baseline"], level)
+        baseline = self.baseline
+        if math.isnan(baseline) or len(s["recent_values"]) < 3:
+            return None
+        median3 = sorted(s["recent_values"][-3:])[1]
+        if median3 <= self.onset_ratio * baseline:
+            s["onset_candidate"] = -1
+        elif s["onset_candidate"] < 0:
+            s["onset_candidate"] = s["recent_steps"][-2]
+        if s["trigger_step"] >= 0 or s["num_observed"] < max(self.min_steps_before_detect, self.baseline_window):
+            return None
+        if self._mean_of_last(self.window) >= self.surge_ratio * baseline:
+            return s["onset_candidate"] if s["onset_candidate"] >= 0 else s["recent_steps"][-self.window]
+        return None
 
     def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
         onset = self._observe(step, metrics)
@@ -205,123 +324,58 @@ class TriggeredStepDecay(Controller):
     def metrics(self) -> dict[str, float]:
         s = self._state
         return {**super().metrics(), "trigger_step": float(s["trigger_step"]), "decay_period": float(s["period"]),
-                "first_decay_step": float(s["first_decay_step"]), "num_decays": float(self.num_decays)}
+                "first_decay_step": float(s["first_decay_step"]), "num_decays": float(self.num_decays),
+                "baseline": self.baseline, "windowed_mean": self._mean_of_last(self.window),
+                "surge_step": float(s["onset_step"])}
+
+    def _upgrade_v1(self, state: dict[str, Any]) -> dict[str, Any]:
+        # Format 1 kept the sum of the first `baseline_window` lengths as its baseline; that mean seeds the
+        # running minimum (the new rule's estimate can only be lower). Everything else carries over.
+        old = dict(state.get("state", {}))
+        n = old.get("num_observed", 0)
+        window = state["config"].get("baseline_window", self.baseline_window)
+        old["baseline"] = old.pop("baseline_sum", 0.0) / window if n >= window else None
+        state["state"] = old
+        return state
 
 
-class LengthTriggeredDecay(TriggeredStepDecay):
-    """The LR paper's length-triggered step decay (Sec. 3 "Response Length Determines the Decay Schedule").
+class MetricTriggered(Controller):
+    """Cut the LR as soon as a health metric alarms: a threshold crossing or an upward trend.
 
-    Fed the per-step mean response length (`metric`, default `"length/mean"`):
+    The LR paper's other warning signs rise together with the collapse: the mismatch `log_ppl_abs_diff`
+    (Figs. 2(c), 5(a)) and the time-smoothed, length-normalised grad norm (Fig. 3: "the increase in
+    gradient norm matches the degradation of performance and the growth of training-inference
+    mismatch"); the objective-hacking paper's mismatch (§2: the std of ρ over a step's tokens) is a
+    third. Unlike the length surge — an *early* warning, hence the paper's 1.8× delay — these
+    alarms mean the instability is under way, so the controller acts on the alarm step itself.
 
-    * baseline = mean of the first `baseline_window` observations (the early, benign phase; Fig. 12
-      shows ~1000 tokens before the surge);
-    * surge = the moving average of the last `window` observations reaches `surge_ratio × baseline`
-      (paper: lengths roughly triple, ~1000 → 3000–4000 around step 100). Averaging makes single-step
-      spikes harmless: one spike of `k × baseline` lifts the mean by `(k − 1)/window × baseline`, so
-      with the defaults (window 10, ratio 3) a lone spike would need to exceed 21× the baseline;
-    * surge step (onset) = the step where the surge *started*, not where the average caught up: the
-      centre of the first 3-step median above `onset_ratio × baseline` since the last median at or
-      below it (a 3-median ignores single-step spikes and dips). For a step change at `s` it is
-      exactly `s`; for a ramp it is where the ramp crossed `onset_ratio` (default a quarter of the
-      way to the surge level, 1.5× for ratio 3). If the median is quiet when the average fires (the
-      surge has already receded), the onset falls back to the start of the averaging window;
-    * `decay_period = round(period_factor × onset)` (paper: 1.8×; of the periods it tried, 125 was too
-      early, 204 best and 250 too late, Fig. 13, for the surge around step 100 of Fig. 12), then the
-      `TriggeredStepDecay` staircase.
-    """
-
-    kind = "length_triggered_decay"
-
-    def __init__(self, lr0: float = 1.0, *, metric: str = "length/mean", surge_ratio: float = 3.0,
-                 baseline_window: int = 20, window: int = 10, period_factor: float = 1.8,
-                 decay_period: int | None = None, floor: float = 0.1, factor: float = 0.5,
-                 min_steps_before_detect: int | None = None, onset_ratio: float | None = None):
-        super().__init__(lr0, period_factor=period_factor, decay_period=decay_period, floor=floor, factor=factor)
-        if not isinstance(metric, str) or not metric:
-            raise ValueError(f"metric must be a non-empty metric name, got {metric!r}")
-        _check_number("surge_ratio", surge_ratio, low=1.0, low_open=True)
-        _check_int("baseline_window", baseline_window, 1)
-        _check_int("window", window, 3)
-        if min_steps_before_detect is not None:
-            _check_int("min_steps_before_detect", min_steps_before_detect, 0)
-        if onset_ratio is None:
-            onset_ratio = 1.0 + (surge_ratio - 1.0) / 4.0
-        _check_number("onset_ratio", onset_ratio, low=1.0, high=surge_ratio, high_open=True)
-        self.metric = metric
-        self.surge_ratio = float(surge_ratio)
-        self.baseline_window = baseline_window
-        self.window = window
-        self.min_steps_before_detect = baseline_window if min_steps_before_detect is None else min_steps_before_detect
-        self.onset_ratio = float(onset_ratio)
-        self._state.update({"num_observed": 0, "baseline_sum": 0.0, "recent_values": [], "recent_steps": [],
-                            "onset_candidate": -1})
-
-    def config(self) -> dict[str, Any]:
-        return {**self._decay_config(), "metric": self.metric, "surge_ratio": self.surge_ratio,
-                "baseline_window": self.baseline_window, "window": self.window,
-                "min_steps_before_detect": self.min_steps_before_detect, "onset_ratio": self.onset_ratio}
-
-    @property
-    def baseline(self) -> float:
-        s = self._state
-        return s["baseline_sum"] / self.baseline_window if s["num_observed"] >= self.baseline_window else math.nan
-
-    def _windowed_mean(self) -> float:
-        values = self._state["recent_values"]
-        return sum(values) / len(values) if len(values) == self.window else math.nan
-
-    def _observe(self, step: int, metrics: Mapping[str, Any]) -> int | None:
-        length = self._read(metrics, self.metric)
-        if length is None:
-            return None
-        s = self._state
-        if s["num_observed"] < self.baseline_window:
-            s["baseline_sum"] += length
-        s["num_observed"] += 1
-        s["recent_values"] = (s["recent_values"] + [length])[-self.window:]
-        s["recent_steps"] = (s["recent_steps"] + [step])[-self.window:]
-        baseline = self.baseline
-        if math.isnan(baseline) or len(s["recent_values"]) < 3:
-            return None
-        median3 = sorted(s["recent_values"][-3:])[1]
-        if median3 <= self.onset_ratio * baseline:
-            s["onset_candidate"] = -1
-        elif s["onset_candidate"] < 0:
-            s["onset_candidate"] = s["recent_steps"][-2]
-        if s["trigger_step"] >= 0 or s["num_observed"] < max(self.min_steps_before_detect, self.baseline_window):
-            return None
-        if self._windowed_mean() >= self.surge_ratio * baseline:
-            return s["onset_candidate"] if s["onset_candidate"] >= 0 else s["recent_steps"][0]
-        return None
-
-    def metrics(self) -> dict[str, float]:
-        return {**super().metrics(), "baseline": self.baseline, "windowed_mean": self._windowed_mean(),
-                "surge_step": float(self._state["onset_step"])}
-
-
-class MetricTriggered(TriggeredStepDecay):
-    """The same step decay, started when a health metric crosses a threshold or trends upwards.
-
-    The LR paper's other warning signs rise together with the collapse: the mismatch
-    `log_ppl_abs_diff` (Figs. 2(c), 5(a)) and the time-smoothed, length-normalised grad norm
-    (Fig. 3); the objective-hacking paper's ρ std is a third. The trigger fires at the first step where
+    Alarm at step t (evaluated every step, after `min_steps_before_detect` observations):
 
     * `threshold` is set and the (optionally EMA-smoothed) metric is `>= threshold`, or
     * `trend_window` and `trend_slope` are set and the least-squares slope of the smoothed metric over
       its last `trend_window` observations (per training step) exceeds `trend_slope`.
 
     `ema` in [0, 1) smooths as `s ← ema·s + (1−ema)·x`, starting from the first value (no zero bias);
-    the paper smooths the grad norm over time for the same reason (Fig. 3). The onset used for the
-    period is the trigger step itself: `decay_period = round(period_factor × trigger step)` unless fixed.
+    the paper smooths the grad norm over time for the same reason (Fig. 3).
+
+    Response (`on_alarm`):
+
+    * `"step"` (default): multiply the scale by `factor` on the first alarm step. With `decay_period`
+      set, multiply again on any later alarm step at least `decay_period` steps after the previous cut
+      (i.e. every `decay_period` steps while the alarm persists); with `decay_period=None`, cut once.
+      Never below `floor`.
+    * `"decay"`: the LR paper's staircase started by the alarm with an explicit `decay_period`:
+      `max(factor^n, floor)` with `n = 1 + (t − alarm step) // decay_period` — the first cut on the alarm
+      step, then every `decay_period` steps whether or not the alarm persists.
     """
 
     kind = "metric_triggered"
+    ON_ALARM = ("step", "decay")
 
-    def __init__(self, metric: str, lr0: float = 1.0, *, threshold: float | None = None,
-                 trend_window: int | None = None, trend_slope: float | None = None, ema: float | None = None,
-                 min_steps_before_detect: int = 0, period_factor: float = 1.8, decay_period: int | None = None,
-                 floor: float = 0.1, factor: float = 0.5):
-        super().__init__(lr0, period_factor=period_factor, decay_period=decay_period, floor=floor, factor=factor)
+    def __init__(self, metric: str, *, threshold: float | None = None, trend_window: int | None = None,
+                 trend_slope: float | None = None, ema: float | None = None, min_steps_before_detect: int = 0,
+                 on_alarm: str = "step", decay_period: int | None = None, floor: float = 0.1, factor: float = 0.5):
+        super().__init__()
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"metric must be a non-empty metric name, got {metric!r}")
         if threshold is not None:
@@ -336,19 +390,33 @@ class MetricTriggered(TriggeredStepDecay):
         if ema is not None:
             _check_number("ema", ema, low=0.0, high=1.0, high_open=True)
         _check_int("min_steps_before_detect", min_steps_before_detect, 0)
+        if on_alarm not in self.ON_ALARM:
+            raise ValueError(f"unknown on_alarm {on_alarm!r}; valid: {list(self.ON_ALARM)}")
+        if decay_period is not None:
+            _check_int("decay_period", decay_period, 1)
+        elif on_alarm == "decay":
+            raise ValueError("on_alarm='decay' needs an explicit decay_period (steps between cuts); "
+                             "a metric alarm does not derive its period from the alarm step")
+        _check_decay(floor, factor)
         self.metric = metric
         self.threshold = None if threshold is None else float(threshold)
         self.trend_window = trend_window
         self.trend_slope = None if trend_slope is None else float(trend_slope)
         self.ema = None if ema is None else float(ema)
         self.min_steps_before_detect = min_steps_before_detect
+        self.on_alarm = on_alarm
+        self.decay_period = decay_period
+        self.floor = float(floor)
+        self.factor = float(factor)
         # `smoothed` is meaningless until num_observed > 0 (kept a number so the state stays strict JSON).
-        self._state.update({"num_observed": 0, "smoothed": 0.0, "trend_values": [], "trend_steps": []})
+        self._state.update({"num_observed": 0, "smoothed": 0.0, "trend_values": [], "trend_steps": [],
+                            "alarm": False, "trigger_step": -1, "last_decay_step": -1, "num_decays": 0})
 
     def config(self) -> dict[str, Any]:
-        return {**self._decay_config(), "metric": self.metric, "threshold": self.threshold,
-                "trend_window": self.trend_window, "trend_slope": self.trend_slope, "ema": self.ema,
-                "min_steps_before_detect": self.min_steps_before_detect}
+        return {"metric": self.metric, "threshold": self.threshold, "trend_window": self.trend_window,
+                "trend_slope": self.trend_slope, "ema": self.ema,
+                "min_steps_before_detect": self.min_steps_before_detect, "on_alarm": self.on_alarm,
+                "decay_period": self.decay_period, "floor": self.floor, "factor": self.factor}
 
     def slope(self) -> float:
         """Least-squares slope (metric units per step) over the trend window; nan until it is full."""
@@ -359,7 +427,8 @@ class MetricTriggered(TriggeredStepDecay):
         sxx = sum((x - x_mean) ** 2 for x in xs)
         return sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sxx
 
-    def _observe(self, step: int, metrics: Mapping[str, Any]) -> int | None:
+    def _observe(self, step: int, metrics: Mapping[str, Any]) -> bool | None:
+        """Update the statistics; return whether the alarm is on (None: no finite observation this step)."""
         value = self._read(metrics, self.metric)
         if value is None:
             return None
@@ -372,31 +441,61 @@ class MetricTriggered(TriggeredStepDecay):
         if self.trend_window is not None:
             s["trend_values"] = (s["trend_values"] + [s["smoothed"]])[-self.trend_window:]
             s["trend_steps"] = (s["trend_steps"] + [step])[-self.trend_window:]
-        if s["trigger_step"] >= 0 or s["num_observed"] <= self.min_steps_before_detect:
-            return None
+        if s["num_observed"] <= self.min_steps_before_detect:
+            return False
         crossed = self.threshold is not None and s["smoothed"] >= self.threshold
         slope = self.slope()
         trending = self.trend_slope is not None and not math.isnan(slope) and slope > self.trend_slope
-        return step if crossed or trending else None
+        return crossed or trending
+
+    def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
+        s = self._state
+        alarm = self._observe(step, metrics)
+        if alarm is not None:
+            s["alarm"] = alarm
+        if alarm and s["trigger_step"] < 0:
+            s["trigger_step"] = step
+        if self.on_alarm == "decay":
+            scale = step_decay_scale(step, s["trigger_step"], self.decay_period or 1, self.floor, self.factor)
+            if scale != s["scale"]:
+                s["num_decays"] += 1
+                s["last_decay_step"] = step
+            return scale
+        scale = s["scale"]
+        due = s["last_decay_step"] < 0 or (self.decay_period is not None
+                                           and step - s["last_decay_step"] >= self.decay_period)
+        if alarm and due and scale > self.floor:
+            scale = max(scale * self.factor, self.floor)
+            s["num_decays"] += 1
+            s["last_decay_step"] = step
+        return scale
 
     def metrics(self) -> dict[str, float]:
-        smoothed = self._state["smoothed"] if self._state["num_observed"] else math.nan
-        return {**super().metrics(), "smoothed": smoothed, "slope": self.slope()}
+        s = self._state
+        smoothed = s["smoothed"] if s["num_observed"] else math.nan
+        return {**super().metrics(), "alarm": float(s["alarm"]), "trigger_step": float(s["trigger_step"]),
+                "last_decay_step": float(s["last_decay_step"]), "num_decays": float(s["num_decays"]),
+                "smoothed": smoothed, "slope": self.slope()}
+
+    def _upgrade_v1(self, state: dict[str, Any]) -> dict[str, Any]:
+        raise ValueError(
+            "metric_triggered state was saved by the old alarm rule (first decay at 1.8 × the alarm step, "
+            "issue 13), whose future decays the new rule (on_alarm='step' | 'decay', acting at once) cannot "
+            "reproduce; resume with a fresh controller (it re-arms from the next step's metrics)")
 
 
 class Combined(Controller):
     """Several controllers at once: the scale is the product (default) or the minimum of theirs.
 
     Every child sees the same `(step, metrics)`. "product" lets independent triggers stack (a length
-    surge and a mismatch alarm both halve); "min" lets the most cautious one win. Children's own `lr0`
-    are ignored: only their scales combine, times this controller's `lr0`.
+    surge and a mismatch alarm both halve); "min" lets the most cautious one win.
     """
 
     kind = "combined"
     MODES = ("product", "min")
 
-    def __init__(self, controllers: Sequence[Controller], mode: str = "product", lr0: float = 1.0):
-        super().__init__(lr0)
+    def __init__(self, controllers: Sequence[Controller], mode: str = "product"):
+        super().__init__()
         if not controllers or not all(isinstance(c, Controller) for c in controllers):
             raise ValueError(f"Combined needs a non-empty sequence of Controller instances, got {controllers!r}")
         if mode not in self.MODES:
@@ -405,7 +504,7 @@ class Combined(Controller):
         self.mode = mode
 
     def config(self) -> dict[str, Any]:
-        return {"lr0": self.lr0, "mode": self.mode, "children": [[c.kind, c.config()] for c in self.controllers]}
+        return {"mode": self.mode, "children": [[c.kind, c.config()] for c in self.controllers]}
 
     def _advance(self, step: int, metrics: Mapping[str, Any]) -> float:
         # All children advance or none: a missing metric for the second child must not leave the
@@ -430,18 +529,35 @@ class Combined(Controller):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "children": [c.state_dict() for c in self.controllers]}
 
+    def _upgrade_v1(self, state: dict[str, Any]) -> dict[str, Any]:
+        # Format 1 ignored the children's own lr0 (only their scales combined): drop it whatever its value.
+        for child in state.get("children", []):
+            if isinstance(child, dict) and child.get("format", 1) == 1:
+                child["config"] = {k: v for k, v in child.get("config", {}).items() if k != "lr0"}
+        return state
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = self._upgraded(state)
         children = state.get("children", [])
         if len(children) != len(self.controllers):
             raise ValueError(f"combined state has {len(children)} children, this controller {len(self.controllers)}")
-        super().load_state_dict(state)
-        for child, child_state in zip(self.controllers, children):
-            child.load_state_dict(child_state)
+        # Children check (and migrate) their own config and state; all load or none does.
+        saved = [child.state_dict() for child in self.controllers]
+        try:
+            for child, child_state in zip(self.controllers, children):
+                child.load_state_dict(child_state)
+            config = dict(state.get("config", {}))
+            config["children"] = [[c.kind, c.config()] for c in self.controllers]
+            super().load_state_dict({**state, "config": config})
+        except Exception:
+            for child, child_saved in zip(self.controllers, saved):
+                child.load_state_dict(child_saved)
+            raise
 
 
-def combine(*controllers: Controller, mode: str = "product", lr0: float = 1.0) -> Combined:
-    """`Combined(controllers, mode, lr0)`, e.g. `combine(LengthTriggeredDecay(), MetricTriggered(...), mode="min")`."""
-    return Combined(controllers, mode=mode, lr0=lr0)
+def combine(*controllers: Controller, mode: str = "product") -> Combined:
+    """`Combined(controllers, mode)`, e.g. `combine(LengthTriggeredDecay(), MetricTriggered(...), mode="min")`."""
+    return Combined(controllers, mode=mode)
 
 
 CONTROLLERS: dict[str, type[Controller]] = {

@@ -58,9 +58,9 @@ def test_ramped_surge_onset_within_the_ramp():
 
 
 def test_no_surge_never_decays():
-    ctrl = C.LengthTriggeredDecay(lr0=1e-6)
-    lrs = _run(ctrl, _surge_trace(2000, 10**9, 1.0, noise=0.3, seed=5))
-    assert np.all(lrs == 1e-6)
+    ctrl = C.LengthTriggeredDecay()
+    scales = _run(ctrl, _surge_trace(2000, 10**9, 1.0, noise=0.3, seed=5))
+    assert np.all(scales == 1.0)
     assert ctrl.metrics()["trigger_step"] == -1 and ctrl.metrics()["num_decays"] == 0
 
 
@@ -68,11 +68,10 @@ def test_no_surge_never_decays():
 @pytest.mark.parametrize("drift, spike_range", [(1.0, (4.0, 12.0)), (1.5, (2.0, 6.0))])
 def test_noise_spikes_and_slow_drift_do_not_trigger(seed, drift, spike_range):
     # ±30% iid noise, a slow drift of the level to `drift`×, isolated single-step spikes (at most one
-    # per averaging window) and one two-step 3× burst. With window 10 and ratio 3, the windowed mean
-    # stays below 3× baseline by construction in the worst case (all noise at +30%):
-    # (9·1.3 + 12·1.3)/10 = 2.73 without drift, (9·1.95 + 6·1.95)/10 = 2.93 at 1.5× drift.
-    # (A lone spike above (10·3 − 9)/1 = 21× the level would trigger: a mean-based detector's bound,
-    # documented in LengthTriggeredDecay.)
+    # per averaging window) and one two-step 3× burst. The baseline (running minimum of the 20-step
+    # mean) sits ~0.9× the initial level (std of a 20-mean of ±30% uniform noise ≈ 0.04), so the
+    # trigger needs a 10-step mean ≥ ~2.7× it; the expected worst windows are (9 + 12)/10 = 2.1
+    # without drift and 1.5·(9 + 6)/10 = 2.25 at 1.5× drift, > 10 noise std below.
     rng = np.random.default_rng(100 + seed)
     trace = _surge_trace(1500, 10**9, 1.0, noise=0.3, seed=seed) * np.linspace(1.0, drift, 1500)
     spikes = rng.choice(np.arange(30, 1490, 11), size=25, replace=False)
@@ -103,10 +102,93 @@ def test_late_trigger_starts_decay_at_the_trigger():
     assert _decay_steps(scales) == [trigger, trigger + 50, trigger + 100, trigger + 150]
 
 
+def _start_long_trace(n=600, noise=0.0, seed=0, surge_at=100, surge_level=2800.0):
+    """Issue 13's trace: 3000 tokens for 10 steps, then 900, then `surge_level` from `surge_at`."""
+    rng = np.random.default_rng(seed)
+    trace = np.where(np.arange(n) < 10, 3000.0, np.where(np.arange(n) < surge_at, 900.0, surge_level))
+    return trace * (1.0 + rng.uniform(-noise, noise, n))
+
+
+def test_a_run_that_starts_long_and_settles_then_surges_fires():
+    # Fails with the old baseline (mean of the first 20 steps = 1950, so 2800 < 3 × 1950 never fires):
+    # the settled level is 900 and 2800 is a 3.1× surge that started at step 100.
+    ctrl = C.LengthTriggeredDecay()
+    scales = _run(ctrl, _start_long_trace())
+    m = ctrl.metrics()
+    assert m["baseline"] == 900.0 and m["surge_step"] == 100 and m["trigger_step"] == 109
+    assert _decay_steps(scales) == [180, 360, 540]  # 1.8 × 100, then every 180 steps
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_run_that_starts_long_and_settles_does_not_fire_on_noise(seed):
+    ctrl = C.LengthTriggeredDecay()
+    assert np.all(_run(ctrl, _start_long_trace(1500, noise=0.3, seed=seed, surge_at=10**9)) == 1.0)
+    assert ctrl.metrics()["trigger_step"] == -1 and 0.7 * 900 <= ctrl.metrics()["baseline"] <= 900
+
+
+def test_update_returns_the_multiplier_and_metrics_report_no_lr():
+    ctrl = C.LengthTriggeredDecay(decay_period=5)
+    scales = _run(ctrl, _surge_trace(60, 25, 4.0))
+    assert scales.max() == 1.0 and scales.min() == 0.1
+    assert "lr" not in ctrl.metrics() and ctrl.metrics()["scale"] == 0.1
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['lr0'\]"):
+        C.make_controller("length_triggered_decay", lr0=1e-6)
+
+
+# Format-1 states (before issue 9/13), as the old controllers wrote them.
+V1_LENGTH = {"kind": "length_triggered_decay", "config": {
+    "lr0": 1.0, "period_factor": 1.8, "decay_period": None, "floor": 0.1, "factor": 0.5, "metric": "length/mean",
+    "surge_ratio": 3.0, "baseline_window": 5, "window": 4, "min_steps_before_detect": 5, "onset_ratio": 1.5},
+    "state": {"last_step": 12, "scale": 1.0, "num_nonfinite": 0, "trigger_step": 9, "onset_step": 7, "period": 13,
+              "first_decay_step": 13, "num_observed": 13, "baseline_sum": 5000.0,
+              "recent_values": [4000.0, 4000.0, 4000.0, 4000.0], "recent_steps": [9, 10, 11, 12],
+              "onset_candidate": 7}}
+V1_METRIC = {"kind": "metric_triggered", "config": {
+    "lr0": 1.0, "period_factor": 1.8, "decay_period": None, "floor": 0.1, "factor": 0.5, "metric": "m",
+    "threshold": 1.0, "trend_window": None, "trend_slope": None, "ema": None, "min_steps_before_detect": 0},
+    "state": {"last_step": 0, "scale": 1.0, "num_nonfinite": 0, "trigger_step": -1, "onset_step": -1, "period": -1,
+              "first_decay_step": -1, "num_observed": 1, "smoothed": 0.5, "trend_values": [], "trend_steps": []}}
+V1_CONSTANT = {"kind": "constant", "config": {"lr0": 1.0},
+               "state": {"last_step": 0, "scale": 1.0, "num_nonfinite": 0}}
+
+
+def test_format_1_states_load_drop_lr0_1_and_refuse_other_lr0():
+    fired = C.LengthTriggeredDecay(window=4, baseline_window=5)
+    fired.load_state_dict(json.loads(json.dumps(V1_LENGTH)))
+    # It had fired (onset 7, period 13): its staircase continues exactly: halvings at 13, 26, …
+    assert [fired.update(t, {KEY: 4000.0}) for t in range(13, 28)] == [0.5] * 13 + [0.25] * 2
+    assert fired.metrics()["baseline"] == 1000.0 and fired.state_dict()["format"] == C.STATE_FORMAT
+    constant = C.ConstantScale()
+    constant.load_state_dict(V1_CONSTANT)
+    assert constant.update(1, {}) == 1.0
+    combined = C.combine(C.ConstantScale(), C.LengthTriggeredDecay(window=4, baseline_window=5))
+    combined.load_state_dict({"kind": "combined", "config": {"lr0": 1.0, "mode": "product", "children": [
+        ["constant", {"lr0": 1.0}], ["length_triggered_decay", V1_LENGTH["config"]]]},
+        "state": {"last_step": 12, "scale": 1.0, "num_nonfinite": 0},
+        "children": [{**V1_CONSTANT, "state": {**V1_CONSTANT["state"], "last_step": 12}}, V1_LENGTH]})
+    assert combined.update(13, {KEY: 4000.0}) == 0.5
+    absolute = {**V1_CONSTANT, "config": {"lr0": 1e-6}}
+    with pytest.raises(ValueError, match=r"saved with lr0=1e-06: controllers no longer carry a base LR"):
+        C.ConstantScale().load_state_dict(absolute)
+    with pytest.raises(ValueError, match="old alarm rule"):
+        C.MetricTriggered("m", threshold=1.0).load_state_dict(V1_METRIC)
+
+
+def test_format_1_length_state_that_has_not_fired_seeds_the_running_minimum():
+    state = json.loads(json.dumps(V1_LENGTH))
+    state["state"].update(trigger_step=-1, onset_step=-1, period=-1, first_decay_step=-1, onset_candidate=-1,
+                          recent_values=[1000.0] * 4)
+    ctrl = C.LengthTriggeredDecay(window=4, baseline_window=5)
+    ctrl.load_state_dict(state)
+    assert ctrl.metrics()["baseline"] == 1000.0  # 5000 / 5
+    scales = [ctrl.update(t, {KEY: 3500.0 if t >= 20 else 1000.0}) for t in range(13, 80)]
+    assert ctrl.metrics()["surge_step"] == 20 and scales[36 - 13] == 0.5
+
+
 @pytest.mark.parametrize("stop", [15, 60, 104, 190, 700])  # in baseline, before/at/after trigger, at floor
 def test_state_round_trips_through_json(stop):
     trace = _surge_trace(900, 100, 4.0, noise=0.3, seed=7)
-    kwargs = dict(lr0=1e-6, window=8, baseline_window=16)
+    kwargs = dict(window=8, baseline_window=16)
     uninterrupted, first = C.LengthTriggeredDecay(**kwargs), C.LengthTriggeredDecay(**kwargs)
     want = _run(uninterrupted, trace)
     for t in range(stop):
@@ -153,13 +235,54 @@ def test_non_finite_observations_are_ignored_and_counted():
 
 # ---------------------------------------------------------------- MetricTriggered
 
-def test_threshold_crossing():
+def test_threshold_alarm_cuts_at_once_and_once():
+    # Issue 13: the alarm at step 120 used to halve first at round(1.8 × 120) = 216. Now: at 120, once.
     values = np.concatenate([np.full(120, 0.01), np.full(400, 0.08)])
     ctrl = C.MetricTriggered("mismatch/log_ppl_abs_diff", threshold=0.05)
     scales = _run(ctrl, values, key="mismatch/log_ppl_abs_diff")
     assert ctrl.metrics()["trigger_step"] == 120
-    period = round(1.8 * 120)
-    assert _decay_steps(scales) == [period, 2 * period]
+    assert _decay_steps(scales) == [120] and scales[119] == 1.0 and scales[120] == scales[-1] == 0.5
+    assert ctrl.metrics()["num_decays"] == 1 and ctrl.metrics()["alarm"] == 1.0
+
+
+@pytest.mark.parametrize("alarm_step", [0, 300])
+def test_alarm_step_mode_acts_on_the_alarm_step(alarm_step):
+    # Fails on the old rule: alarm at 300 first halved at 540; alarm at 0 gave period 1 (floor by step 4).
+    values = np.where(np.arange(800) < alarm_step, 0.01, 0.2)
+    ctrl = C.MetricTriggered("m", threshold=0.1, factor=0.5)
+    scales = _run(ctrl, values, key="m")
+    assert scales[alarm_step] == 0.5 and np.all(scales[:alarm_step] == 1.0)
+    assert np.all(scales[alarm_step:] == 0.5)  # no decay_period: one cut
+
+
+def test_alarm_step_mode_repeats_every_period_while_the_alarm_persists():
+    # Alarm on over [300, 340), off, and on again from 500: cuts at 300, 310, 320, 330 (floor reached
+    # at the 4th: 0.5^4 = 0.0625 < 0.1); in a second run with floor 0.01, none while the alarm is off
+    # and the next one when it returns (≥ decay_period after the last).
+    steps = np.arange(700)
+    values = np.where(((steps >= 300) & (steps < 340)) | (steps >= 500), 0.2, 0.01)
+    ctrl = C.MetricTriggered("m", threshold=0.1, decay_period=10)
+    scales = _run(ctrl, values, key="m")
+    assert _decay_steps(scales) == [300, 310, 320, 330]
+    np.testing.assert_allclose(scales[[300, 310, 320, 330, 699]], [0.5, 0.25, 0.125, 0.1, 0.1])
+    deep = C.MetricTriggered("m", threshold=0.1, decay_period=10, floor=0.01)
+    scales = _run(deep, values, key="m")
+    assert _decay_steps(scales) == [300, 310, 320, 330, 500, 510, 520]
+    assert scales[-1] == pytest.approx(0.01) and deep.metrics()["num_decays"] == 7
+
+
+def test_alarm_decay_mode_uses_its_own_period_from_the_alarm_step():
+    # A brief alarm (steps 300-302) starts the LR paper's staircase with the given period, at once.
+    values = np.where((np.arange(800) >= 300) & (np.arange(800) < 303), 0.2, 0.01)
+    ctrl = C.MetricTriggered("m", threshold=0.1, on_alarm="decay", decay_period=50)
+    scales = _run(ctrl, values, key="m")
+    assert _decay_steps(scales) == [300, 350, 400, 450]
+    np.testing.assert_allclose(scales[[299, 300, 349, 350, 450, 799]], [1, 0.5, 0.5, 0.25, 0.1, 0.1])
+    assert ctrl.metrics()["num_decays"] == 4 and ctrl.metrics()["alarm"] == 0.0
+    with pytest.raises(ValueError, match="on_alarm='decay' needs an explicit decay_period"):
+        C.MetricTriggered("m", threshold=0.1, on_alarm="decay")
+    with pytest.raises(ValueError, match=r"unknown on_alarm 'later'; valid: \['step', 'decay'\]"):
+        C.MetricTriggered("m", threshold=0.1, on_alarm="later")
 
 
 def test_ema_smoothing_ignores_a_single_spike_that_a_raw_threshold_takes():
@@ -184,7 +307,7 @@ def test_upward_trend_triggers_and_flat_noise_does_not():
     scales = _run(rising_ctrl, rising, key="grad/norm")
     trigger = rising_ctrl.metrics()["trigger_step"]
     assert 200 < trigger < 250  # the window must see > half its span rising at 2× the slope threshold
-    assert _decay_steps(scales)[:2] == [trigger, trigger + 40]  # fixed period 40 < trigger: decay at once
+    assert _decay_steps(scales)[:2] == [trigger, trigger + 40]  # at once, then every 40 while it trends
 
 
 def test_slope_is_least_squares():
@@ -198,7 +321,7 @@ def test_slope_is_least_squares():
 
 def test_metric_triggered_round_trip():
     values = 1.0 + np.random.default_rng(3).normal(0, 0.1, 500) + np.linspace(0, 2, 500)
-    kw = dict(threshold=2.0, trend_window=20, trend_slope=0.01, ema=0.8)
+    kw = dict(threshold=2.0, trend_window=20, trend_slope=0.01, ema=0.8, decay_period=30)
     a, b = C.MetricTriggered("m", **kw), C.MetricTriggered("m", **kw)
     want = _run(a, values, key="m")
     for t in range(123):
@@ -217,13 +340,13 @@ def test_combined_product_and_min_and_round_trip():
 
     def build(mode):
         return C.combine(C.LengthTriggeredDecay(), C.MetricTriggered("mm", threshold=0.05, decay_period=100),
-                         mode=mode, lr0=2e-6)
+                         mode=mode)
 
     product, minimum, length_only, mm_only = build("product"), build("min"), C.LengthTriggeredDecay(), \
         C.MetricTriggered("mm", threshold=0.05, decay_period=100)
     for t, m in enumerate(metrics):
         p, q, a, b = product.update(t, m), minimum.update(t, m), length_only.update(t, m), mm_only.update(t, m)
-        assert p == pytest.approx(2e-6 * a * b) and q == pytest.approx(2e-6 * min(a, b))
+        assert p == a * b and q == min(a, b)
     assert product.metrics()["0_length_triggered_decay/surge_step"] == 100
     assert product.metrics()["1_metric_triggered/trigger_step"] == 150
 
