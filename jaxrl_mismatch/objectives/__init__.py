@@ -1,8 +1,9 @@
 """Objectives: advantages, policy losses, mismatch corrections, aggregation, diagnostics (pure, jit-able).
 
-The train step calls, once per batch, ``norm = normalizers(cfg, mask, old_logp, rollout_logp)`` and then,
-per microbatch, ``loss, aux = policy_loss(cfg, logp=…, old_logp=…, rollout_logp=…, advantages=…, mask=…,
-norm=norm)``. Conventions (ρ, bounds, clamping) are stated once in ``ratios.py``. Option names → paper and
+The loop computes ``compute_advantages(cfg.advantages, rewards, group_ids, num_groups)`` (each preset names
+its estimator); the train step calls, once per batch, ``norm = normalizers(cfg, mask, old_logp, rollout_logp)``
+and then, per microbatch, ``loss, aux = policy_loss(cfg, logp=…, old_logp=…, rollout_logp=…, advantages=…,
+mask=…, norm=norm)``. Conventions (ρ, bounds, clamping) are stated once in ``ratios.py``. Option names → paper and
 equation: ``docs/objectives.md``.
 """
 
@@ -37,11 +38,21 @@ from jaxrl_mismatch.objectives.diagnostics import (
     weight_distortion,
     zero_mismatch,
 )
-from jaxrl_mismatch.objectives.losses import LOSSES, gmpo_objective, gspo_objective, pg_objective, ppo_clip_objective
+from jaxrl_mismatch.objectives.losses import (
+    LOSSES,
+    gmpo_objective,
+    gspo_objective,
+    pg_objective,
+    ppo_clip_objective,
+    ref_kl_k3,
+)
 from jaxrl_mismatch.objectives.policy import (
+    CLIP_KINDS,
     PRESETS,
     Normalizers,
     ObjectiveConfig,
+    applied_weights,
+    clip_indicators,
     correction_weights,
     normalizers,
     objective_config,
@@ -67,12 +78,12 @@ REGISTRY = {
 }
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "IS_WEIGHTS", "LOG_RATIO_CLAMP", "LOSSES", "PRESETS", "REGISTRY", "REJECTIONS",
-    "SEQ_LEVELS", "Normalizers", "ObjectiveConfig", "aggregate", "batch_normalize", "compute_advantages",
+    "ADVANTAGES", "AGGREGATIONS", "CLIP_KINDS", "IS_WEIGHTS", "LOG_RATIO_CLAMP", "LOSSES", "PRESETS", "REGISTRY", "REJECTIONS",
+    "SEQ_LEVELS", "Normalizers", "ObjectiveConfig", "aggregate", "applied_weights", "clip_indicators", "batch_normalize", "compute_advantages",
     "correction_weights", "drgrpo_advantages", "global_normalizer", "gmpo_objective", "grpo_advantages",
     "gspo_objective", "icepop", "inject_mismatch", "is_weights", "log_ratio_ppo", "log_rho", "normalizers",
     "num_seqs", "num_tokens", "objective_config", "pg_objective", "policy_loss", "ppo_clip_objective", "ratio_ppo",
-    "rejection_mask", "rho", "rloo_advantages", "seq_is", "seq_log_ratio", "seq_mis", "seq_tis", "surrogate_j",
+    "ref_kl_k3", "rejection_mask", "rho", "rloo_advantages", "seq_is", "seq_log_ratio", "seq_mis", "seq_tis", "surrogate_j",
     "token_advantages", "token_is", "token_mis", "token_tis", "variance_weights", "weight_distortion",
     "weight_mean", "zero_mismatch",
 ]

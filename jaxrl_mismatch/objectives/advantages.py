@@ -6,10 +6,13 @@ comparing the group max with the group min, so rounding in the mean can never pr
 spurious ±1.
 
 * ``grpo``   — ``(R_i − mean_g) / (std_g + eps)``, sample std (ddof = 1, as torch.std in TRL/verl)
-  (Shao et al. 2024, GRPO; objective-hacking eq. 24's Â).
-* ``drgrpo`` — ``R_i − mean_g`` (Dr.GRPO, Liu et al. 2025c: no std division).
+  (Shao et al. 2024, GRPO; objective-hacking eq. 3, the Â of its eq. 24).
+* ``drgrpo`` — ``R_i − mean_g`` (Dr.GRPO, Liu et al. 2025c: no std division) — the estimator of FP16 paper
+  eqs. 8–10 (footnote 1: "We use the Dr.GRPO variant").
 * ``rloo``   — ``R_i − mean_{j≠i} R_j = G/(G−1) · (R_i − mean_g)`` (leave-one-out baseline; FP16 paper
-  eq. 8 writes this baseline for A_t).
+  eq. 8 writes A_t with this baseline — a constant multiple of ``drgrpo`` for a fixed group size G).
+
+Each objective preset names its estimator (``ObjectiveConfig.advantages``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _group_stats(rewards: SeqFloat, group_ids: SeqInt, num_groups: int):
 
 
 def grpo_advantages(rewards: SeqFloat, group_ids: SeqInt, num_groups: int, *, eps: float = 1e-6) -> SeqFloat:
-    """GRPO: ``(R_i − mean_g) / (std_g + eps)`` with the sample std (ddof = 1); 0 for constant groups."""
+    """GRPO: ``(R_i − mean_g) / (std_g + eps)`` with the sample std (ddof = 1; OLH eq. 3); 0 for constant groups."""
     r, count, mean, constant = _group_stats(rewards, group_ids, num_groups)
     dev = r - mean
     var = jax.ops.segment_sum(dev * dev, group_ids, num_segments=num_groups)[group_ids] / jnp.maximum(count - 1.0, 1.0)
@@ -44,13 +47,13 @@ def grpo_advantages(rewards: SeqFloat, group_ids: SeqInt, num_groups: int, *, ep
 
 
 def drgrpo_advantages(rewards: SeqFloat, group_ids: SeqInt, num_groups: int) -> SeqFloat:
-    """Dr.GRPO: ``R_i − mean_g`` (group mean only); 0 for constant groups."""
+    """Dr.GRPO: ``R_i − mean_g`` (group mean only; FP16 paper eq. 8 + footnote 1); 0 for constant groups."""
     r, _, mean, constant = _group_stats(rewards, group_ids, num_groups)
     return jnp.where(constant, 0.0, r - mean)
 
 
 def rloo_advantages(rewards: SeqFloat, group_ids: SeqInt, num_groups: int) -> SeqFloat:
-    """RLOO: ``R_i − (1/(G−1)) Σ_{j≠i} R_j``; 0 for constant groups and groups of one."""
+    """RLOO: ``R_i − (1/(G−1)) Σ_{j≠i} R_j`` (FP16 paper eq. 8's A_t); 0 for constant groups and groups of one."""
     r, count, mean, constant = _group_stats(rewards, group_ids, num_groups)
     adv = count / jnp.maximum(count - 1.0, 1.0) * (r - mean)
     return jnp.where(constant, 0.0, adv)

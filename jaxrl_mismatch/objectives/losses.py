@@ -1,20 +1,22 @@
 """Per-token policy objectives (to be *maximised*), before correction weights and aggregation.
 
 Each function returns ``(objective [B, T], indicators)`` where ``indicators`` maps a name to a bool
-``[B, T]`` array of tokens where a clip was active (summarised by ``policy.policy_loss``). The loss is
+``[B, T]`` array of tokens where a clip was active (exposed by ``policy.clip_indicators``). The loss is
 ``−aggregate(weight · objective)`` (see ``policy.py``). Sequence-level objectives (GSPO, GMPO) are written in
 their token form — every token of sequence i carries the sequence value, and the gradient of the
 ``seq-mean-token-mean`` aggregate equals the gradient of the sequence objective exactly.
 
 * ``ppo``  — ``min(r_t A_t, clip(r_t, 1−ε_low, 1+ε_high) A_t)``, decoupled ε (DAPO clip-higher), optional
-  dual-clip ``max(·, c·A_t)`` for A_t < 0 (Ye et al. 2020). FP16 paper eq. 8 (GRPO; with TIS weight: eq. 9,
-  with seq-MIS weight: eq. 10).
+  dual-clip ``max(·, c·A_t)`` for A_t < 0 (Ye et al. 2020). The clipped surrogate inside FP16 paper eqs. 8–10
+  (which are Dr.GRPO; eqs. 9 / 10 add the token-TIS / seq-MIS weight) and OLH eq. 2.
 * ``gspo`` — sequence ratio ``s_i = exp((1/|y_i|) Σ_t log r_t)`` clipped at [1−ε_low, 1+ε_high]
   (Zheng et al. 2025; objective-hacking eq. 16), GSPO-token form ``s_it = sg(s_i) · π_t/sg(π_t)``.
 * ``gmpo`` — geometric-mean ratio: ``A_i · exp((1/|y_i|) Σ_t clip_A(log r_t))`` where the log-ratio is clipped
   to [−ε, ε] on the side that would increase ``A · log r`` (Zhao et al. 2025b, GMPO).
 * ``pg``   — vanilla policy gradient ``A_t · π_t/sg(π_t)`` (value A_t, gradient A_t ∇log π_t); with the
   sequence IS weight ``π(y|θ)/μ(y|θ_old)`` it is PG-seq-IS (FP16 paper eq. 5) and TIS/MIS (eqs. 6–7).
+
+``ref_kl_k3`` is the per-token KL penalty towards a reference policy (k3 estimator, GRPO eq. 4).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jaxrl_mismatch.objectives.ratios import (
     as_bool_mask,
     broadcast_seq,
     log_ratio_ppo,
+    masked_log_diff,
     score,
     seq_log_ratio,
 )
@@ -43,7 +46,7 @@ def _adv(advantages: TokenFloat, mask: TokenMask) -> TokenFloat:
 
 def ppo_clip_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
                        eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> Objective:
-    """Token PPO-clip objective with decoupled ε and optional dual-clip c (FP16 paper eq. 8; DAPO).
+    """Token PPO-clip objective with decoupled ε and optional dual-clip c (FP16 paper eq. 8's surrogate; DAPO).
 
     Indicators: ``clip_low`` (A<0 and r<1−ε_low: the clipped branch is taken, gradient 0), ``clip_high``
     (A>0 and r>1+ε_high), ``dual_clip`` (A<0 and r>c: bounded at c·A, gradient 0).
@@ -92,6 +95,16 @@ def pg_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat,
     del old_logp
     m = as_bool_mask(mask)
     return _adv(advantages, m) * score(logp, m), {}
+
+
+def ref_kl_k3(logp: TokenFloat, ref_logp: TokenFloat, mask: TokenMask) -> TokenFloat:
+    """Per-token k3 estimate of KL(π‖π_ref): ``exp(q) − q − 1``, ``q = log π_ref − log π`` (GRPO eq. 4, Schulman's k3).
+
+    ``q`` is a clamped, masked log-difference (``ratios.LOG_RATIO_CLAMP``), so padding (even non-finite) gives
+    exactly 0 and the value stays finite; ≥ 0 everywhere. Differentiable in ``logp``.
+    """
+    q = masked_log_diff(ref_logp, logp, mask)
+    return jnp.where(as_bool_mask(mask), jnp.expm1(q) - q, 0.0)
 
 
 LOSSES: dict[str, Callable[..., Objective]] = {

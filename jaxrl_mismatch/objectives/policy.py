@@ -1,11 +1,16 @@
-"""Config-driven policy loss: objective type × mismatch correction × aggregation, one uniform entry point.
+"""Config-driven policy loss: advantages × objective type × mismatch correction × aggregation, one entry point.
 
 ``policy_loss(cfg, logp=…, old_logp=…, rollout_logp=…, advantages=…, mask=…, norm=…) -> (loss, aux)``
 computes ``loss = −aggregate(w · objective)`` with ``w = is_weight · rejection_mask [/ global mean]
 [· token_weight]`` (all under stop_gradient). ``norm`` holds the *global* normalisers, computed once from the
 whole batch by ``normalizers(cfg, mask, old_logp, rollout_logp)``; a microbatch's ``(loss, aux)`` is then its
 exact additive share: summing over microbatches (or ``psum`` over devices) gives the full-batch loss,
-gradient and aux values.
+gradient and aux values. ``cfg.advantages`` names the estimator the recipe's advantages come from
+(``compute_advantages(cfg.advantages, …)``, computed by the caller before the loss).
+
+``clip_indicators(cfg, …)`` returns the tokens where the configured objective's clip is active, on the
+ratio that objective clips (token r for PPO, the sequence ratio for GSPO, log r for GMPO) — the one
+source of the ``ppo/clip_frac_*`` metrics.
 
 Which ρ the weight uses: the PPO-family objectives (``ppo``, ``gspo``, ``gmpo``) correct with
 ``ρ_t = π(θ_old)/μ(θ_old)`` (FP16 paper eqs. 9–10). The ``pg`` objective follows eqs. 5–7 literally and uses
@@ -20,8 +25,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool
 
 from jaxrl_mismatch.objectives._types import Scalar, TokenFloat, TokenMask
+from jaxrl_mismatch.objectives.advantages import ADVANTAGES
 from jaxrl_mismatch.objectives.aggregation import AGGREGATIONS, aggregate, global_normalizer, num_tokens
 from jaxrl_mismatch.objectives.corrections import (
     IS_WEIGHTS,
@@ -32,7 +39,7 @@ from jaxrl_mismatch.objectives.corrections import (
     weight_mean,
 )
 from jaxrl_mismatch.objectives.losses import LOSSES
-from jaxrl_mismatch.objectives.ratios import as_bool_mask, ratio_ppo
+from jaxrl_mismatch.objectives.ratios import as_bool_mask
 
 sg = jax.lax.stop_gradient
 
@@ -41,6 +48,7 @@ sg = jax.lax.stop_gradient
 class ObjectiveConfig:
     """One policy-loss recipe. Hashable, so it can be a static argument of ``jax.jit``."""
 
+    advantages: str = "grpo"               # estimator: grpo (std-normalised) | drgrpo | rloo  (advantages.py)
     loss: str = "ppo"                      # objective: ppo | gspo | gmpo | pg  (losses.py)
     correction: str = "none"               # IS weight: none | token_tis | seq_sum_mis | icepop | …  (corrections.py)
     correction_cap: float = 3.0            # C: upper bound on ρ for TIS/MIS (FP16 paper uses 3), IcePop's hi
@@ -57,6 +65,7 @@ class ObjectiveConfig:
     gmpo_eps: float = 0.4                  # GMPO log-space clip range
 
     def __post_init__(self):
+        _check("advantages", self.advantages, ADVANTAGES)
         _check("loss", self.loss, LOSSES)
         _check("correction", self.correction, IS_WEIGHTS)
         _check("rejection", self.rejection, REJECTIONS)
@@ -82,20 +91,42 @@ def _check(field: str, value: str, valid) -> None:
         raise ValueError(f"unknown {field} {value!r}; valid: {', '.join(valid)}")
 
 
-# Named recipes from the papers; values per FP16 paper §4 / Table 3 unless noted.
+# Named recipes. Every preset names its advantage estimator. FP16 paper eqs. 8–10 are Dr.GRPO (footnote 1:
+# "We use the Dr.GRPO variant"): a mean baseline without std division (eq. 8 writes the leave-one-out mean,
+# = G/(G−1) × the Dr.GRPO advantage; `advantages="rloo"` for that literal form) and a per-sequence token
+# *sum* with a constant normaliser (App. A.1: verl's corrected "seq-mean-token-sum-norm"); the FP16 runs
+# use clip-higher 0.28 and C = 3 for the GRPO family (§4.1). Only the `drgrpo*` presets are those
+# equations; the `grpo*` ones are std-normalised, token-mean recipes that borrow the eq. 9 / 10 *weight*.
 PRESETS: dict[str, dict] = {
-    "grpo": dict(loss="ppo"),                                                     # FP16 eq. 8
-    "dapo": dict(loss="ppo", eps_high=0.28),                                      # clip-higher
-    "drgrpo": dict(loss="ppo", agg="seq-mean-token-sum-norm"),                    # needs max_len
-    "grpo_token_tis": dict(loss="ppo", eps_high=0.28, correction="token_tis"),    # FP16 eq. 9
-    "grpo_seq_mis": dict(loss="ppo", eps_high=0.28, correction="seq_sum_mis"),    # FP16 eq. 10
-    "icepop": dict(loss="ppo", eps_high=0.28, correction="icepop", correction_low=0.5, correction_cap=5.0),
-    "gspo": dict(loss="gspo", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-mean"),
-    "gmpo": dict(loss="gmpo", gmpo_eps=0.4, agg="seq-mean-token-mean"),
-    "pg": dict(loss="pg", agg="seq-mean-token-sum"),                              # FP16 eq. 3 (biased)
-    "pg_seq_is": dict(loss="pg", correction="seq_sum_is", agg="seq-mean-token-sum"),    # FP16 eq. 5
-    "pg_seq_tis": dict(loss="pg", correction="seq_sum_tis", agg="seq-mean-token-sum"),  # FP16 eq. 6
-    "pg_seq_mis": dict(loss="pg", correction="seq_sum_mis", agg="seq-mean-token-sum"),  # FP16 eq. 7
+    # GRPO advantages (Shao et al. 2024; OLH eq. 3) with DAPO's token-mean aggregation, symmetric ε = 0.2.
+    "grpo": dict(advantages="grpo", loss="ppo"),
+    # DAPO (Yu et al. 2025): the same with clip-higher ε_high = 0.28.
+    "dapo": dict(advantages="grpo", loss="ppo", eps_high=0.28),
+    # FP16 eq. 8 + footnote 1: Dr.GRPO (Liu et al. 2025c). Needs max_len (the constant L).
+    "drgrpo": dict(advantages="drgrpo", loss="ppo", agg="seq-mean-token-sum-norm"),
+    # FP16 eq. 9: Dr.GRPO with token TIS min(ρ_t, C) (Yao et al.), clip-higher 0.28, C = 3 (§4.1). Needs max_len.
+    "drgrpo_token_tis": dict(advantages="drgrpo", loss="ppo", eps_high=0.28, correction="token_tis",
+                             agg="seq-mean-token-sum-norm"),
+    # FP16 eq. 10: Dr.GRPO with sequence MIS ρ(y)·1{ρ(y) ≤ C} (Liu et al.), clip-higher 0.28, C = 3. Needs max_len.
+    "drgrpo_seq_mis": dict(advantages="drgrpo", loss="ppo", eps_high=0.28, correction="seq_sum_mis",
+                           agg="seq-mean-token-sum-norm"),
+    # DAPO-style GRPO (std-normalised, token-mean, 0.28) with the token-TIS weight of FP16 eq. 9 (Yao et al.).
+    "grpo_token_tis": dict(advantages="grpo", loss="ppo", eps_high=0.28, correction="token_tis"),
+    # DAPO-style GRPO with the sequence-MIS weight of FP16 eq. 10 (Liu et al.).
+    "grpo_seq_mis": dict(advantages="grpo", loss="ppo", eps_high=0.28, correction="seq_sum_mis"),
+    # IcePop (Ring-1T): two-sided token mask [0.5, 5] on DAPO-style GRPO.
+    "icepop": dict(advantages="grpo", loss="ppo", eps_high=0.28, correction="icepop", correction_low=0.5,
+                   correction_cap=5.0),
+    # GSPO (Zheng et al. 2025; OLH eq. 16): sequence-ratio clipping, ε = (3e-4, 4e-4), per-sequence token mean.
+    "gspo": dict(advantages="grpo", loss="gspo", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-mean"),
+    # GMPO (Zhao et al. 2025b): geometric-mean ratio, log-space clip ε = 0.4.
+    "gmpo": dict(advantages="grpo", loss="gmpo", gmpo_eps=0.4, agg="seq-mean-token-mean"),
+    # Vanilla PG, FP16 eq. 3 (biased under mismatch), and its sequence IS / TIS / MIS corrections, eqs. 5 / 6 / 7.
+    # The equations leave the baseline B(x) open; these use GRPO's std-normalised group advantage.
+    "pg": dict(advantages="grpo", loss="pg", agg="seq-mean-token-sum"),
+    "pg_seq_is": dict(advantages="grpo", loss="pg", correction="seq_sum_is", agg="seq-mean-token-sum"),
+    "pg_seq_tis": dict(advantages="grpo", loss="pg", correction="seq_sum_tis", agg="seq-mean-token-sum"),
+    "pg_seq_mis": dict(advantages="grpo", loss="pg", correction="seq_sum_mis", agg="seq-mean-token-sum"),
 }
 
 
@@ -114,7 +145,7 @@ class Normalizers(NamedTuple):
     """Whole-batch constants every microbatch needs (see ``normalizers``)."""
 
     loss: Scalar         # the aggregation normaliser of cfg.agg
-    tokens: Scalar       # number of response tokens (for aux fractions)
+    tokens: Scalar       # number of response tokens, ≥ 1 (token means of extra terms: KL, entropy)
     weight_mean: Scalar  # global mean IS weight at θ_old (1 unless cfg.normalize_weights)
 
 
@@ -150,10 +181,40 @@ def correction_weights(cfg: ObjectiveConfig, num_logp: TokenFloat, rollout_logp:
     return sg(w)
 
 
+def _objective(cfg: ObjectiveConfig, logp, old_logp, advantages, mask):
+    """The configured per-token objective and its clip indicators (``losses.py``), with cfg's bounds."""
+    if cfg.loss == "ppo":
+        return LOSSES["ppo"](logp, old_logp, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                             dual_clip=cfg.dual_clip)
+    if cfg.loss == "gspo":
+        return LOSSES["gspo"](logp, old_logp, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    if cfg.loss == "gmpo":
+        return LOSSES["gmpo"](logp, old_logp, advantages, mask, eps=cfg.gmpo_eps)
+    return LOSSES["pg"](logp, old_logp, advantages, mask)
+
+
+CLIP_KINDS = ("clip_low", "clip_high", "dual_clip")
+
+
+def clip_indicators(cfg: ObjectiveConfig, logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat,
+                    mask: TokenMask) -> dict[str, Bool[Array, "batch seq"]]:
+    """Where the objective's clip is active, on the ratio *this* objective clips, with cfg's bounds.
+
+    Keys ``clip_low`` (A < 0, ratio below the lower bound), ``clip_high`` (A > 0, above the upper bound),
+    ``dual_clip`` (A < 0, r > c); all three always present (all False where the objective has no such clip).
+    The ratio: PPO — the token ratio r_t (FP16 eq. 8; DAPO's decoupled ε, dual-clip c); GSPO — the
+    sequence ratio s_i = exp(mean_t log r_t) (OLH eq. 16), so every token of a clipped sequence is flagged;
+    GMPO — the token log-ratio against ±ε (GMPO eq. 1); PG — never clipped.
+    """
+    m = as_bool_mask(mask)
+    _, ind = _objective(cfg, sg(logp), old_logp, advantages, m)
+    return {k: ind.get(k, jnp.zeros(m.shape, bool)) for k in CLIP_KINDS}
+
+
 def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: TokenFloat, rollout_logp: TokenFloat,
                 advantages: TokenFloat, mask: TokenMask, norm: Normalizers,
                 token_weight: TokenFloat | None = None) -> tuple[Scalar, dict[str, Scalar]]:
-    """The policy loss to minimise and its additive aux scalars.
+    """The policy loss to minimise, ``−aggregate(w · objective)``, and its aux ``{"loss/policy": loss}``.
 
     Args:
       cfg: an ``ObjectiveConfig`` or a preset name (``PRESETS``).
@@ -162,39 +223,29 @@ def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: Token
       mask: response mask. norm: ``normalizers(cfg, full_mask, …)`` of the whole batch.
       token_weight: optional extra per-token weight (diagnostics: φ of objective-hacking eq. 18, ξ of eq. 21).
 
-    Aux (names stable; each is a microbatch's additive share of the full-batch value):
-      ``loss/policy``, ``loss/clip_frac_low``, ``loss/clip_frac_high``, ``loss/dual_clip_frac``
-      (fractions of response tokens), ``loss/weight_mean`` (mean applied weight), ``loss/zero_weight_frac``
-      (tokens whose weight is 0: masked by MIS/IcePop/rejection), ``loss/ratio_mean`` (mean r_t).
+    The loss (and so ``loss/policy``) of a microbatch is its additive share of the whole-batch loss. Clip
+    fractions and weight statistics are metrics: ``metrics.update_stats`` (from ``clip_indicators``) and
+    ``metrics.step_metrics`` (``correction/weight_mean``, ``correction/zero_weight_frac``).
     """
     if isinstance(cfg, str):
         cfg = objective_config(cfg)
     m = as_bool_mask(mask)
-    if cfg.loss == "ppo":
-        obj, ind = LOSSES["ppo"](logp, old_logp, advantages, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                 dual_clip=cfg.dual_clip)
-    elif cfg.loss == "gspo":
-        obj, ind = LOSSES["gspo"](logp, old_logp, advantages, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    elif cfg.loss == "gmpo":
-        obj, ind = LOSSES["gmpo"](logp, old_logp, advantages, m, eps=cfg.gmpo_eps)
-    else:
-        obj, ind = LOSSES["pg"](logp, old_logp, advantages, m)
-    num_logp = sg(logp) if cfg.loss == "pg" else old_logp
-    w = correction_weights(cfg, num_logp, rollout_logp, m, norm.weight_mean)
-    if token_weight is not None:
-        w = w * sg(token_weight.astype(jnp.float32))
+    obj, _ = _objective(cfg, logp, old_logp, advantages, m)
+    w = applied_weights(cfg, sg(logp) if cfg.loss == "pg" else old_logp, rollout_logp, m,
+                        global_weight_mean=norm.weight_mean, token_weight=token_weight)
     loss = -aggregate(w * obj, m, cfg.agg, norm.loss)
+    return loss, {"loss/policy": loss}
 
-    def frac(x):
-        return jnp.sum(x).astype(jnp.float32) / norm.tokens
 
-    aux = {
-        "loss/policy": loss,
-        "loss/clip_frac_low": frac(ind.get("clip_low", jnp.zeros_like(m))),
-        "loss/clip_frac_high": frac(ind.get("clip_high", jnp.zeros_like(m))),
-        "loss/dual_clip_frac": frac(ind.get("dual_clip", jnp.zeros_like(m))),
-        "loss/weight_mean": jnp.sum(jnp.where(m, w, 0.0)) / norm.tokens,
-        "loss/zero_weight_frac": frac(m & (w == 0)),
-        "loss/ratio_mean": jnp.sum(jnp.where(m, sg(ratio_ppo(logp, old_logp, m)), 0.0)) / norm.tokens,
-    }
-    return loss, aux
+def applied_weights(cfg: ObjectiveConfig, num_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask, *,
+                    global_weight_mean: Scalar | None = None, token_weight: TokenFloat | None = None) -> TokenFloat:
+    """The weight ``policy_loss`` multiplies each token's objective by: ``correction_weights × token_weight``.
+
+    ``num_logp`` is the ratio's numerator: ``old_logp`` for the PPO family (ρ = π(θ_old)/μ, FP16 eqs. 9–10),
+    ``sg(logp)`` for ``pg`` (π(θ)/μ, FP16 eqs. 5–7). ``global_weight_mean``: ``Normalizers.weight_mean`` of the
+    whole batch (needed when ``cfg.normalize_weights``). No gradient; 0 on padding.
+    """
+    w = correction_weights(cfg, num_logp, rollout_logp, mask, global_weight_mean)
+    if token_weight is not None:
+        w = w * sg(jnp.where(as_bool_mask(mask), token_weight.astype(jnp.float32), 0.0))
+    return w

@@ -7,14 +7,17 @@ import pytest
 
 from jaxrl_mismatch.objectives import (
     IS_WEIGHTS,
+    LOG_RATIO_CLAMP,
     PRESETS,
     REGISTRY,
     ObjectiveConfig,
+    compute_advantages,
     inject_mismatch,
     is_weights,
     normalizers,
     objective_config,
     policy_loss,
+    ref_kl_k3,
     surrogate_j,
     variance_weights,
     weight_distortion,
@@ -100,12 +103,48 @@ def test_registry_lists_and_unknown_names_list_valid_ones():
         objective_config("grpo", rejection="ratio_token")
     with pytest.raises(ValueError, match="dual_clip"):
         objective_config("grpo", dual_clip=0.5)
+    with pytest.raises(ValueError, match="unknown advantages 'std'; valid: grpo, drgrpo, rloo"):
+        objective_config("grpo", advantages="std")
+
+
+def test_presets_set_their_advantages():
+    # Issue 13: 'drgrpo' changed only the aggregation. FP16 eqs. 8–10 (footnote 1) are Dr.GRPO: token sum
+    # with a constant normaliser AND a mean baseline without std division.
+    for preset in ("drgrpo", "drgrpo_token_tis", "drgrpo_seq_mis"):
+        cfg = objective_config(preset, max_len=64)
+        assert (cfg.advantages, cfg.agg, cfg.loss) == ("drgrpo", "seq-mean-token-sum-norm", "ppo"), preset
+    assert objective_config("drgrpo_token_tis", max_len=8).correction == "token_tis"
+    assert objective_config("drgrpo_seq_mis", max_len=8).correction == "seq_sum_mis"
+    for preset in PRESETS:
+        if not preset.startswith("drgrpo"):
+            assert objective_config(preset).advantages == "grpo", preset  # std-normalised GRPO
+        assert PRESETS[preset]["advantages"] in ("grpo", "drgrpo"), preset  # every preset says which
+    assert objective_config("drgrpo", max_len=8, advantages="rloo").advantages == "rloo"  # overridable
+    rewards, groups = jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), jnp.array([0, 0, 0, 0, 1, 1])
+    adv = compute_advantages(objective_config("drgrpo", max_len=8).advantages, rewards, groups, 2)
+    np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 0.0, 0.0])  # R − mean_g, no std division
+
+
+def test_ref_kl_k3_is_nonnegative_masked_and_clamped():
+    rng = np.random.default_rng(0)
+    logp = np.log(rng.uniform(0.01, 1, (3, 5))).astype(np.float32)
+    ref = np.log(rng.uniform(0.01, 1, (3, 5))).astype(np.float32)
+    mask = np.arange(5)[None] < np.array([[5], [2], [0]])
+    ref_junk = np.where(mask, ref, np.inf).astype(np.float32)
+    got = np.asarray(ref_kl_k3(logp, ref_junk, mask))
+    q = np.clip(ref.astype(np.float64) - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    np.testing.assert_allclose(got, np.where(mask, np.exp(q) - q - 1, 0), rtol=1e-5, atol=1e-7)
+    assert np.all(got >= 0) and np.all(got[~mask] == 0)
+    far = np.asarray(ref_kl_k3(np.full((1, 2), -100.0, np.float32), np.zeros((1, 2), np.float32), np.ones((1, 2))))
+    np.testing.assert_allclose(far, np.exp(LOG_RATIO_CLAMP) - LOG_RATIO_CLAMP - 1, rtol=1e-5)
+    g = jax.grad(lambda lp: jnp.sum(ref_kl_k3(lp, ref_junk, mask)))(jnp.asarray(logp))
+    assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[~mask] == 0)
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_builds_and_runs(preset):
     old, roll, mask, adv = make_batch(5)
-    cfg = objective_config(preset, max_len=16) if preset == "drgrpo" else objective_config(preset)
+    cfg = objective_config(preset, max_len=16) if preset.startswith("drgrpo") else objective_config(preset)
     hash(cfg)  # jit-static
     loss, aux = policy_loss(cfg, logp=old + 0.01, old_logp=old, rollout_logp=roll, advantages=adv, mask=mask,
                             norm=normalizers(cfg, mask, old, roll))

@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_mismatch.objectives import AGGREGATIONS, normalizers, objective_config, policy_loss
+from jaxrl_mismatch.objectives import (
+    AGGREGATIONS,
+    applied_weights,
+    clip_indicators,
+    normalizers,
+    objective_config,
+    policy_loss,
+)
 
 B, T, L = 6, 7, 10
 
@@ -118,20 +125,18 @@ def test_policy_loss_value_grad_aux_match_numpy(preset, over, agg):
     want_grad = -c * w * np.where(mask, dobj, 0)
     np.testing.assert_allclose(loss, want_loss, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-6)
-    ntok = mask.sum()
+    assert list(aux) == ["loss/policy"] and aux["loss/policy"].dtype == jnp.float32
     np.testing.assert_allclose(aux["loss/policy"], want_loss, rtol=2e-5, atol=1e-6)
-    np.testing.assert_allclose(aux["loss/clip_frac_low"], cl.sum() / ntok, rtol=1e-6)
-    np.testing.assert_allclose(aux["loss/clip_frac_high"], ch.sum() / ntok, rtol=1e-6)
-    np.testing.assert_allclose(aux["loss/weight_mean"], w[mask].sum() / ntok, rtol=2e-5)
-    np.testing.assert_allclose(aux["loss/zero_weight_frac"], (w[mask] == 0).sum() / ntok, rtol=1e-6)
+    # The weights the loss applies and the clip indicators (on the ratio this objective clips).
+    np.testing.assert_allclose(applied_weights(cfg, num, roll, mask, global_weight_mean=norm.weight_mean), w,
+                               rtol=2e-5, atol=1e-7)
+    ind = clip_indicators(cfg, logp, old, adv, mask)
+    np.testing.assert_array_equal(ind["clip_low"], cl)
+    np.testing.assert_array_equal(ind["clip_high"], ch)
     r = np.exp(np.clip(logp.astype(np.float64) - old, -20, 20))
-    np.testing.assert_allclose(aux["loss/ratio_mean"], r[mask].sum() / ntok, rtol=2e-5)
-    if preset == "dapo":
-        dual = mask & (adv < 0) & (r > 1.2)
-        assert dual.any()
-        np.testing.assert_allclose(aux["loss/dual_clip_frac"], dual.sum() / ntok, rtol=1e-6)
-    for k, v in aux.items():
-        assert v.shape == () and v.dtype == jnp.float32, k
+    dual = mask & (adv < 0) & (r > 1.2) if preset == "dapo" else np.zeros_like(mask)
+    assert dual.any() == (preset == "dapo")
+    np.testing.assert_array_equal(ind["dual_clip"], dual)
 
 
 def test_reference_cases_exercise_clipping_and_masking():
@@ -204,12 +209,14 @@ def test_pg_seq_is_gradient_is_fp16_eq5():
                                atol=1e-7)
 
 
-def test_grpo_token_tis_is_fp16_eq9():
-    """Eq. 9: Σ_t min(ρ_t, C) ∇ min(r_t A, clip(r_t) A) — autodiff of the formula with ρ from π(θ_old)/μ."""
+def test_drgrpo_token_tis_is_fp16_eq9():
+    """Eq. 9: Σ_t min(ρ_t, C) ∇ min(r_t A, clip(r_t) A) — autodiff of the formula with ρ from π(θ_old)/μ,
+    averaged over sequences with Dr.GRPO's constant normaliser L (FP16 App. A.1)."""
     logp, old, roll, adv, mask = make_batch(14)
-    cfg = objective_config("grpo_token_tis", correction_cap=1.2, agg="seq-mean-token-sum")
+    cfg = objective_config("drgrpo_token_tis", correction_cap=1.2, max_len=L)
+    assert cfg.advantages == "drgrpo" and cfg.agg == "seq-mean-token-sum-norm" and cfg.eps_high == 0.28
     norm = normalizers(cfg, mask)
-    nseq = mask.any(-1).sum()
+    nseq = mask.any(-1).sum() * L
 
     old_, roll_ = np.where(mask, old, 0), np.where(mask, roll, 0)  # the formula is defined on response tokens only
 
