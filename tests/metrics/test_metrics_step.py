@@ -1,4 +1,5 @@
-"""Every metric against a NumPy reference written here; names stable and documented; μ = π neutral;
+"""Step metrics (θ-independent, once per step on the whole batch): every metric against a NumPy reference
+written here; statistics over all the step's tokens; names stable and documented; μ = π neutral;
 padding-invariant; finite for extreme log-ratios; jit-able."""
 
 import pathlib
@@ -9,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_mismatch.metrics import MetricsConfig, compute_metrics, metric_names
+from jaxrl_mismatch.metrics import MetricsConfig, metric_names, metrics_config, step_metric_names, step_metrics
+from jaxrl_mismatch.objectives import objective_config, surrogate_j, weight_distortion
 
-CFG = MetricsConfig(tis_cap=1.3, mask_low=0.93, mask_high=1.08, eps_low=0.1, eps_high=0.15)
+CFG = metrics_config(objective_config("grpo_token_tis", correction_cap=1.1, correction_low=0.97))
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "objectives.md"
 HYP = settings(max_examples=25, deadline=None)
 
@@ -20,17 +22,15 @@ def make_batch(seed, b=7, t=11, spread=0.3):
     rng = np.random.default_rng(seed)
     old = np.log(rng.uniform(0.001, 1.0, size=(b, t)))
     roll = np.minimum(old + spread * rng.normal(size=(b, t)), 0.0)
-    logp = old + 0.25 * rng.normal(size=(b, t))
     lengths = rng.integers(1, t + 1, size=b)
     lengths[-1] = 0  # an all-padding row
     mask = np.arange(t)[None, :] < lengths[:, None]
-    adv = rng.normal(size=(b, t))  # per-token advantages exercise both clip sides
-    ent = rng.uniform(0, 3, size=(b, t))
+    adv = rng.normal(size=(b, t))
     junk = lambda x: np.where(mask, x, rng.choice([np.inf, -1e30, 9.0], size=(b, t))).astype(np.float32)  # noqa
-    return junk(old), junk(roll), mask, junk(logp), junk(adv), junk(ent)
+    return junk(old), junk(roll), mask, junk(adv)
 
 
-def np_metrics(old, roll, mask, logp, adv, ent, cfg):
+def np_metrics(old, roll, mask, adv, cfg):
     """Independent float64 reference: loops over sequences, plain numpy formulas."""
     rows = [i for i in range(mask.shape[0]) if mask[i].any()]
     tok = lambda x: x[mask].astype(np.float64)  # noqa: E731
@@ -79,48 +79,84 @@ def np_metrics(old, roll, mask, logp, adv, ent, cfg):
         "correction/seq_any_token_masked_frac": np.mean(any_out),
         "length/mean": seq_len.mean(), "length/min": seq_len.min(), "length/max": seq_len.max(),
     })
-    rr = np.exp(tok(logp) - o)
-    a = tok(adv)
-    low, high = (a < 0) & (rr < 1 - cfg.eps_low), (a > 0) & (rr > 1 + cfg.eps_high)
-    seq_low, seq_high = [], []
-    for i in rows:
-        ri = np.exp(logp[i][mask[i]].astype(np.float64) - old[i][mask[i]])
-        ai = adv[i][mask[i]]
-        seq_low.append(((ai < 0) & (ri < 1 - cfg.eps_low)).any())
-        seq_high.append(((ai > 0) & (ri > 1 + cfg.eps_high)).any())
+    w = np.minimum(rho, cfg.tis_cap)  # the preset's token TIS weight (no token_weight)
     out.update({
-        "ppo/clip_frac_low": low.mean(), "ppo/clip_frac_high": high.mean(),
-        "ppo/seq_clip_frac_low": np.mean(seq_low), "ppo/seq_clip_frac_high": np.mean(seq_high),
-        "ppo/ratio_mean": rr.mean(), "ppo/ratio_max": rr.max(), "ppo/ratio_min": rr.min(),
-        "policy/entropy": tok(ent).mean(),
-        "diag/surrogate_j": np.sum(a * (np.where(p < cfg.phi_pi_low, cfg.phi_delta, 1.0) - 1)),
+        "correction/weight_mean": w.mean(), "correction/zero_weight_frac": np.mean(w == 0),
+        "diag/surrogate_j": np.sum(tok(adv) * (np.where(p < cfg.phi_pi_low, cfg.phi_delta, 1.0) - 1)),
     })
     return out
 
 
+def _step(old, roll, mask, adv, cfg=CFG, **kw):
+    return jax.jit(lambda *a: step_metrics(*a, cfg=cfg, **kw))(old, roll, mask, adv)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_metric_matches_numpy(seed):
-    old, roll, mask, logp, adv, ent = make_batch(seed)
-    got = jax.jit(lambda *a: compute_metrics(*a[:3], logp=a[3], advantages=a[4], entropy=a[5], cfg=CFG))(
-        old, roll, mask, logp, adv, ent)
-    want = np_metrics(old, roll, mask, logp, adv, ent, CFG)
-    assert sorted(got) == sorted(want) == sorted(metric_names(CFG))
+    old, roll, mask, adv = make_batch(seed)
+    got = _step(old, roll, mask, adv)
+    want = np_metrics(old, roll, mask, adv, CFG)
+    assert list(got) == list(sorted(got)) and sorted(got) == sorted(want) == sorted(step_metric_names(CFG))
     for k in want:
         assert got[k].shape == () and got[k].dtype == np.float32, k
         np.testing.assert_allclose(got[k], want[k], rtol=5e-5, atol=2e-6, err_msg=k)
     # the data exercise the fractions (not all zero / all one)
-    for k in ("correction/token_truncated_frac", "correction/token_masked_frac", "ppo/clip_frac_low",
-              "ppo/clip_frac_high", "correction/seq_mean_masked_frac"):
+    for k in ("correction/token_truncated_frac", "correction/token_masked_frac", "correction/seq_mean_masked_frac"):
         assert 0 < want[k] < 1, k
 
 
-def test_metric_names_are_documented_and_optional_families():
+def test_statistics_are_over_the_whole_step_not_means_of_minibatch_values():
+    # Issue 13: the loop averaged per-minibatch values, logging J/M for OLH eq. 23's sum and a mean of
+    # per-minibatch stds for rho_std. step_metrics runs once on the whole step: J is the sum over all the
+    # step's tokens (= the sum of the parts' J) and rho_std the std over all of them.
+    # Two minibatches with different mismatch and token counts (3 calm rows, 5 noisy ones).
+    calm, noisy = make_batch(7, b=3, spread=0.02), make_batch(8, b=5, spread=0.5)
+    old, roll, mask, adv = (np.concatenate(x) for x in zip(calm, noisy))
+    adv = np.ones_like(adv)  # J = Σ_t (φ_t − 1) = the number of tokens with π(θ_old) < π_low
+    whole = _step(old, roll, mask, adv)
+    parts = [_step(old[a:b], roll[a:b], mask[a:b], adv[a:b]) for a, b in ((0, 3), (3, 8))]
+    phi = weight_distortion(old, mask, delta=CFG.phi_delta, pi_low=CFG.phi_pi_low)
+    np.testing.assert_allclose(whole["diag/surrogate_j"], surrogate_j(adv, phi, mask), rtol=1e-6)
+    np.testing.assert_allclose(whole["diag/surrogate_j"], sum(float(p["diag/surrogate_j"]) for p in parts),
+                               rtol=1e-5)
+    assert float(whole["diag/surrogate_j"]) >= 1 and float(whole["diag/surrogate_j"]) != pytest.approx(
+        np.mean([p["diag/surrogate_j"] for p in parts]), rel=0.1)
+    rho = np.exp(np.clip(old[mask].astype(np.float64) - roll[mask], -20, 20))
+    np.testing.assert_allclose(whole["mismatch/rho_std"], rho.std(), rtol=5e-5)
+    assert abs(rho.std() - np.mean([p["mismatch/rho_std"] for p in parts])) > 0.02
+
+
+def test_bounds_come_from_the_objective():
+    old, roll, mask, adv = make_batch(3)
+    icepop = _step(old, roll, mask, adv, cfg=objective_config("icepop", correction_low=0.9, correction_cap=1.2))
+    same = _step(old, roll, mask, adv, cfg=metrics_config(objective_config("icepop", correction_low=0.9,
+                                                                           correction_cap=1.2)))
+    rho = np.exp(np.clip(old[mask].astype(np.float64) - roll[mask], -20, 20))
+    assert icepop == same
+    np.testing.assert_allclose(icepop["correction/token_masked_frac"], np.mean((rho < 0.9) | (rho > 1.2)), rtol=1e-6)
+    np.testing.assert_allclose(icepop["correction/zero_weight_frac"], np.mean((rho < 0.9) | (rho > 1.2)), rtol=1e-6)
+    np.testing.assert_allclose(icepop["correction/token_truncated_frac"], np.mean(rho > 1.2), rtol=1e-6)
+    cfg = metrics_config(objective_config("dapo"), phi_delta=3.0, phi_pi_low=0.2)
+    assert (cfg.tis_cap, cfg.mask_low, cfg.mask_high, cfg.phi_delta) == (3.0, 0.5, 3.0, 3.0)
+    assert metrics_config(objective_config("dapo"), phi_delta=None).phi_delta == 2.0
+    with pytest.raises(ValueError, match="phi_pi_low must be in"):
+        metrics_config(objective_config("dapo"), phi_pi_low=0.0)
+
+
+def test_token_weight_enters_the_applied_weight_statistics():
+    old, roll, mask, adv = make_batch(5)
+    xi = np.where(mask, 1.0 + 0.5 * np.random.default_rng(0).normal(size=mask.shape), np.inf).astype(np.float32)
+    xi[0, 0] = 0.0
+    got = _step(old, roll, mask, adv, cfg=objective_config("grpo"), token_weight=xi)
+    np.testing.assert_allclose(got["correction/weight_mean"], xi[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["correction/zero_weight_frac"], 1.0 / mask.sum(), rtol=1e-6)
+
+
+def test_metric_names_are_documented():
     doc = DOC.read_text()
     for name in metric_names():
         assert f"`{name}`" in doc, f"{name} missing from docs/objectives.md"
-    old, roll, mask, *_ = make_batch(4)
-    assert sorted(compute_metrics(old, roll, mask)) == sorted(
-        metric_names(with_ppo=False, with_entropy=False, with_advantages=False))
+    assert metric_names(with_entropy=False) == metric_names()[:-1]
 
 
 NEUTRAL = {
@@ -132,8 +168,7 @@ NEUTRAL = {
     "mismatch/prob_pearson": 1, "correction/token_truncated_frac": 0, "correction/token_masked_frac": 0,
     "correction/seq_sum_truncated_frac": 0, "correction/seq_sum_masked_frac": 0,
     "correction/seq_mean_truncated_frac": 0, "correction/seq_mean_masked_frac": 0,
-    "correction/seq_any_token_masked_frac": 0, "ppo/clip_frac_low": 0, "ppo/clip_frac_high": 0,
-    "ppo/seq_clip_frac_low": 0, "ppo/seq_clip_frac_high": 0, "ppo/ratio_mean": 1,
+    "correction/seq_any_token_masked_frac": 0, "correction/weight_mean": 1, "correction/zero_weight_frac": 0,
 }
 
 
@@ -143,7 +178,7 @@ def test_mu_equals_pi_gives_neutral_metrics(seed, n_valid):
     rng = np.random.default_rng(seed)
     old = np.log(rng.uniform(1e-4, 1, size=(4, 6))).astype(np.float32)
     mask = (np.arange(24) < n_valid).reshape(4, 6)
-    out = compute_metrics(old, old, mask, logp=old, advantages=rng.normal(size=(4, 6)).astype(np.float32))
+    out = step_metrics(old, old, mask, rng.normal(size=(4, 6)).astype(np.float32), cfg=objective_config("icepop"))
     for k, v in NEUTRAL.items():
         np.testing.assert_allclose(out[k], v, atol=1e-5, err_msg=k)
     for suffix in ("pi_0-0.1", "pi_0.1-0.5", "pi_0.5-0.9", "pi_0.9-1"):
@@ -154,16 +189,16 @@ def test_mu_equals_pi_gives_neutral_metrics(seed, n_valid):
 @given(seed=st.integers(0, 10_000), pad=st.just(3), rows=st.sampled_from([0, 2]),
        fill=st.sampled_from([0.0, -1e30, 5.0, np.inf]))
 def test_appending_padding_changes_no_metric(seed, pad, rows, fill):
-    old, roll, mask, logp, adv, ent = make_batch(seed)
+    old, roll, mask, adv = make_batch(seed)
     b, t = mask.shape
 
     def padded(x, v):
         x = np.concatenate([x, np.full((b, pad), v, x.dtype)], 1)
         return np.concatenate([x, np.full((rows, t + pad), v, x.dtype)], 0)
 
-    a = compute_metrics(old, roll, mask, logp=logp, advantages=adv, entropy=ent, cfg=CFG)
-    p = [padded(x, fill) for x in (old, roll, logp, adv, ent)]
-    z = compute_metrics(p[0], p[1], padded(mask, False), logp=p[2], advantages=p[3], entropy=p[4], cfg=CFG)
+    a = step_metrics(old, roll, mask, adv, cfg=CFG)
+    p = [padded(x, fill) for x in (old, roll, adv)]
+    z = step_metrics(p[0], p[1], padded(mask, False), p[2], cfg=CFG)
     for k in a:
         np.testing.assert_allclose(z[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
@@ -174,16 +209,14 @@ def test_extreme_log_ratios_give_finite_metrics(scale, seed):
     rng = np.random.default_rng(seed)
     old = (-rng.random((3, 8)) * scale).astype(np.float32)
     roll = (-rng.random((3, 8)) * scale).astype(np.float32)
-    logp = (-rng.random((3, 8)) * scale).astype(np.float32)
     mask = rng.random((3, 8)) < 0.8
-    out = compute_metrics(old, roll, mask, logp=logp, advantages=rng.normal(size=(3, 8)).astype(np.float32),
-                          entropy=np.ones((3, 8), np.float32))
+    out = step_metrics(old, roll, mask, rng.normal(size=(3, 8)).astype(np.float32), cfg=CFG)
     bad = {k: float(v) for k, v in out.items() if not np.isfinite(float(v))}
     assert not bad, bad
 
 
 def test_empty_batch_is_finite_and_neutral():
     z = np.zeros((2, 3), np.float32)
-    out = compute_metrics(z, z - 1, np.zeros((2, 3), bool), logp=z, advantages=z, entropy=z)
+    out = step_metrics(z, z - 1, np.zeros((2, 3), bool), z, cfg=MetricsConfig())
     assert all(np.isfinite(float(v)) for v in out.values())
     assert float(out["mismatch/rho_mean"]) == 1.0 and float(out["length/mean"]) == 0.0
