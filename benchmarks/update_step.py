@@ -56,6 +56,8 @@ from jaxrl_mismatch.models.sharding import make_mesh  # noqa: E402
 from jaxrl_mismatch.objectives import objective_config  # noqa: E402
 from jaxrl_mismatch.schedules import OPTIMIZERS, make_optimizer, set_lr_scale  # noqa: E402
 from jaxrl_mismatch.train.compiles import count_compilations  # noqa: E402
+from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
+from jaxrl_mismatch.train.batch import RolloutBatch  # noqa: E402
 from jaxrl_mismatch.train.objective import PolicyObjective  # noqa: E402
 from jaxrl_mismatch.train.state import init_state, split_model  # noqa: E402
 from jaxrl_mismatch.train.step import (  # noqa: E402
@@ -139,17 +141,17 @@ def main() -> None:
     adamw = OPTIMIZERS["adamw"][1]
     opt = make_optimizer("adamw", learning_rate=args.lr, max_grad_norm=MAX_GRAD_NORM)
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol)), mesh)
-    update_fn = make_update_fn(graphdef, opt, PolicyObjective(cfg=objective_config("grpo")),
+    obj_cfg = objective_config("grpo")
+    update_fn = make_update_fn(graphdef, opt, PolicyObjective(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
                                max_grad_norm=MAX_GRAD_NORM, chunk_size=args.chunk_size)
 
     np_batch = make_batch(args.batch, args.seq, args.prompt_len, cfg.vocab_size)
-    b = place_batch(np_batch, mesh)
     old_logp, _ = make_old_logprobs(graphdef, mesh, chunk_size=args.chunk_size)(
-        state.params, b["tokens"], b["attention_mask"])
-    old_logp = np.asarray(old_logp)
+        state.params, np_batch["tokens"], np_batch["attention_mask"])
+    old_logp = np.asarray(old_logp) * np_batch["response_mask"]
     noise = np.random.default_rng(1).normal(scale=0.05, size=old_logp.shape).astype(np.float32)
     np_batch.update(old_logp=old_logp, rollout_logp=(old_logp + noise) * np_batch["response_mask"])
-    batch = place_batch(np_batch, mesh)
+    batch = place_batch(RolloutBatch(**np_batch), mesh)
     update = jit_update(update_fn, state, batch, mesh)
 
     jax_state = {"state": state}
@@ -164,7 +166,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         jax_state["state"] = s
         if i < WARMUP:
-            jax_log.append({"loss": float(metrics["loss/total"]), "grad_norm": float(metrics["grad/norm"])})
+            jax_log.append({"loss": float(metrics["mean:loss/total"]), "grad_norm": float(metrics["mean:grad/norm"])})
         return dt
 
     # ---- torch side -------------------------------------------------------------------------------

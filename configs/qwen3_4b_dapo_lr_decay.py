@@ -57,7 +57,6 @@ def get_config():
     c.controller.kwargs.window = 10
 
     c.objective.preset = "dapo"  # clip-higher 0.28, token-mean
-    c.objective.advantages = "grpo"
 
     c.eval.every = 20
     c.eval.k = 8  # avg@8 on AIME

@@ -3,8 +3,10 @@
 "Defeating the Training-Inference Mismatch via FP16" §4: 64 questions × 8 rollouts per policy iteration,
 4 gradient steps, clip-higher 0.28, importance-sampling cap C = 3, context 8k; FP16 for the trainer and
 the rollout engine (the combination that reached ~100 % training accuracy). The perfectible dataset keeps
-MATH problems whose initial accuracy lies in [0.2, 0.8]; build it with `jaxrl_mismatch.data.perfectible`
-(docs/data.md), then:
+MATH problems whose initial accuracy lies in [0.2, 0.8] over 40 samples. Build it from the whole MATH train
+set with this config's model, template and sampling settings (the output keeps the MATH format), then train:
+    jaxrl-mismatch perfectible --config configs/r1_distill_1p5b_fp16_sanity.py \
+        --model /data/DeepSeek-R1-Distill-Qwen-1.5B --file /data/math_train.jsonl --out /data/math_perfectible.jsonl
     jaxrl-mismatch train --config configs/r1_distill_1p5b_fp16_sanity.py \
         --config.model.path=/data/DeepSeek-R1-Distill-Qwen-1.5B \
         --config.task.files.train=/data/math_perfectible.jsonl --config.task.files.validation=/data/math500.jsonl
@@ -45,10 +47,9 @@ def get_config():
     c.optim.lr = 1e-6
     c.optim.max_grad_norm = 1.0
 
-    c.objective.preset = "grpo_token_tis"  # FP16 paper eq. 9
-    c.objective.overrides.eps_high = 0.28
-    c.objective.overrides.correction_cap = 3.0
-    c.objective.advantages = "grpo"
+    c.objective.preset = "drgrpo_token_tis"  # FP16 paper eq. 9: Dr.GRPO + token TIS, clip-higher 0.28
+    c.objective.overrides.correction_cap = 3.0  # C = 3 (§4.1)
+    c.objective.overrides.max_len = 7000  # Dr.GRPO's constant normaliser L = the max response length
 
     c.eval.every = 25
     c.eval.k = 4

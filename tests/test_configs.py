@@ -25,11 +25,11 @@ def test_expected_configs_exist():
 def test_request_chunks_respect_limits_and_cover_every_prompt():
     from jaxrl_mismatch.rollout import SamplingSpec
     from jaxrl_mismatch.rollout.validation import Limits
-    from jaxrl_mismatch.train.rollouts import request_chunks
+    from jaxrl_mismatch.rollout.session import request_chunks
 
     # The Qwen3-4B config's step: 64 prompts × 16 samples × 8192 tokens = 2 requests at the default limit.
     prompts = [[1] * 300] * 64
-    chunks = request_chunks(prompts, SamplingSpec(n=16, max_tokens=8192))
+    chunks = request_chunks(prompts, SamplingSpec(n=16, max_tokens=8192), Limits())
     assert [c.start for c in chunks] == [0, 32] and chunks[-1].stop == 64
     # Tight custom limits: every request within both limits, all prompts covered in order.
     limits = Limits(max_request_prompt_tokens=700, max_request_completion_tokens=10 * 64)
@@ -38,4 +38,4 @@ def test_request_chunks_respect_limits_and_cover_every_prompt():
     for c in chunks:
         assert (c.stop - c.start) * 300 <= 700 and (c.stop - c.start) * 128 <= 640
     with pytest.raises(ValueError, match="max_tokens"):
-        request_chunks(prompts, SamplingSpec(n=16, max_tokens=1 << 20))
+        request_chunks(prompts, SamplingSpec(n=16, max_tokens=1 << 20), Limits())

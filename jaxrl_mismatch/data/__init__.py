@@ -56,7 +56,13 @@ def _load_arithmetic(split: str, *, n: int, seed: int = 0, **spec_fields) -> lis
 
 def _file_loader(fmt: str) -> Callable[..., list[dict]]:
     def load(split: str, *, files: Mapping[str, str | Sequence[str]], data_dir: str) -> list[dict]:
-        from jaxrl_mismatch.data import math_datasets  # deferred TFDS import
+        try:
+            from jaxrl_mismatch.data import math_datasets  # deferred TFDS import
+        except ModuleNotFoundError as e:
+            from jaxrl_mismatch.usage import UsageError
+
+            raise UsageError(f"task format {fmt!r} needs the math extra ({e.name} is not installed): "
+                             "pip install -e '.[math]'") from None
 
         return math_datasets.load_records(fmt, files, data_dir, split)
 

@@ -135,8 +135,9 @@ def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainBatch:
-    """Fixed-shape host arrays of one training batch; see the module docstring for the alignment."""
+class PaddedRows:
+    """Prompt + completion rows right-padded to one bucketed length (SFT batches, and the layout of
+    `train.batch.RolloutBatch`); see the module docstring for the alignment."""
 
     tokens: Int[np.ndarray, "batch seq_plus_1"]
     attention_mask: Int[np.ndarray, "batch seq_plus_1"]
@@ -163,7 +164,7 @@ class TrainBatch:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def make_train_batch(
+def pad_rows(
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
     rollout_logp: Sequence[Sequence[float]] | None = None,
@@ -171,8 +172,8 @@ def make_train_batch(
     pad_id: int,
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     batch_size: int | None = None,
-) -> TrainBatch:
-    """Right-pad prompt+completion rows into a :class:`TrainBatch` of bucketed length.
+) -> PaddedRows:
+    """Right-pad prompt+completion rows into a :class:`PaddedRows` of bucketed length.
 
     Args:
       prompt_ids: per row, the prompt ids exactly as the engine saw them (BOS included), non-empty.
@@ -186,24 +187,24 @@ def make_train_batch(
         axis is fixed too (and divisible by the data-parallel mesh size).
 
     Returns:
-      A :class:`TrainBatch`; all arrays numpy, ``int32`` ids/masks, ``float32`` logp/masks.
+      A :class:`PaddedRows`; all arrays numpy, ``int32`` ids/masks, ``float32`` logp/masks.
     """
     n = len(prompt_ids)
     if n == 0:
-        raise ValueError("make_train_batch: empty batch")
+        raise ValueError("pad_rows: empty batch")
     if len(completion_ids) != n:
-        raise ValueError(f"make_train_batch: {n} prompts but {len(completion_ids)} completions")
+        raise ValueError(f"pad_rows: {n} prompts but {len(completion_ids)} completions")
     if rollout_logp is not None and len(rollout_logp) != n:
-        raise ValueError(f"make_train_batch: {n} prompts but {len(rollout_logp)} rollout_logp rows")
+        raise ValueError(f"pad_rows: {n} prompts but {len(rollout_logp)} rollout_logp rows")
     B = n if batch_size is None else batch_size
     if B < n:
-        raise ValueError(f"make_train_batch: {n} rows do not fit batch_size={batch_size}")
+        raise ValueError(f"pad_rows: {n} rows do not fit batch_size={batch_size}")
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         if len(p) == 0:
-            raise ValueError(f"make_train_batch: row {i} has an empty prompt (nothing to condition the first token on)")
+            raise ValueError(f"pad_rows: row {i} has an empty prompt (nothing to condition the first token on)")
         if rollout_logp is not None and len(rollout_logp[i]) != len(c):
             raise ValueError(
-                f"make_train_batch: row {i} has {len(c)} completion tokens but {len(rollout_logp[i])} rollout logprobs"
+                f"pad_rows: row {i} has {len(c)} completion tokens but {len(rollout_logp[i])} rollout logprobs"
             )
     T = bucket_length(max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)) - 1, buckets)
 
@@ -224,7 +225,7 @@ def make_train_batch(
         if rollout_logp is not None and C:
             row = np.asarray(rollout_logp[i], dtype=np.float32)
             if not np.all(np.isfinite(row)):
-                raise ValueError(f"make_train_batch: row {i} has non-finite rollout logprobs (engine output is corrupt)")
+                raise ValueError(f"pad_rows: row {i} has non-finite rollout logprobs (engine output is corrupt)")
             logp[i, P - 1 : P - 1 + C] = row
         prompt_lens[i], completion_lens[i], row_mask[i] = P, C, 1.0
-    return TrainBatch(tokens, attention_mask, response_mask, logp, prompt_lens, completion_lens, row_mask)
+    return PaddedRows(tokens, attention_mask, response_mask, logp, prompt_lens, completion_lens, row_mask)

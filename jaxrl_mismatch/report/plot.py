@@ -7,7 +7,6 @@ length-normalised grad norm, mean response length with the detected surge marked
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Sequence
 
@@ -16,7 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from jaxrl_mismatch.train.observe import read_jsonl  # noqa: E402
+from jaxrl_mismatch.runlog import read_run  # noqa: E402
+from jaxrl_mismatch.usage import ArgumentParser, UsageError  # noqa: E402
 
 # (title, metric names tried in order, y scale)
 PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -55,12 +55,7 @@ def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
 
 def make_report(run_dir: str, out: str | None = None) -> str:
     """Render `<run_dir>/metrics.jsonl` to a PNG; returns its path."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no metrics.jsonl in run directory {run_dir!r}")
-    records = read_jsonl(path)
-    if not records:
-        raise ValueError(f"{path} holds no step records")
+    records = read_run(run_dir)
     out = out or os.path.join(run_dir, "report.png")
     surge = [r.get("controller/surge_step", -1) for r in records]
     surge_step = next((s for s in reversed(surge) if isinstance(s, (int, float)) and s >= 0), None)
@@ -109,9 +104,11 @@ def make_report(run_dir: str, out: str | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="jaxrl-mismatch report", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="jaxrl-mismatch report", description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
     args = p.parse_args(argv)
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise UsageError(f"--out {args.out}: its directory does not exist")
     print(make_report(args.run_dir, args.out))
     return 0

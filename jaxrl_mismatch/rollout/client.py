@@ -1,15 +1,14 @@
-"""`RolloutClient`: the trainer's only handle on the rollout server.
+"""`RolloutClient`: a typed, retrying stub of one rollout server (transport only, no policy).
 
-What it guarantees the training loop, so the loop itself stays free of transport concerns:
+What it guarantees its caller (normally `rollout.session.RolloutSession`, which owns the recovery policy):
 
 - **Ready before use.** The constructor waits for the standard gRPC health check to report SERVING.
 - **Transient failures are retried** (UNAVAILABLE, DEADLINE_EXCEEDED) with exponential backoff; every
   call has a deadline. Generate is safe to repeat: with a fixed seed it is deterministic.
-- **A restarted server gets the current weights back.** Each server process has a random `server_id`,
-  returned by GetInfo and every Generate. When it changes, the client re-pushes the latest weights
-  (from the tensors of the last `push_weights`, or from a provider callback) before any completion
-  of the new process is used; completions sampled by the restarted server with its checkpoint weights
-  are discarded and regenerated.
+- **A restarted server is noticed.** Each server process has a random `server_id`, returned by GetInfo
+  and every Generate. When it changes, `generate` raises `ServerRestartedError` instead of returning
+  completions sampled by the new process (which serves its checkpoint weights, not the pushed ones):
+  the caller re-pushes its weights and asks again.
 - **Every completion's weight version is checked** against the version the trainer pushed last:
   older than `max_staleness` versions -> StaleCompletionError; `max_staleness=None` accepts any and
   leaves `Completion.weight_version` as the tag for off-policy correction.
@@ -40,12 +39,10 @@ from jaxrl_mismatch.rollout.engine import (
     TensorSpec,
     check_finite_logprobs,
 )
-from jaxrl_mismatch.rollout.server import ERROR_KIND_KEY, NON_FINITE, NON_FINITE_DETAIL_KEY, SERVICE_NAME
-from jaxrl_mismatch.rollout.validation import MAX_MESSAGE_BYTES, wire_dtype
+from jaxrl_mismatch.rollout.protocol import ERROR_KIND_KEY, MAX_MESSAGE_BYTES, NON_FINITE, NON_FINITE_DETAIL_KEY, SERVICE_NAME
+from jaxrl_mismatch.rollout.validation import wire_dtype
 
 log = logging.getLogger(__name__)
-
-WeightsProvider = Callable[[], tuple[int, Mapping[str, np.ndarray]]]
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _FINISH = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
@@ -82,6 +79,13 @@ class EngineMismatchError(RolloutError):
 
 class StaleCompletionError(RolloutError):
     """A completion was sampled with weights older than the client accepts."""
+
+
+class ServerRestartedError(RolloutError):
+    """The server process changed (new `server_id`) since the last call: it serves its checkpoint weights.
+
+    Nothing it answered is returned; the caller pushes its current weights again and repeats the call.
+    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,8 +165,8 @@ class RolloutClient:
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._provider: WeightsProvider | None = None
         self.pushed_version: int | None = None  # version of the last successful push
+        self.weights_lost = False  # the server restarted after our last push and serves its checkpoint
         self.server_id: str | None = None
         self._weight_specs: dict[str, TensorSpec] | None = None
         self.restarts_seen = 0
@@ -279,7 +283,7 @@ class RolloutClient:
 
     # -- restarts ------------------------------------------------------------------------------------
     def _observe_server(self, server_id: str) -> bool:
-        """Record the server process id; on a change, re-push the current weights. True if it re-pushed."""
+        """Record the server process id; True if it changed since the last one seen (a restart)."""
         if server_id == self.server_id:
             return False
         first = self.server_id is None
@@ -288,26 +292,16 @@ class RolloutClient:
         if first:
             return False
         self.restarts_seen += 1
+        # Whoever notices the restart first (GetInfo, a push, a Generate), the pushed weights are gone
+        # until the next successful push: `generate` refuses to return completions until then.
+        self.weights_lost = self.pushed_version is not None
         log.warning("rollout server %s restarted (new server_id %s)", self.target, server_id)
-        if self._provider is not None:
-            version, tensors = self._provider()
-            log.warning("re-pushing weights version %d to the restarted server", version)
-            self._push(tensors, version)
-            return True
-        return False
+        return True
 
     def _sync_server(self) -> None:
         self._observe_server(self._get_info(False).server_id)
 
     # -- weights -------------------------------------------------------------------------------------
-    def set_weights_provider(self, provider: WeightsProvider | None) -> None:
-        """Where re-pushes after a restart take (version, HF-named tensors) from.
-
-        push_weights installs a provider over the tensors it was given, which keeps references to them;
-        a trainer that would rather not hold that host copy passes a callback that rebuilds them.
-        """
-        self._provider = provider
-
     def push_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         """Stream HF-named tensors to the server as weight `version`; returns once they are in service.
 
@@ -317,8 +311,6 @@ class RolloutClient:
         """
         self._sync_server()
         self._push(tensors, version)
-        held = dict(tensors)
-        self.set_weights_provider(lambda: (version, held))
 
     def _push(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         specs = self.weight_specs()
@@ -348,6 +340,7 @@ class RolloutClient:
             ),
         )
         self.pushed_version = resp.weight_version
+        self.weights_lost = False
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(
@@ -371,13 +364,11 @@ class RolloutClient:
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"prompts: the request is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
-        for _ in range(3):
-            resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s))
-            # Completions from a process that has not yet received our weights are thrown away.
-            if not self._observe_server(resp.server_id):
-                break
-        else:
-            raise RolloutError(f"Generate on {self.target}: the server restarted three times during one call")
+        resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s))
+        # Completions from a process that has not received our weights are thrown away.
+        if self._observe_server(resp.server_id) or self.weights_lost:
+            raise ServerRestartedError(f"Generate on {self.target}: the server restarted (new server_id "
+                                       f"{resp.server_id}); push the weights again and retry")
         completions = [[_completion(c) for c in pc.samples] for pc in resp.prompts]
         if len(completions) != len(prompts) or any(len(s) != spec.n for s in completions):
             raise RolloutError(f"Generate on {self.target}: response shape does not match {len(prompts)} prompts x n={spec.n}")

@@ -32,7 +32,6 @@ retry can succeed against this process; only a restart (which reloads the checkp
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import hmac
 import json
@@ -48,6 +47,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, port
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -56,8 +56,19 @@ from jaxrl_mismatch.rollout.engine import (
     WeightReloadError,
     check_finite_logprobs,
 )
-from jaxrl_mismatch.rollout.validation import (
+from jaxrl_mismatch.rollout.protocol import (
+    ENGINE_UNUSABLE,
+    ERROR_KIND_KEY,
+    LISTENING_PREFIX,
     MAX_MESSAGE_BYTES,
+    NON_FINITE,
+    NON_FINITE_DETAIL_KEY,
+    READY_PREFIX,
+    SERVICE_NAME,
+    TOKEN_ENV,
+    WEIGHT_RELOAD_FAILED,
+)
+from jaxrl_mismatch.rollout.validation import (
     Limits,
     RequestError,
     TensorAssembler,
@@ -66,15 +77,6 @@ from jaxrl_mismatch.rollout.validation import (
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
-TOKEN_ENV = "JAXRL_ROLLOUT_TOKEN"
-ERROR_KIND_KEY = "jaxrl-error"  # trailing metadata naming a machine-readable error kind
-NON_FINITE = "non-finite-logprobs"
-NON_FINITE_DETAIL_KEY = "jaxrl-non-finite"  # "prompt,sample,position,value,weight_version"
-WEIGHT_RELOAD_FAILED = "weight-reload-failed"  # INTERNAL; the previous weights stay in service
-ENGINE_UNUSABLE = "engine-unusable"  # FAILED_PRECONDITION; the server must be restarted
-READY_PREFIX = "JAXRL_ROLLOUT_READY"
-LISTENING_PREFIX = "JAXRL_ROLLOUT_LISTENING"
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -266,16 +268,20 @@ def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None
 
 
 def read_token(token_file: str | None) -> str:
+    """The shared token from `--token-file` or $JAXRL_ROLLOUT_TOKEN; UsageError naming the source if none."""
     if token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
+        try:
+            with open(existing_file("--token-file", token_file)) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
         source = f"--token-file {token_file}"
     else:
         token = os.environ.get(TOKEN_ENV, "").strip()
         source = f"${TOKEN_ENV}"
     if not token:
-        raise SystemExit(
-            f"serve: no auth token ({source} is empty or unset); UpdateWeights and Shutdown need a shared token: "
+        raise UsageError(
+            f"{source} is empty or unset; UpdateWeights and Shutdown need a shared token: "
             f"pass --token-file PATH or set {TOKEN_ENV}"
         )
     return token
@@ -291,13 +297,27 @@ def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
         os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxrl-mismatch serve", description="gRPC rollout server")
+def _check_port_free(host: str, port: int) -> None:
+    """UsageError naming the port if something already listens there (gRPC would log a C-level error first)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR as gRPC binds: a port in TIME_WAIT (a restarted server's) is free, a listened one is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"--host {host} --port {port}: cannot bind ({e.strerror}); is the port in use?") from None
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="jaxrl-mismatch serve", description="gRPC rollout server")
     p.add_argument("--engine", choices=("jax", "vllm"), default="jax")
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--port", type=port, default=50051, help="0-65535; 0 picks a free port (printed in the ready line)")
     p.add_argument("--token-file", default=None, help=f"file holding the shared token (else ${TOKEN_ENV})")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + completion limit, the same for both engines (default and maximum: the model's "
                    "max_position_embeddings)")
@@ -312,13 +332,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    existing_dir("--model", args.model)
+    for flag in ("max_model_len", "max_request_prompt_tokens", "max_request_completion_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
     parent = os.getppid() if args.exit_with_parent else None
     token = read_token(args.token_file)
     limits = Limits(
         max_request_prompt_tokens=args.max_request_prompt_tokens,
         max_request_completion_tokens=args.max_request_completion_tokens,
     )
-    server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits)
+    if args.port:
+        _check_port_free(args.host, args.port)
+    try:
+        server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits)
+    except (OSError, RuntimeError) as e:
+        raise UsageError(f"--host {args.host} --port {args.port}: cannot bind ({e}); is the port in use?") from None
     # Signal handlers only flip the event; the main thread does the stop, outside signal context.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop_event.set())
@@ -326,10 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     _announce(LISTENING_PREFIX, base, None)
     try:
         engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len)
-    except Exception as e:
-        print(f"serve: failed to load the {args.engine} engine from {args.model}: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - any load failure is reported as a bad --model, one line
         server.stop(0)
-        return 1
+        raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: {e}") from None
     server.attach(engine)
     info = engine.info()
     _announce(READY_PREFIX, {**base, "server_id": server.servicer.server_id, "vocab_size": info.vocab_size,

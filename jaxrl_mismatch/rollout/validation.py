@@ -22,9 +22,6 @@ import numpy as np
 from jaxrl_mismatch.rollout import rollout_pb2
 from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
 
-# Transport limit on both sides. Requests are bounded far below it by `Limits`; weight tensors travel in
-# chunks of a few MiB.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A prompt token costs at most 5 bytes on the wire (varint int32, packed), a completion token at most
 # 9 (token varint + float32 logprob). These defaults keep requests and responses below ~40 MiB.
 DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21

@@ -1,19 +1,41 @@
-"""The training config: defaults for every field (with a comment each) and validation before any work.
+"""The training config: defaults for every field (with a comment each), loading with command-line
+overrides, and validation before any work.
 
 Config files in `configs/` start from `base_config()` and override fields; the command line overrides
-them again (`--config.optim.lr=1e-6`). `validate(config)` runs before the warm start, the rollout
-server or JAX allocate anything, and raises `ConfigError` naming the bad field.
+them again (`--config.optim.lr=1e-6`, see `load_config`). `validate(config)` runs before the warm start,
+the rollout server or JAX allocate anything, and raises `ConfigError` naming the bad field. The sections
+in `OPEN_SECTIONS` take any key (constructor arguments); everything else is a fixed schema, so a typo'd
+field is an error, not a silently ignored new one.
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
+import importlib.util
+import math
+import os
+from typing import Any, Sequence
+
 import ml_collections
 
 from jaxrl_mismatch import precision
+from jaxrl_mismatch.usage import UsageError
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A config field has a bad value; the message starts with the field's dotted path."""
+
+
+# Sections whose keys are free (passed on as keyword arguments / file maps) rather than a fixed schema.
+OPEN_SECTIONS = ("controller.kwargs", "optim.schedule_kwargs", "objective.overrides", "task.files")
+# Fields a resumed run may change without changing what it trains (length, logging, plumbing, memory knobs).
+RESUME_MAY_CHANGE = (
+    "steps", "resume", "run_dir", "log", "checkpoint", "eval.every", "distributed", "model.warmstart_if_missing",
+    "model.warmstart_args", "rollout.address", "rollout.token_file", "rollout.startup_timeout_s",
+    "rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.restart_on_failure", "trainer.mesh",
+    "trainer.chunk_size", "trainer.remat",
+)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -89,13 +111,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective = ml_collections.ConfigDict()
     c.objective.preset = "grpo"  # objectives.PRESETS
     c.objective.overrides = ml_collections.ConfigDict()  # ObjectiveConfig fields, e.g. correction="token_tis"
-    c.objective.advantages = "grpo"  # grpo | drgrpo | rloo
     c.objective.kl_coef = 0.0  # k3 KL to the initial policy (0 = no reference forward)
     c.objective.entropy_coef = 0.0
 
     c.diagnostics = ml_collections.ConfigDict()
-    c.diagnostics.zero_mismatch = False  # μ := π(θ_old): the VeXact zero-mismatch setting
-    c.diagnostics.inject_mismatch_scale = 0.0  # Gaussian noise added to rollout log-probs (controlled mismatch)
     c.diagnostics.weight_distortion_delta = -1.0  # φ: objective-hacking eq. 18 (< 0 = off)
     c.diagnostics.weight_distortion_pi_low = 0.1
     c.diagnostics.variance_sigma = 0.0  # ξ ~ N(1, σ²): objective-hacking eq. 21 (0 = off)
@@ -124,7 +143,6 @@ _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "trainer.precision": precision.PRESETS,
-    "objective.advantages": ("grpo", "drgrpo", "rloo"),
     "distributed.initialize": ("auto", "always", "never"),
 }
 _POSITIVE_INTS = (
@@ -135,7 +153,7 @@ _POSITIVE_INTS = (
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
     "rollout.max_model_len", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
-    "diagnostics.inject_mismatch_scale", "diagnostics.variance_sigma",
+    "diagnostics.variance_sigma",
 )
 
 
@@ -148,8 +166,35 @@ def _get(c: ml_collections.ConfigDict, path: str):
     return node
 
 
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a.b.c": leaf} of a (Config)dict; open sections are leaves as a whole."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, (dict, ml_collections.ConfigDict)) and path not in OPEN_SECTIONS:
+            out.update(_flatten(v, path + "."))
+        else:
+            out[path] = v.to_dict() if isinstance(v, ml_collections.ConfigDict) else v
+    return out
+
+
+def _unknown_field(path: str, known: Sequence[str]) -> ConfigError:
+    near = difflib.get_close_matches(path, known, n=1)
+    hint = f" (did you mean config.{near[0]}?)" if near else ""
+    return ConfigError(f"config.{path}: unknown field{hint}")
+
+
+def check_schema(c: ml_collections.ConfigDict) -> None:
+    """Every field of `c` exists in `base_config()` (open sections excepted); ConfigError naming a stray one."""
+    known = _flatten(base_config())
+    for path in _flatten(c):
+        if path not in known:
+            raise _unknown_field(path, list(known))
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Check every field that can be checked without loading anything; raise ConfigError naming it."""
+    check_schema(c)
     for path, choices in _CHOICES.items():
         v = _get(c, path)
         if v not in choices:
@@ -194,8 +239,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path}: must be > 0, got {_get(c, path)!r}")
     if c.rollout.group_size < 2:
         raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
-    if not c.model.path and not c.model.warmstart_if_missing:
+    if not c.model.path:
         raise ConfigError("config.model.path: empty; point it to a local HF checkpoint directory")
+
     rows = c.batch.prompts_per_step * c.rollout.group_size
     split = c.batch.minibatches * c.batch.microbatches
     if rows % split:
@@ -215,6 +261,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
     if c.task.name not in TASKS:
         raise ConfigError(f"config.task.name: unknown task {c.task.name!r}; valid: {sorted(TASKS)}")
+    if c.task.name != "arithmetic":  # file-backed tasks read local JSONL files, one per split
+        for split in (c.task.train_split, c.task.val_split):
+            path = c.task.files.get(split)
+            if not path:
+                raise ConfigError(f"config.task.files.{split}: task {c.task.name!r} reads local JSONL files; "
+                                  f"set --config.task.files.{split}=PATH")
+
     if c.optim.name not in OPTIMIZERS:
         raise ConfigError(f"config.optim.name: unknown optimizer {c.optim.name!r}; valid: {sorted(OPTIMIZERS)}")
     if c.optim.schedule not in SCHEDULES:
@@ -235,13 +288,45 @@ def validate(c: ml_collections.ConfigDict) -> None:
         objective_config(c.objective.preset, **c.objective.overrides.to_dict())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.objective: {e}") from None
-    if c.controller.name != "none":
-        from jaxrl_mismatch.schedules import make_controller
+    try:
+        build_controller(c.controller)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"config.controller.kwargs: {e}") from None
 
-        try:
-            make_controller(c.controller.name, **c.controller.kwargs.to_dict())
-        except (ValueError, TypeError, KeyError) as e:
-            raise ConfigError(f"config.controller.kwargs: {e}") from None
+
+def check_paths(c: ml_collections.ConfigDict) -> None:
+    """The local files a run reads exist (model checkpoint, task files); ConfigError naming the field.
+
+    Separate from `validate` so that configs for other machines (GPU/TPU paths) validate anywhere.
+    """
+    if not c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
+        what = "does not exist" if not os.path.exists(c.model.path) else "has no config.json"
+        raise ConfigError(f"config.model.path: {c.model.path} {what}; point it to a local HF checkpoint directory")
+    if c.task.name != "arithmetic":
+        for split in (c.task.train_split, c.task.val_split):
+            path = c.task.files[split]
+            for p in [path] if isinstance(path, str) else list(path):
+                if not os.path.isfile(p):
+                    raise ConfigError(f"config.task.files.{split}: {p} does not exist")
+
+
+def check_mesh(c: ml_collections.ConfigDict):
+    """The trainer's mesh on this job's devices; ConfigError naming `trainer.mesh` if it does not fit."""
+    from jaxrl_mismatch.models.sharding import make_mesh
+
+    try:
+        return make_mesh(c.trainer.mesh.to_dict())
+    except ValueError as e:
+        raise ConfigError(f"config.trainer.mesh: {e}") from None
+
+
+def build_controller(controller: ml_collections.ConfigDict):
+    """The host LR controller of `config.controller` (None for "none")."""
+    if controller.name == "none":
+        return None
+    from jaxrl_mismatch.schedules import make_controller
+
+    return make_controller(controller.name, **controller.kwargs.to_dict())
 
 
 def build_schedule(optim: ml_collections.ConfigDict):
@@ -274,3 +359,121 @@ def build_optimizer(optim: ml_collections.ConfigDict):
     accepted = OPTIMIZERS[optim.name][1]
     hparams = {k: optim[k] for k in accepted if k in optim}
     return make_optimizer(optim.name, learning_rate=build_schedule(optim), max_grad_norm=optim.max_grad_norm, **hparams)
+
+
+# -- loading and overriding --------------------------------------------------------------------------
+def load_config(path: str, overrides: Sequence[tuple[str, str]] = ()) -> ml_collections.ConfigDict:
+    """`get_config()` of the Python file `path` (`path:ARG` passes ARG), then `--config.a.b=value` overrides.
+
+    Values are parsed by the type of the field they replace (bool: true/false/1/0/yes/no); a key new to
+    an open section (`OPEN_SECTIONS`) is parsed as a Python literal, else kept as a string.
+    """
+    file, _, arg = path.partition(":")
+    if not os.path.isfile(file):
+        raise UsageError(f"--config {file}: " + ("is a directory" if os.path.isdir(file) else "no such file"))
+    spec = importlib.util.spec_from_file_location(f"_jaxrl_config_{abs(hash(os.path.abspath(file)))}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        get = getattr(module, "get_config", None)
+        if get is None:
+            raise UsageError(f"--config {file}: defines no get_config()")
+        c = get(arg) if arg else get()
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a broken config file is bad input: one line naming it
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise UsageError(f"--config {file}: cannot load it{where}: {type(e).__name__}: {e}") from None
+    if not isinstance(c, ml_collections.ConfigDict):
+        raise UsageError(f"--config {file}: get_config() returned {type(c).__name__}, not an ml_collections.ConfigDict")
+    for dotted, text in overrides:
+        apply_override(c, dotted, text)
+    return c
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _parse_as(text: str, old: Any, field: str) -> Any:
+    """`text` as a value of `old`'s type; ConfigError naming the field otherwise."""
+    def bad(kind: str) -> ConfigError:
+        return ConfigError(f"config.{field}: expected {kind}, got {text!r}")
+
+    if isinstance(old, bool):
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise bad("true or false")
+    if isinstance(old, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise bad("an integer") from None
+    if isinstance(old, float):
+        try:
+            value = float(text)
+        except ValueError:
+            raise bad("a number") from None
+        if not math.isfinite(value):
+            raise bad("a finite number")
+        return value
+    if isinstance(old, str):
+        return text
+    value = _literal(text)
+    if isinstance(old, (tuple, list)):
+        if not isinstance(value, (tuple, list)):
+            raise bad("a list such as [1, 2]")
+        return type(old)(value)
+    if isinstance(old, (dict, ml_collections.ConfigDict)):
+        if not isinstance(value, dict):
+            raise bad("a dict such as {'key': 1}")
+        return ml_collections.ConfigDict(value)
+    return value  # None-valued fields: any literal
+
+
+def apply_override(c: ml_collections.ConfigDict, dotted: str, text: str) -> None:
+    """Set `config.<dotted>` from the command-line text `text` (see `load_config`)."""
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"config.{dotted}: malformed field name")
+    node = c
+    for i, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: i + 1])
+        if part not in node:
+            raise _unknown_field(here, list(_flatten(c)))
+        node = node[part]
+        if not isinstance(node, ml_collections.ConfigDict):
+            raise ConfigError(f"config.{here}: is a value, not a section; cannot set config.{dotted}")
+    key, section = parts[-1], ".".join(parts[:-1])
+    if key in node:
+        value = _parse_as(text, node[key], dotted)
+    elif section in OPEN_SECTIONS:
+        value = _literal(text)
+    else:
+        raise _unknown_field(dotted, list(_flatten(c)))
+    with node.unlocked():
+        try:
+            node[key] = value
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.{dotted}: {e}") from None
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """`field: old → new` for every field that differs and changes what a resumed run trains."""
+    old, new = _flatten(saved), _flatten(current)
+    out = []
+    for path in sorted(set(old) | set(new)):
+        if any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE):
+            continue
+        a, b = old.get(path, "<unset>"), new.get(path, "<unset>")
+        if a != b:
+            out.append(f"{path}: {a!r} → {b!r}")
+    return out

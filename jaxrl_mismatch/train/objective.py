@@ -1,22 +1,42 @@
-"""The objective the update step optimises: a policy loss recipe plus optional KL and entropy terms.
+"""The objective the update step optimises: a policy-loss recipe plus optional KL and entropy terms, and
+the diagnostics and metrics bound to the step's batch (`train.batch.RolloutBatch`).
 
-Binds `objectives.policy_loss` (loss type × mismatch correction × aggregation) and
-`metrics.compute_metrics` to the step's batch layout (see `train/step.py`). Everything here runs inside
-the jitted step; all normalisers come from the whole minibatch so microbatching never changes the result.
+Everything here runs inside jit. Loss normalisers come from the whole minibatch, so microbatching never
+changes the result; statistics are returned as sufficient statistics (see `metrics`), so they combine
+exactly over minibatches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 
-from jaxrl_mismatch.metrics import MetricsConfig, compute_metrics
-from jaxrl_mismatch.objectives import Normalizers, ObjectiveConfig, normalizers, policy_loss
+from jaxrl_mismatch.metrics import MetricsConfig, step_metrics, update_stats
+from jaxrl_mismatch.objectives import (
+    Normalizers,
+    ObjectiveConfig,
+    normalizers,
+    policy_loss,
+    ref_kl_k3,
+    variance_weights,
+    weight_distortion,
+)
+from jaxrl_mismatch.train.batch import RolloutBatch
 
-Batch = Mapping[str, jax.Array]
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Diagnostics:
+    """Objective-hacking paper interventions on the loss (both off by default).
+
+    `weight_distortion_delta` ≥ 0 multiplies tokens with π(θ_old) < `weight_distortion_pi_low` by δ
+    (φ, eq. 18); `variance_sigma` > 0 multiplies every token by ξ ~ N(1, σ²) (eq. 21).
+    """
+
+    weight_distortion_delta: float = -1.0
+    weight_distortion_pi_low: float = 0.1
+    variance_sigma: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,35 +44,26 @@ class PolicyObjective:
     """loss = policy_loss + kl_coef · KL_k3(π‖π_ref) − entropy_coef · H(π), token-averaged over the batch.
 
     The KL term uses the k3 estimator exp(q) − q − 1 with q = log π_ref − log π (Schulman's k3, as in
-    GRPO eq. 4); it needs `ref_logp` in the batch. Extra per-token weights for the objective-hacking
-    diagnostics (φ of eq. 18, ξ of eq. 21) arrive as an optional `token_weight` batch entry.
+    GRPO eq. 4); it needs `ref_logp` in the batch. Per-token weights of the diagnostics arrive as
+    `token_weight`.
     """
 
     cfg: ObjectiveConfig
-    metrics_cfg: MetricsConfig = MetricsConfig()
+    metrics_cfg: MetricsConfig  # `metrics.metrics_config(cfg, ...)`: every bound is the objective's
+    diagnostics: Diagnostics = Diagnostics()
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
 
-    def normaliser(self, batch: Batch) -> Normalizers:
-        return normalizers(self.cfg, batch["response_mask"], batch["old_logp"], batch["rollout_logp"])
+    def normaliser(self, batch: RolloutBatch) -> Normalizers:
+        return normalizers(self.cfg, batch.response_mask, batch.old_logp, batch.rollout_logp)
 
-    def loss(self, logp: jax.Array, entropy: jax.Array, mb: Batch, norm: Normalizers) -> tuple[jax.Array, dict]:
-        mask = mb["response_mask"]
-        loss, aux = policy_loss(
-            self.cfg,
-            logp=logp,
-            old_logp=mb["old_logp"],
-            rollout_logp=mb["rollout_logp"],
-            advantages=mb["advantages"],
-            mask=mask,
-            norm=norm,
-            token_weight=mb.get("token_weight"),
-        )
+    def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, norm: Normalizers) -> tuple[jax.Array, dict]:
+        mask = mb.response_mask
+        loss, aux = policy_loss(self.cfg, logp=logp, old_logp=mb.old_logp, rollout_logp=mb.rollout_logp,
+                                advantages=mb.advantages, mask=mask, norm=norm, token_weight=mb.token_weight)
         maskb = mask.astype(bool)
         if self.kl_coef:
-            # where() before exp: padding may hold anything (even non-finite) and must not leak.
-            q = jnp.clip(jnp.where(maskb, mb["ref_logp"] - logp, 0.0), -20.0, 20.0)
-            kl = jnp.sum(jnp.where(maskb, jnp.exp(q) - q - 1.0, 0.0)) / norm.tokens
+            kl = jnp.sum(ref_kl_k3(logp, mb.ref_logp, mask)) / norm.tokens
             loss = loss + self.kl_coef * kl
             aux["loss/kl_ref_k3"] = kl
         if self.entropy_coef:
@@ -60,13 +71,23 @@ class PolicyObjective:
             loss = loss - self.entropy_coef * ent
         return loss, aux
 
-    def metrics(self, logp: jax.Array, entropy: jax.Array, batch: Batch) -> dict[str, jax.Array]:
-        return compute_metrics(
-            batch["old_logp"],
-            batch["rollout_logp"],
-            batch["response_mask"],
-            logp=logp,
-            advantages=batch["advantages"],
-            entropy=entropy,
-            cfg=self.metrics_cfg,
-        )
+    def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None:
+        """φ × ξ of the configured diagnostics over the whole batch (drawn once, never per microbatch)."""
+        d, mask, weight = self.diagnostics, batch.response_mask, None
+        if d.weight_distortion_delta >= 0:
+            weight = weight_distortion(batch.old_logp, mask, delta=d.weight_distortion_delta,
+                                       pi_low=d.weight_distortion_pi_low)
+        if d.variance_sigma:
+            xi = variance_weights(mask, sigma=d.variance_sigma, seed=jax.random.wrap_key_data(seed))
+            weight = xi if weight is None else weight * xi
+        return weight
+
+    def step_metrics(self, batch: RolloutBatch) -> dict[str, jax.Array]:
+        """θ-independent metrics over the whole step batch (mismatch, corrections, lengths, surrogate J)."""
+        return step_metrics(batch.old_logp, batch.rollout_logp, batch.response_mask, batch.advantages,
+                            cfg=self.metrics_cfg, token_weight=batch.token_weight)
+
+    def update_stats(self, logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]:
+        """θ-dependent sufficient statistics of one update (PPO ratios and clipping, entropy of π)."""
+        return update_stats(logp, batch.old_logp, batch.advantages, batch.response_mask, cfg=self.metrics_cfg,
+                            entropy=entropy)

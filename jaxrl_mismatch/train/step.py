@@ -1,20 +1,27 @@
-"""The pure, sharded policy update and the θ_old forward.
+"""The jitted, sharded pure functions of one RL step: `prepare` (θ_old forward + diagnostics + step
+metrics) and `update` (one optimizer step on a minibatch).
 
-`update(state, batch) -> (state, metrics)` is jitted once with explicit NamedShardings and a donated
-state. Inside it: gradient accumulation over microbatches with `lax.scan` (the objective divides by a
-normaliser computed once over the whole minibatch, so the accumulated gradient equals the whole-batch
-gradient), FP16 dynamic loss scaling (a non-finite step is skipped and counted — for every precision,
-so a NaN never reaches the params), global-norm clipping inside the Optax chain, and the step's
-measurements (big_vision style): grad norm raw / after clipping / per response token (LR paper Fig. 3),
-update and param norms, loss scale, and the objective's loss and mismatch metrics.
+`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)` runs once per step on the whole
+rollout batch: it fills `old_logp` (and `ref_logp`), applies the objective-hacking diagnostics (φ, ξ) as
+`token_weight`, and computes every θ-independent metric (mismatch, corrections, lengths, surrogate J)
+over all of the step's tokens — statistics of the step, not means of per-minibatch statistics.
 
-The learning rate is not an argument: it lives in the Optax state as an `inject_hyperparams`
-float32 set by the host between steps (`schedules.set_lr_scale`), so a new value never retraces.
+`update(state, batch) -> (state, stats)` is jitted once with explicit NamedShardings and a donated state.
+Inside it: gradient accumulation over microbatches with `lax.scan` (the objective divides by normalisers
+computed once over the whole minibatch, so the accumulated gradient equals the whole-minibatch gradient),
+FP16 dynamic loss scaling (a non-finite step is skipped and counted — for every precision, so a NaN never
+reaches the params), global-norm clipping inside the Optax chain, and the step's measurements (big_vision
+style): grad norm raw / after clipping / per response token (LR paper Fig. 3), update and param norms,
+loss scale, and the θ-dependent statistics (PPO ratios, entropy) as sums that combine exactly over
+minibatches (`metrics.StatsAccumulator`).
+
+The learning rate is not an argument: it lives in the Optax state as an `inject_hyperparams` float32 set
+by the host between steps (`schedules.set_lr_scale`), so a new value never retraces.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,46 +34,39 @@ from jaxtyping import Array, Float
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import sharding as shd
 from jaxrl_mismatch.models.logprobs import token_logprobs
+from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.state import TrainState, state_shardings
-
-Batch = Mapping[str, jax.Array]
-
-# Batch layout (all leading dim B, sharded over ("data", "fsdp")):
-#   tokens          int32 [B, S]    prompt + response, right padded
-#   attention_mask  int32 [B, S]    1 on real tokens (left padding allowed)
-#   response_mask   f32   [B, S-1]  1 where targets = tokens[:, 1:] is a response token
-#   advantages      f32   [B, S-1]  per-token advantage (sequence advantage broadcast)
-#   old_logp        f32   [B, S-1]  log π(y_t | θ_old), from `make_old_logprobs`
-#   rollout_logp    f32   [B, S-1]  log μ(y_t | θ_old), from the rollout engine
-#   ref_logp        f32   [B, S-1]  optional, reference policy for a KL penalty
-BATCH_KEYS = ("tokens", "attention_mask", "response_mask", "advantages", "old_logp", "rollout_logp")
 
 
 class Objective(Protocol):
-    """What the step needs from a loss: a global normaliser, the microbatch loss, and batch metrics."""
+    """What the step needs from a loss: normalisers, the microbatch loss, and its statistics."""
 
-    def normaliser(self, batch: Batch) -> jax.Array: ...
+    def normaliser(self, batch: RolloutBatch) -> Any: ...
 
-    def loss(self, logp: jax.Array, entropy: jax.Array, mb: Batch, normaliser: jax.Array) -> tuple[jax.Array, dict]: ...
+    def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, normaliser: Any) -> tuple[jax.Array, dict]: ...
 
-    def metrics(self, logp: jax.Array, entropy: jax.Array, batch: Batch) -> dict[str, jax.Array]: ...
+    def update_stats(self, logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]: ...
+
+    def step_metrics(self, batch: RolloutBatch) -> dict[str, jax.Array]: ...
+
+    def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None: ...
 
 
-def _forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,
-                      temperature: float = 1.0):
+def forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,
+                     temperature: float = 1.0) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+    """(log π(y_t), entropy) of every target `tokens[:, 1:]`, scored at the rollout temperature."""
     model = nnx.merge(graphdef, params)
     return token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=chunk_size,
                           temperature=temperature)
 
 
-def _split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
+def _split_microbatches(batch: RolloutBatch, n: int) -> RolloutBatch:
     def split(x):
-        b = x.shape[0]
-        if b % num_microbatches:
-            raise ValueError(f"batch size {b} is not divisible by num_microbatches={num_microbatches}")
-        return x.reshape((num_microbatches, b // num_microbatches) + x.shape[1:])
+        if x.shape[0] % n:
+            raise ValueError(f"batch size {x.shape[0]} is not divisible by num_microbatches={n}")
+        return x.reshape((n, x.shape[0] // n) + x.shape[1:])
 
-    return {k: split(v) for k, v in batch.items()}
+    return jax.tree.map(split, batch)
 
 
 def _merge_microbatches(x: jax.Array) -> jax.Array:
@@ -82,7 +82,7 @@ def make_update_fn(
     max_grad_norm: float | None = 1.0,
     chunk_size: int = 256,
     temperature: float = 1.0,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+) -> Callable[[TrainState, RolloutBatch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure update function (not yet jitted; see `jit_update`).
 
     `temperature` is the rollout sampling temperature: π is scored as softmax(logits / T), the
@@ -90,23 +90,22 @@ def make_update_fn(
     """
 
     def microbatch_loss(params, mb, normaliser, scale_state):
-        logp, entropy = _forward_logprobs(graphdef, params, mb["tokens"], mb["attention_mask"], chunk_size,
-                                          temperature)
+        logp, entropy = forward_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size, temperature)
         loss, aux = objective.loss(logp, entropy, mb, normaliser)
         return precision.scale_loss(scale_state, loss), (loss, aux, logp, entropy)
 
     grad_fn = jax.grad(microbatch_loss, has_aux=True)
 
-    def update(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def update(state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         normaliser = objective.normaliser(batch)
-        mbs = _split_microbatches(dict(batch), num_microbatches)
+        mbs = _split_microbatches(batch, num_microbatches)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
 
-        # Each microbatch's loss and aux values are its additive share of the whole-batch value (the
-        # objective divides by whole-batch normalisers), so sums over the scan are the batch values.
+        # Each microbatch's loss and aux values are its additive share of the whole-minibatch value (the
+        # objective divides by whole-minibatch normalisers), so sums over the scan are the minibatch values.
         aux_zeros = jax.tree_util.tree_map(
             lambda x: jnp.zeros(x.shape, jnp.float32),
-            jax.eval_shape(lambda: grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], mbs),
+            jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], mbs),
                                            normaliser, state.loss_scale)[1][1]),
         )
 
@@ -122,7 +121,7 @@ def make_update_fn(
         logp, entropy = _merge_microbatches(logp), _merge_microbatches(entropy)
 
         grads, finite = precision.unscale_and_check(state.loss_scale, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = opt.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
 
@@ -137,44 +136,73 @@ def make_update_fn(
             rng=state.rng,
         )
 
-        metrics = dict(objective.metrics(logp, entropy, batch))
-        metrics.update(aux)
-        mean_len = jnp.maximum(jnp.sum(batch["response_mask"]) / batch["response_mask"].shape[0], 1.0)
+        mask = batch.response_mask
+        mean_len = jnp.maximum(jnp.sum(mask) / mask.shape[0], 1.0)
         clipped = grad_norm if max_grad_norm is None else jnp.minimum(grad_norm, max_grad_norm)
-        metrics.update(
-            {
-                "loss/total": loss,
-                "grad/norm": grad_norm,
-                "grad/norm_clipped": clipped,
-                # LR paper Fig. 3: clip at 1, normalise by response length, smooth on the host.
-                "grad/norm_clipped_per_token": clipped / mean_len,
-                "grad/update_norm": jnp.where(finite, optax.global_norm(updates), 0.0),
-                "grad/param_norm": optax.global_norm(params),
-                "grad/finite": finite.astype(jnp.float32),
-                "loss_scale/scale": new_state.loss_scale.scale.astype(jnp.float32),
-                "loss_scale/skipped_steps": new_state.loss_scale.skipped_steps.astype(jnp.float32),
-            }
-        )
-        return new_state, metrics
+        per_update = {
+            "loss/total": loss,
+            **aux,
+            "grad/norm": grad_norm,
+            "grad/norm_clipped": clipped,
+            # LR paper Fig. 3: clip at 1, normalise by response length, smooth on the host.
+            "grad/norm_clipped_per_token": clipped / mean_len,
+            "grad/update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
+            "grad/param_norm": optax.tree.norm(params),
+            "grad/finite": finite.astype(jnp.float32),
+        }
+        running = {
+            "loss_scale/scale": new_state.loss_scale.scale.astype(jnp.float32),
+            "loss_scale/skipped_steps": new_state.loss_scale.skipped_steps.astype(jnp.float32),
+        }
+        stats = dict(objective.update_stats(logp, entropy, batch))
+        stats.update({f"mean:{k}": v for k, v in per_update.items()})
+        stats.update({f"last:{k}": v for k, v in running.items()})
+        return new_state, stats
 
     return update
 
 
-def batch_shardings(batch: Batch, mesh: Mesh) -> dict[str, NamedSharding]:
+def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size: int = 256,
+                    temperature: float = 1.0) -> Callable:
+    """`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)`; see the module docstring.
+
+    `ref_params` None means no reference policy (no KL term). `seed` (uint32 key data) drives the
+    diagnostics' random weights ξ, drawn once for the whole batch.
+    """
+
+    def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
+        mask = batch.response_mask
+        old_logp, _ = forward_logprobs(graphdef, params, batch.tokens, batch.attention_mask, chunk_size, temperature)
+        batch = batch.replace(old_logp=old_logp * mask)
+        if ref_params is not None:
+            ref_logp, _ = forward_logprobs(graphdef, ref_params, batch.tokens, batch.attention_mask, chunk_size,
+                                           temperature)
+            batch = batch.replace(ref_logp=ref_logp * mask)
+        batch = batch.replace(token_weight=objective.token_weight(batch, seed))
+        return batch, objective.step_metrics(batch)
+
+    return prepare
+
+
+def batch_shardings(batch: RolloutBatch, mesh: Mesh) -> RolloutBatch:
     """Every batch array is split over ("data", "fsdp") on its leading (batch) dimension."""
-    return {k: shd.batch_sharding(mesh, v.ndim) for k, v in batch.items()}
+    return jax.tree.map(lambda x: shd.batch_sharding(mesh, x.ndim), batch)
 
 
-def jit_update(update_fn, state: TrainState, batch_example: Batch, mesh: Mesh):
+def jit_update(update_fn, state: TrainState, batch_example: RolloutBatch, mesh: Mesh):
     """Jit `update_fn` once with explicit in/out NamedShardings and a donated state."""
     state_sh = state_shardings(state, mesh)
-    metrics_sh = shd.replicated(mesh)
     return jax.jit(
         update_fn,
         in_shardings=(state_sh, batch_shardings(batch_example, mesh)),
-        out_shardings=(state_sh, metrics_sh),
+        out_shardings=(state_sh, shd.replicated(mesh)),
         donate_argnums=(0,),
     )
+
+
+def jit_prepare(prepare_fn, mesh: Mesh):
+    """Jit `prepare_fn`: outputs sharded like the batch (arrays) and replicated (metrics); params keep theirs."""
+    return jax.jit(prepare_fn, out_shardings=(shd.batch_sharding(mesh), shd.replicated(mesh)))
 
 
 def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 256, temperature: float = 1.0):
@@ -185,8 +213,8 @@ def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 2
     """
     out_sh = shd.batch_sharding(mesh)
 
-    def fn(params, tokens, attention_mask) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
-        return _forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)
+    def fn(params, tokens, attention_mask) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+        return forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)
 
     return jax.jit(fn, out_shardings=(out_sh, out_sh))
 
@@ -196,24 +224,15 @@ def place_state(state: TrainState, mesh: Mesh) -> TrainState:
     return jax.device_put(state, state_shardings(state, mesh))
 
 
-def place_batch(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
+def place_batch(batch: RolloutBatch, mesh: Mesh) -> RolloutBatch:
     """Host batch → global arrays on the batch sharding.
 
     Every process holds the whole batch (see `train.distributed.lead_computes`) and contributes the
     shards its devices own, so this works unchanged on one host and on a multi-host mesh.
     """
-    hosts = {k: np.asarray(v) for k, v in batch.items()}
-    shardings = batch_shardings(hosts, mesh)
-    return {k: jax.make_array_from_callback(h.shape, shardings[k], lambda idx, h=h: h[idx]) for k, h in hosts.items()}
 
+    def place(x):
+        h = np.asarray(x)
+        return jax.make_array_from_callback(h.shape, shd.batch_sharding(mesh, h.ndim), lambda idx: h[idx])
 
-__all__ = [
-    "BATCH_KEYS",
-    "Objective",
-    "make_update_fn",
-    "jit_update",
-    "make_old_logprobs",
-    "place_state",
-    "place_batch",
-    "batch_shardings",
-]
+    return jax.tree.map(place, batch)

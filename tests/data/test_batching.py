@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxrl_mismatch.data import arithmetic as A
-from jaxrl_mismatch.data.batching import PromptIterator, bucket_length, make_train_batch, tokenize_prompts
+from jaxrl_mismatch.data.batching import PromptIterator, bucket_length, pad_rows, tokenize_prompts
 from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer
 
 
@@ -56,7 +56,7 @@ def test_train_batch_alignment():
     prompts = [[1, 10, 11], [1, 12]]
     completions = [[20, 21, 2], [22, 23, 24, 25, 2]]
     logps = [[-0.1, -0.2, -0.3], [-1.0, -1.1, -1.2, -1.3, -1.4]]
-    b = make_train_batch(prompts, completions, logps, pad_id=0, buckets=(4, 8, 16), batch_size=4)
+    b = pad_rows(prompts, completions, logps, pad_id=0, buckets=(4, 8, 16), batch_size=4)
     assert b.tokens.shape == (4, 9) and b.response_mask.shape == (4, 8)  # T = bucket(7 - 1) = 8
     assert b.tokens[0].tolist() == [1, 10, 11, 20, 21, 2, 0, 0, 0]
     assert b.attention_mask[1].tolist() == [1, 1, 1, 1, 1, 1, 1, 0, 0]
@@ -80,21 +80,21 @@ def test_train_batch_alignment():
 def test_train_batch_sft_and_empty_completion():
     tok = build_arithmetic_tokenizer()
     p = A.generate(A.ArithmeticSpec(), "train", 1)[0]
-    b = make_train_batch([tok.encode(p.prompt)], [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id]], pad_id=tok.pad_id)
+    b = pad_rows([tok.encode(p.prompt)], [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id]], pad_id=tok.pad_id)
     assert tok.decode(b.targets[0][b.response_mask[0] == 1]) == p.response
     assert np.all(b.rollout_logp == 0)
-    e = make_train_batch([[1, 5]], [[]], [[]], pad_id=0)
+    e = pad_rows([[1, 5]], [[]], [[]], pad_id=0)
     assert e.response_mask.sum() == 0 and e.tokens.shape == (1, 17)
 
 
 def test_train_batch_errors():
     with pytest.raises(ValueError, match="row 0 has 2 completion tokens but 1 rollout"):
-        make_train_batch([[1]], [[3, 4]], [[-1.0]], pad_id=0)
+        pad_rows([[1]], [[3, 4]], [[-1.0]], pad_id=0)
     with pytest.raises(ValueError, match="non-finite"):
-        make_train_batch([[1]], [[3]], [[float("nan")]], pad_id=0)
+        pad_rows([[1]], [[3]], [[float("nan")]], pad_id=0)
     with pytest.raises(ValueError, match="empty prompt"):
-        make_train_batch([[]], [[3]], pad_id=0)
+        pad_rows([[]], [[3]], pad_id=0)
     with pytest.raises(ValueError, match="do not fit batch_size=1"):
-        make_train_batch([[1], [1]], [[3], [3]], pad_id=0, batch_size=1)
+        pad_rows([[1], [1]], [[3], [3]], pad_id=0, batch_size=1)
     with pytest.raises(ValueError, match="largest bucket"):
-        make_train_batch([[1] * 10], [[3] * 10], pad_id=0, buckets=(8,))
+        pad_rows([[1] * 10], [[3] * 10], pad_id=0, buckets=(8,))

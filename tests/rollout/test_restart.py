@@ -1,4 +1,5 @@
-"""A rollout server SIGKILLed mid-run: the client reconnects to its restart, re-pushes, carries on."""
+"""Server restarts: the client notices them, the session re-pushes and carries on; a launched server
+that dies is restarted by its session."""
 
 from __future__ import annotations
 
@@ -6,14 +7,21 @@ import signal
 import threading
 
 import numpy as np
+import pytest
 
-from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient
+from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, ServerRestartedError
 from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.session import RolloutSession
 
 from .conftest import TOKEN, free_port, read_checkpoint, wait_until
 
 SPEC = SamplingSpec(n=2, max_tokens=8, seed=3)
 PROMPTS = [[5, 6, 7], [8, 9]]
+
+
+def _perturbed(ckpt):
+    rng = np.random.default_rng(0)
+    return {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in read_checkpoint(ckpt).items()}
 
 
 def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
@@ -22,11 +30,10 @@ def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
     first = start_server(ckpt, port=port)
     client = RolloutClient(first.target, token=TOKEN, wait_ready_s=60,
                            retry=RetryPolicy(max_attempts=60, initial_backoff_s=0.2, max_backoff_s=2.0))
-    rng = np.random.default_rng(0)
-    weights = {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in read_checkpoint(ckpt).items()}
-    client.push_weights(weights, version=5)
-    before = client.generate(PROMPTS, SPEC)
-    assert {c.weight_version for s in before for c in s} == {5}
+    session = RolloutSession(client, restart=False)
+    assert session.push(_perturbed(ckpt)) == 1
+    before = session.generate(PROMPTS, SPEC)
+    assert {c.weight_version for s in before for c in s} == {1}
     old_id = client.server_id
 
     first.signal(signal.SIGKILL)
@@ -34,10 +41,10 @@ def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
     # Restart on the same port while the client is already retrying its next Generate.
     restarted = {}
     threading.Thread(target=lambda: restarted.setdefault("server", start_server(ckpt, port=port)), daemon=True).start()
-    after = client.generate(PROMPTS, SPEC)
+    after = session.generate(PROMPTS, SPEC)
 
-    assert client.server_id != old_id and client.restarts_seen == 1
-    assert client.info().weight_version == 5  # weights re-pushed to the new process
+    assert client.server_id != old_id and client.restarts_seen == 1 and session.restarts == 1
+    assert session.info().weight_version == 1  # weights re-pushed to the new process, same version
     assert after == before  # same weights, same seed: the run continues exactly where it was
     restarted_server = restarted["server"]
     assert restarted_server.port == port
@@ -46,4 +53,39 @@ def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
     restarted_server.signal(signal.SIGTERM)
     assert restarted_server.wait() == 0
     assert wait_until(lambda: "serve: stopping" in restarted_server.lines, 10)
+    session.close()
+
+
+def test_client_never_returns_completions_of_a_server_that_lost_the_weights(start_server, tiny_checkpoints):
+    """Whichever call notices the restart first, Generate refuses until the weights are pushed again."""
+    ckpt = tiny_checkpoints["untied"]
+    port = free_port()
+    first = start_server(ckpt, port=port)
+    client = RolloutClient(first.target, token=TOKEN, wait_ready_s=60)
+    client.push_weights(_perturbed(ckpt), version=1)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    second = start_server(ckpt, port=port)
+    client.info()  # GetInfo is the first call to see the new process
+    with pytest.raises(ServerRestartedError):
+        client.generate(PROMPTS, SPEC)
+    client.push_weights(_perturbed(ckpt), version=1)
+    assert client.generate(PROMPTS, SPEC)[0][0].weight_version == 1
     client.close()
+    second.signal(signal.SIGTERM)
+    second.wait()
+
+
+@pytest.mark.slow
+def test_launched_server_that_dies_is_restarted_by_the_session(tiny_checkpoints, tmp_path):
+    ckpt = tiny_checkpoints["untied"]
+    with RolloutSession.launch(work_dir=str(tmp_path), engine="jax", model=str(ckpt), dtype="float32",
+                               ready_timeout_s=120) as session:
+        session.push(_perturbed(ckpt))
+        before = session.generate(PROMPTS, SPEC)
+        port = session.server.port
+        session.server.proc.send_signal(signal.SIGKILL)
+        session.server.proc.wait()
+        after = session.generate(PROMPTS, SPEC)
+        assert after == before and session.restarts == 1 and session.server.port == port
+        assert session.server.starts == 2

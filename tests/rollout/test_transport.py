@@ -34,7 +34,8 @@ from jaxrl_mismatch.rollout.engine import (
     check_finite_logprobs,
     resolve_max_model_len,
 )
-from jaxrl_mismatch.rollout.server import ENGINE_UNUSABLE, ERROR_KIND_KEY, WEIGHT_RELOAD_FAILED, RolloutServer
+from jaxrl_mismatch.rollout.protocol import ENGINE_UNUSABLE, ERROR_KIND_KEY, WEIGHT_RELOAD_FAILED
+from jaxrl_mismatch.rollout.server import RolloutServer
 from jaxrl_mismatch.rollout.validation import Limits, count_non_finite
 
 TOKEN = "s3cret-test-token"
@@ -383,14 +384,18 @@ def test_client_gives_up_waiting_with_a_clear_error():
 
 
 def test_server_refuses_to_start_without_a_token(monkeypatch, tmp_path):
-    from jaxrl_mismatch.rollout.server import TOKEN_ENV, read_token
+    from jaxrl_mismatch.rollout.protocol import TOKEN_ENV
+    from jaxrl_mismatch.rollout.server import read_token
+    from jaxrl_mismatch.usage import UsageError
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    with pytest.raises(SystemExit, match="no auth token"):
+    with pytest.raises(UsageError, match=r"\$JAXRL_ROLLOUT_TOKEN is empty or unset"):
         read_token(None)
     (tmp_path / "empty").write_text("\n")
-    with pytest.raises(SystemExit, match="no auth token"):
+    with pytest.raises(UsageError, match="--token-file .*empty is empty or unset"):
         read_token(str(tmp_path / "empty"))
+    with pytest.raises(UsageError, match="--token-file .*missing: does not exist"):
+        read_token(str(tmp_path / "missing"))
     monkeypatch.setenv(TOKEN_ENV, " abc \n")
     assert read_token(None) == "abc"
 
@@ -435,20 +440,17 @@ def test_client_casts_to_the_engines_bfloat16_wire_dtype():
 
 
 def test_client_reports_the_servers_request_limits_and_split_requests_fit(served):
-    """The trainer splits Generate by the limits the server reports, not by defaults."""
+    """The session splits Generate by the limits the server reports, not by defaults."""
     from jaxrl_mismatch.rollout import RolloutClient, SamplingSpec
-    from jaxrl_mismatch.train.rollouts import request_chunks
+    from jaxrl_mismatch.rollout.session import RolloutSession, request_chunks
 
     _, server, _ = served
     client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
-    try:
-        limits = client.request_limits()
+    with RolloutSession(client, restart=False) as session:
+        limits = session.limits
         assert (limits.max_request_prompt_tokens, limits.max_request_completion_tokens) == (1000, 10_000)
         prompts = [[1, 2, 3]] * 40
         spec = SamplingSpec(n=5, max_tokens=60)  # 40 × 300 = 12,000 completion tokens: one request is too big
-        chunks = request_chunks(prompts, spec, limits)
-        assert len(chunks) == 2
-        outs = [g for c in chunks for g in client.generate(prompts[c], spec)]
-        assert len(outs) == 40
-    finally:
-        client.close()
+        assert len(request_chunks(prompts, spec, limits)) == 2
+        outs = session.generate(prompts, spec)  # two requests, each within the limits
+        assert len(outs) == 40 and all(len(g) == 5 for g in outs)

@@ -178,7 +178,7 @@ def test_resume_onto_another_mesh(uninterrupted, stopped_run):
     resumed = [run.step() for _ in range(N_STEPS - SAVE_AT)]
     for got, want in zip(resumed, history[SAVE_AT:], strict=True):
         assert float(got["lr"]) == float(want["lr"])
-        for key in ("loss/total", "grad/norm", "grad/update_norm", "grad/param_norm"):
+        for key in ("mean:loss/total", "mean:grad/norm", "mean:grad/update_norm", "mean:grad/param_norm"):
             assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-5, abs=1e-7), key
     # Measured: 6e-8 (summation order of the sharded reductions); 1e-6 still catches any real divergence.
     assert _max_abs_diff(_host(run.state.params), final.params) <= 1e-6

@@ -20,7 +20,7 @@ def _run(mesh_axes, devices, steps=2, num_microbatches=1, remat=False):
     history = []
     for _ in range(steps):
         state, metrics = update(state, batch)
-        history.append({k: float(v) for k, v in metrics.items()})
+        history.append({k: float(v) for k, v in metrics.items()})  # "kind:name" statistics of the update
     params = jax.tree_util.tree_map(np.asarray, state.params)
     return params, history, state
 
@@ -57,7 +57,7 @@ def test_remat_update_equals_plain_update():
     p_remat, h_remat, _ = _run({"data": 1}, jax.devices()[:1], remat=True)
     # Recomputation reorders float ops; Adam's 1/sqrt(v) lifts that rounding to ~1e-6 (as for microbatching).
     assert _max_diff(p_plain, p_remat) <= 1e-5
-    assert h_remat[-1]["loss/total"] == pytest.approx(h_plain[-1]["loss/total"], abs=1e-6)
+    assert h_remat[-1]["mean:loss/total"] == pytest.approx(h_plain[-1]["mean:loss/total"], abs=1e-6)
 
 
 def test_new_lr_every_step_never_recompiles():
@@ -73,7 +73,7 @@ def test_new_lr_every_step_never_recompiles():
             seen.append(float(get_lr(state.opt_state)))
     assert counts["compiles"] == 1
     assert seen == pytest.approx([1e-2 / (1 + i) for i in range(22)], rel=1e-6)
-    assert np.isfinite(float(metrics["grad/norm"]))
+    assert np.isfinite(float(metrics["mean:grad/norm"]))
 
 
 def test_fp16_loss_scaling_skips_overflow_and_keeps_params_finite():
@@ -82,19 +82,18 @@ def test_fp16_loss_scaling_skips_overflow_and_keeps_params_finite():
     good = full_batch(mesh, old_lp, state.params, synthetic_batch())
     update = jit_update(update_fn, state, good, mesh)
     state, m = update(state, good)
-    assert m["grad/finite"] == 1.0 and int(state.step) == 1
+    assert m["mean:grad/finite"] == 1.0 and int(state.step) == 1
     # Inject an overflow: an advantage of 1e38 makes the scaled fp16 backward overflow to inf.
-    bad = place_batch({k: np.asarray(v) for k, v in good.items()} | {
-        "advantages": np.asarray(good["advantages"]) * np.float32(1e38)}, mesh)
+    bad = place_batch(good.replace(advantages=np.asarray(good.advantages) * np.float32(1e38)), mesh)
     before = jax.tree_util.tree_map(np.asarray, state.params)
     scale_before = float(state.loss_scale.scale)
     state, m = update(state, bad)
-    assert m["grad/finite"] == 0.0
+    assert m["mean:grad/finite"] == 0.0
     assert int(state.step) == 1 and float(state.loss_scale.skipped_steps) == 1
     assert float(state.loss_scale.scale) == scale_before / 2
     assert _max_diff(before, jax.tree_util.tree_map(np.asarray, state.params)) == 0.0
     state, m = update(state, good)
-    assert m["grad/finite"] == 1.0 and int(state.step) == 2
+    assert m["mean:grad/finite"] == 1.0 and int(state.step) == 2
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.asarray, state.params)))
 
 

@@ -8,8 +8,10 @@ from flax import nnx
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import ModelConfig, Transformer
 from jaxrl_mismatch.models.sharding import make_mesh
+from jaxrl_mismatch.metrics import metrics_config
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import make_optimizer
+from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.objective import PolicyObjective
 from jaxrl_mismatch.train.state import init_state, split_model
 from jaxrl_mismatch.train.step import make_old_logprobs, make_update_fn, jit_update, place_batch, place_state
@@ -59,19 +61,19 @@ def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=
     graphdef, params = split_model(model)
     opt = make_optimizer("adamw", learning_rate=lr, max_grad_norm=max_grad_norm)
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol), seed=seed), mesh)
-    objective = objective or PolicyObjective(cfg=objective_config("grpo"))
+    objective = objective or PolicyObjective(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
     update_fn = make_update_fn(graphdef, opt, objective, num_microbatches=num_microbatches,
                                max_grad_norm=max_grad_norm, chunk_size=8)
     return mesh, graphdef, state, update_fn, make_old_logprobs(graphdef, mesh, chunk_size=8), opt
 
 
-def full_batch(mesh, old_logprobs, params, np_batch, rollout_noise=0.05, seed=1):
-    """Add old_logp (a real forward at θ_old) and a perturbed rollout_logp, placed on the mesh."""
-    b = place_batch(np_batch, mesh)
-    old_logp, _ = old_logprobs(params, b["tokens"], b["attention_mask"])
-    old = np.asarray(old_logp)
+def full_batch(mesh, old_logprobs, params, np_batch, rollout_noise=0.05, seed=1) -> RolloutBatch:
+    """A placed RolloutBatch: old_logp from a real forward at θ_old, rollout_logp = old_logp + noise."""
+    old_logp, _ = old_logprobs(params, np_batch["tokens"], np_batch["attention_mask"])
+    old = np.asarray(old_logp) * np_batch["response_mask"]
     noise = np.random.default_rng(seed).normal(scale=rollout_noise, size=old.shape).astype(np.float32)
-    return place_batch({**np_batch, "old_logp": old, "rollout_logp": (old + noise) * np_batch["response_mask"]}, mesh)
+    return place_batch(RolloutBatch(**np_batch, old_logp=old, rollout_logp=(old + noise) * np_batch["response_mask"]),
+                       mesh)
 
 
 __all__ = ["VOCAB", "build", "full_batch", "jit_update", "synthetic_batch", "tiny_config"]

@@ -1,4 +1,4 @@
-"""The trainer-managed rollout server never outlives the trainer, even one killed with SIGKILL."""
+"""A launched rollout server: flags built from serve's parser, and it never outlives its launcher."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from jaxrl_mismatch.rollout.launcher import ManagedServer, serve_argv
+from jaxrl_mismatch.usage import UsageError
 from tests.rollout.conftest import make_tiny_qwen3
 
 
@@ -28,8 +30,8 @@ def test_managed_server_exits_when_the_trainer_is_killed(tmp_path):
     model = make_tiny_qwen3(tmp_path / "model", tied=False)
     code = (
         "import sys, time\n"
-        "from jaxrl_mismatch.train.server_proc import ManagedServer\n"
-        f"s = ManagedServer(engine='jax', model_dir={str(model)!r}, dtype='float32', work_dir={str(tmp_path / 'w')!r})\n"
+        "from jaxrl_mismatch.rollout.launcher import ManagedServer\n"
+        f"s = ManagedServer({str(tmp_path / 'w')!r}, engine='jax', model={str(model)!r}, dtype='float32')\n"
         "s.start()\n"
         "print(s.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
@@ -51,3 +53,14 @@ def test_managed_server_exits_when_the_trainer_is_killed(tmp_path):
             os.kill(server_pid, signal.SIGKILL)
         except (ProcessLookupError, UnboundLocalError):
             pass
+
+
+def test_serve_argv_comes_from_the_servers_own_parser(tmp_path):
+    argv = serve_argv({"engine": "vllm", "model": "/m", "port": 0, "exit_with_parent": True, "max_model_len": None})
+    assert argv == ["--engine", "vllm", "--model", "/m", "--port", "0", "--exit-with-parent"]
+    with pytest.raises(ValueError, match="serve has no option 'model_dir'"):
+        serve_argv({"model_dir": "/m"})
+    with pytest.raises(UsageError, match="invalid choice: 'float8'"):  # serve's own choices, before any start
+        ManagedServer(str(tmp_path), engine="jax", model="/m", dtype="float8")
+    with pytest.raises(UsageError, match="99999 is outside 0-65535"):
+        ManagedServer(str(tmp_path), engine="jax", model="/m", port=99999)

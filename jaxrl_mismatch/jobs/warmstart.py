@@ -34,9 +34,10 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.data import arithmetic
-from jaxrl_mismatch.data.batching import bucket_length, make_train_batch
+from jaxrl_mismatch.data.batching import bucket_length, pad_rows
 from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokenizer, save_tokenizer
 from jaxrl_mismatch.models import ModelConfig, Transformer, decode_step, hf_io, init_cache, prefill, token_logprobs
+from jaxrl_mismatch.usage import ArgumentParser, UsageError
 
 
 def tiny_config(vocab_size: int, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int) -> ModelConfig:
@@ -171,7 +172,7 @@ def write_generation_config(tok: TextTokenizer, out_dir: str, max_new_tokens: in
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="jaxrl-mismatch warmstart", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="jaxrl-mismatch warmstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write (HF format)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
     ap.add_argument("--steps", type=int, default=700, help="SFT steps (fewer: weaker policy, more RL headroom)")
@@ -195,23 +196,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     for name in ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"warmstart: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_eval < 0:
-        raise SystemExit(f"warmstart: --num-eval must be >= 0, got {args.num_eval}")
+        raise UsageError(f"--num-eval must be >= 0, got {args.num_eval}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if os.path.exists(os.path.join(args.out, "config.json")) and not args.force:
-        print(f"warmstart: {args.out} already holds a checkpoint; pass --force to overwrite", file=sys.stderr)
-        return 1
+        raise UsageError(f"--out {args.out}: already holds a checkpoint; pass --force to overwrite")
     try:
         spec = arithmetic.ArithmeticSpec(
             min_operands=args.min_operands, max_operands=args.max_operands, max_value=args.max_value, mul_prob=args.mul_prob
         )
     except ValueError as e:
-        raise SystemExit(f"warmstart: {e}") from None
+        raise UsageError(f"{e}") from None
     t0 = time.perf_counter()
     tok = build_arithmetic_tokenizer()
     train = arithmetic.generate(spec, "train", args.num_train, seed=args.seed)
@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(p) + len(a) for p, a in zip(prompts, answers))
     max_new = max(len(a) for a in answers) + 8  # room for a policy that writes a little more than the data
     if longest + 8 > args.max_len:
-        raise SystemExit(f"warmstart: problems need {longest + 8} positions > --max-len {args.max_len}")
+        raise UsageError(f"problems need {longest + 8} positions > --max-len {args.max_len}")
     # One fixed target length T (a multiple of 16) for every batch: the step compiles once.
-    data = make_train_batch(prompts, answers, pad_id=tok.pad_id, buckets=(bucket_length(longest - 1, range(16, 4097, 16)),))
+    data = pad_rows(prompts, answers, pad_id=tok.pad_id, buckets=(bucket_length(longest - 1, range(16, 4097, 16)),))
 
     cfg = tiny_config(tok.vocab_size, layers=args.layers, hidden=args.hidden, heads=args.heads,
                       kv_heads=args.kv_heads, intermediate=args.intermediate, max_len=args.max_len)

@@ -10,7 +10,8 @@ import pytest
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.data import arithmetic
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
-from jaxrl_mismatch.data.warmstart import main
+from jaxrl_mismatch.jobs.warmstart import main
+from jaxrl_mismatch.usage import UsageError
 from jaxrl_mismatch.models import hf_io, token_logprobs
 
 TINY = ["--steps", "3", "--batch-size", "8", "--num-train", "64", "--num-eval", "4", "--layers", "1",
@@ -34,8 +35,8 @@ def test_directory_is_complete(ckpt, capsys):
     task = json.loads(open(os.path.join(ckpt, "task.json")).read())
     assert arithmetic.ArithmeticSpec(**task["spec"]) == arithmetic.ArithmeticSpec()
     # refuses to overwrite without --force
-    assert main(["--out", ckpt, *TINY]) == 1
-    assert "--force" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="already holds a checkpoint; pass --force"):
+        main(["--out", ckpt, *TINY])
 
 
 def test_loads_in_hf_io_and_transformers_with_equal_logprobs(ckpt):

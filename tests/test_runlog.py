@@ -6,23 +6,8 @@ import numpy as np
 import pytest
 
 from jaxrl_mismatch.report.plot import make_report
-from jaxrl_mismatch.train.observe import RunWriter, StepAccumulator, read_jsonl
-
-
-def test_accumulator_averages_minibatches_and_resets():
-    acc = StepAccumulator()
-    acc.add({"mismatch/rho_mean_pi_0-0.1": jnp.float32(1.0), "grad/norm": jnp.float32(4.0)})
-    acc.add({"mismatch/rho_mean_pi_0-0.1": jnp.float32(3.0), "grad/norm": jnp.float32(0.0)})
-    out = acc.compute()
-    assert out == {"grad/norm": 2.0, "mismatch/rho_mean_pi_0-0.1": 2.0}
-    assert acc.compute() == {}
-
-
-def test_accumulator_rejects_changing_names_within_a_step():
-    acc = StepAccumulator()
-    acc.add({"a": jnp.float32(1.0)})
-    with pytest.raises(ValueError, match="b"):
-        acc.add({"a": jnp.float32(1.0), "b": jnp.float32(2.0)})
+from jaxrl_mismatch.runlog import RunWriter, read_jsonl
+from jaxrl_mismatch.usage import UsageError
 
 
 def test_writer_jsonl_tensorboard_and_resume_truncation(tmp_path):
@@ -70,16 +55,5 @@ def test_report_writes_png_with_surge(tmp_path):
 
 
 def test_report_errors_on_missing_run(tmp_path):
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+    with pytest.raises(UsageError, match="not a run directory"):
         make_report(str(tmp_path))
-
-
-def test_accumulator_keeps_extremes_and_last_state():
-    acc = StepAccumulator()
-    acc.add({"length/max": jnp.float32(10), "mismatch/rho_min": jnp.float32(0.9),
-             "loss_scale/skipped_steps": jnp.float32(1), "reward/mean": jnp.float32(0.2)})
-    acc.add({"length/max": jnp.float32(7), "mismatch/rho_min": jnp.float32(0.95),
-             "loss_scale/skipped_steps": jnp.float32(2), "reward/mean": jnp.float32(0.4)})
-    out = acc.compute()
-    assert out["length/max"] == 10 and out["mismatch/rho_min"] == pytest.approx(0.9)
-    assert out["loss_scale/skipped_steps"] == 2 and out["reward/mean"] == pytest.approx(0.3)

@@ -1,7 +1,7 @@
-"""From prompts to a training batch: Generate over gRPC, rewards, dynamic sampling, advantages.
+"""From prompts to scored groups: Generate through a `RolloutSession`, rewards, DAPO dynamic sampling, avg@k.
 
-Host-side and engine-agnostic: everything goes through a `RolloutClient`, so the managed subprocess
-server, an external vLLM server on a GPU box and the tests exercise the same path.
+Host-side and engine-agnostic: a loopback server, an external vLLM server on a GPU box and the tests all
+go through the same `RolloutSession.generate`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxrl_mismatch.data.batching import TrainBatch, make_train_batch
-from jaxrl_mismatch.rollout import Completion, RolloutClient, SamplingSpec
-from jaxrl_mismatch.rollout.validation import Limits
+from jaxrl_mismatch.rollout import Completion, SamplingSpec
+from jaxrl_mismatch.rollout.session import RolloutSession
+from jaxrl_mismatch.train.batch import RolloutBatch, from_completions
 
 
 # Scalars `collect` reports, in a fixed order (multi-host broadcast relies on it).
@@ -21,7 +21,6 @@ STAT_KEYS = (
     "reward/mean", "reward/std", "reward/all_correct_frac", "reward/all_wrong_frac", "rollout/response_length",
     "rollout/truncated_frac", "filter/rounds", "filter/sampled_groups", "filter/informative_frac_of_batch",
 )
-BATCH_KEYS = ("tokens", "attention_mask", "response_mask", "advantages", "rollout_logp")
 
 
 @dataclasses.dataclass
@@ -39,36 +38,10 @@ class Group:
         return bool(np.ptp(self.rewards) > 0)
 
 
-def request_chunks(prompt_ids: Sequence[list[int]], spec: SamplingSpec, limits: Limits = Limits()) -> list[slice]:
-    """Split prompts into Generate requests within the server's per-request token limits.
-
-    A real run asks for more than one request may carry (64 prompts × 16 samples × 8192 tokens is 8.4M
-    completion tokens, over the default 4M and over gRPC's 64 MiB message size), so the trainer sends
-    several requests of consecutive prompts.
-    """
-    per_prompt = spec.n * spec.max_tokens
-    if per_prompt > limits.max_request_completion_tokens:
-        raise ValueError(f"one prompt asks for n × max_tokens = {per_prompt} completion tokens, over the request "
-                         f"limit {limits.max_request_completion_tokens}; lower rollout.group_size or max_tokens")
-    chunks, start, completion, prompt = [], 0, 0, 0
-    for i, p in enumerate(prompt_ids):
-        if i > start and (completion + per_prompt > limits.max_request_completion_tokens
-                          or prompt + len(p) > limits.max_request_prompt_tokens):
-            chunks.append(slice(start, i))
-            start, completion, prompt = i, 0, 0
-        completion += per_prompt
-        prompt += len(p)
-    chunks.append(slice(start, len(prompt_ids)))
-    return chunks
-
-
-def sample_groups(client: RolloutClient, prompt_ids: Sequence[list[int]], answers: Sequence[str],
-                  spec: SamplingSpec, reward_fn: Callable[[list[int], str], float],
-                  limits: Limits = Limits()) -> list[Group]:
-    """Generate for all prompts (in as few requests as the server's `limits` allow); score every completion."""
-    outs = []
-    for chunk in request_chunks(prompt_ids, spec, limits):
-        outs += client.generate(list(prompt_ids[chunk]), spec)
+def sample_groups(session: RolloutSession, prompt_ids: Sequence[list[int]], answers: Sequence[str],
+                  spec: SamplingSpec, reward_fn: Callable[[list[int], str], float]) -> list[Group]:
+    """Generate `spec.n` completions for every prompt and score each one."""
+    outs = session.generate(prompt_ids, spec)
     groups = []
     for p, a, comps in zip(prompt_ids, answers, outs):
         rewards = np.array([reward_fn(c.token_ids, a) for c in comps], np.float32)
@@ -82,9 +55,9 @@ class Collected:
     stats: dict[str, float]
 
 
-def collect(client: RolloutClient, next_prompts: Callable[[], tuple[list[list[int]], list[str]]],
+def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[int]], list[str]]],
             spec_for_round: Callable[[int], SamplingSpec], reward_fn, *, num_groups: int,
-            dynamic_sampling: bool, max_oversample_rounds: int, limits: Limits = Limits()) -> Collected:
+            dynamic_sampling: bool, max_oversample_rounds: int) -> Collected:
     """Sample groups until `num_groups` informative ones are in hand (DAPO dynamic sampling).
 
     Round 0 samples one batch of prompts; each further round (at most `max_oversample_rounds`) samples
@@ -99,7 +72,7 @@ def collect(client: RolloutClient, next_prompts: Callable[[], tuple[list[list[in
     sampled = 0
     for rnd in range(max_oversample_rounds + 1 if dynamic_sampling else 1):
         prompt_ids, answers = next_prompts()
-        groups = sample_groups(client, prompt_ids, answers, spec_for_round(rnd), reward_fn, limits)
+        groups = sample_groups(session, prompt_ids, answers, spec_for_round(rnd), reward_fn)
         sampled += len(groups)
         rounds = rnd + 1
         if rnd == 0:
@@ -129,8 +102,9 @@ def collect(client: RolloutClient, next_prompts: Callable[[], tuple[list[list[in
     return Collected(kept[:num_groups], stats)
 
 
-def to_train_batch(groups: Sequence[Group], *, pad_id: int) -> tuple[TrainBatch, np.ndarray, np.ndarray]:
-    """Rows in group order; returns (batch, rewards [B], group_ids [B])."""
+def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.ndarray, int], np.ndarray], *,
+             pad_id: int) -> RolloutBatch:
+    """Rows in group order; `advantages_fn(rewards [B], group_ids [B], num_groups) -> [B]`."""
     prompts, comps, logps, rewards, gids = [], [], [], [], []
     for gi, g in enumerate(groups):
         for c, r in zip(g.completions, g.rewards):
@@ -139,14 +113,13 @@ def to_train_batch(groups: Sequence[Group], *, pad_id: int) -> tuple[TrainBatch,
             logps.append(c.logprobs)
             rewards.append(r)
             gids.append(gi)
-    batch = make_train_batch(prompts, comps, logps, pad_id=pad_id, batch_size=len(prompts))
-    return batch, np.asarray(rewards, np.float32), np.asarray(gids, np.int32)
+    adv = advantages_fn(np.asarray(rewards, np.float32), np.asarray(gids, np.int32), len(groups))
+    return from_completions(prompts, comps, logps, adv, pad_id=pad_id)
 
 
-def evaluate(client: RolloutClient, prompt_ids: Sequence[list[int]], answers: Sequence[str], reward_fn, *,
-             k: int, temperature: float, max_tokens: int, stop_token_ids: tuple[int, ...], seed: int,
-             limits: Limits = Limits()) -> float:
+def evaluate(session: RolloutSession, prompt_ids: Sequence[list[int]], answers: Sequence[str], reward_fn, *,
+             k: int, temperature: float, max_tokens: int, stop_token_ids: tuple[int, ...], seed: int) -> float:
     """avg@k: the mean reward over k samples of every held-out prompt (k=1, temperature 0: greedy)."""
     spec = SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids)
-    groups = sample_groups(client, prompt_ids, answers, spec, reward_fn, limits)
+    groups = sample_groups(session, prompt_ids, answers, spec, reward_fn)
     return float(np.mean(np.concatenate([g.rewards for g in groups])))

@@ -1,0 +1,152 @@
+"""`jaxrl-mismatch perfectible`: build the FP16 paper's "perfectible" sanity dataset with a real policy.
+
+Samples k completions per prompt from the initial policy through a rollout server (a loopback
+subprocess unless --address is given), keeps prompts whose accuracy lies in [lo, hi] (paper §4: every
+MATH problem, 40 samples, [0.2, 0.8]) and writes them **in the format of the input**, so the training
+config that names the input's task reads the output unchanged (`--config` takes the model, task,
+template and sampling settings from that config, which makes the filter sample exactly as the run will).
+File-backed inputs are copied line by line with `initial_accuracy` / `num_samples` added; the synthetic
+arithmetic task is written as `prompts` JSONL for the `arithmetic_prompts` task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from jaxrl_mismatch.data import get_task
+from jaxrl_mismatch.data.batching import tokenize_prompts
+from jaxrl_mismatch.data.jsonl import write_jsonl
+from jaxrl_mismatch.data.perfectible import filter_perfectible
+from jaxrl_mismatch.data.tokenizer import load_tokenizer
+from jaxrl_mismatch.rollout import SamplingSpec
+from jaxrl_mismatch.rollout.session import RolloutSession
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file
+
+PROG = "jaxrl-mismatch perfectible"
+
+
+def parse_args(argv: Sequence[str]):
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="training config whose model/task/template/sampling to use")
+    p.add_argument("--model", default=None, help="local HF checkpoint dir of the initial policy (with tokenizer)")
+    p.add_argument("--task", default=None, help="task name (data.TASKS); default: the config's, else arithmetic")
+    p.add_argument("--split", default=None, help="split to filter (default: the config's train split, else train)")
+    p.add_argument("--file", default=None, help="JSONL of the split for file-backed tasks (default: the config's)")
+    p.add_argument("--num", type=int, default=0, help="first N records only (0 = all; synthetic tasks: how many to generate, default 512)")
+    p.add_argument("--template", default=None, help="prompt template (default: the config's, else the task's)")
+    p.add_argument("--k", type=int, default=40, help="samples per prompt (paper: 40)")
+    p.add_argument("--lo", type=float, default=0.2)
+    p.add_argument("--hi", type=float, default=0.8)
+    p.add_argument("--max-tokens", type=int, default=None, help="response limit (default: the config's rollout.max_tokens)")
+    p.add_argument("--temperature", type=float, default=None, help="default: the config's, else 1.0")
+    p.add_argument("--engine", choices=("jax", "vllm"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--address", default=None, help="host:port of a running rollout server (else start one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output JSONL")
+    a = p.parse_args(argv)
+    c = None
+    if a.config:
+        from jaxrl_mismatch.train.config import load_config
+
+        c = load_config(a.config)
+    pick = lambda flag, from_config, default: flag if flag is not None else (from_config(c) if c is not None else default)  # noqa: E731
+    a.model = pick(a.model, lambda c: c.model.path, None)
+    a.task = pick(a.task, lambda c: c.task.name, "arithmetic")
+    a.split = pick(a.split, lambda c: c.task.train_split, "train")
+    a.file = pick(a.file, lambda c: c.task.files.get(a.split), None)
+    a.template = pick(a.template, lambda c: c.task.template or None, None)
+    a.max_tokens = pick(a.max_tokens, lambda c: c.rollout.max_tokens, None)
+    a.temperature = pick(a.temperature, lambda c: c.rollout.temperature, 1.0)
+    a.engine = pick(a.engine, lambda c: c.rollout.engine, "jax")
+    a.dtype = pick(a.dtype, lambda c: c.rollout.dtype, "float32")
+    if a.model is None:
+        raise UsageError(f"{PROG}: --model is required (or --config naming model.path)")
+    existing_dir("--model", a.model)
+    if a.max_tokens is None:
+        raise UsageError(f"{PROG}: --max-tokens is required (or --config naming rollout.max_tokens)")
+    for flag, value, low in (("--k", a.k, 1), ("--max-tokens", a.max_tokens, 1), ("--num", a.num, 0)):
+        if value < low:
+            raise UsageError(f"{PROG}: {flag} must be >= {low}, got {value}")
+    if not 0.0 <= a.lo <= a.hi <= 1.0:
+        raise UsageError(f"{PROG}: need 0 <= --lo <= --hi <= 1, got {a.lo}, {a.hi}")
+    return a
+
+
+def _file_records(task: str, path: str, num: int) -> tuple[list[dict], list[dict]]:
+    """(uniform records, the original JSON objects) of a file-backed task's JSONL, in file order."""
+    from jaxrl_mismatch.data.math_datasets import CONVERTERS, DataFormatError
+
+    fmt = {"arithmetic_prompts": "prompts"}.get(task, task)
+    if fmt not in CONVERTERS:
+        raise UsageError(f"--task {task}: not a file-backed task; valid: arithmetic, {', '.join(sorted(CONVERTERS))}")
+    records, originals = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                text, answer, _ = CONVERTERS[fmt](obj, f"{path}:{lineno}")
+            except json.JSONDecodeError as e:
+                raise UsageError(f"--file {path}:{lineno}: not JSON ({e.msg})") from None
+            except DataFormatError as e:
+                raise UsageError(f"--file {e}") from None
+            records.append({"prompt_text": text, "answer": answer})
+            originals.append(obj)
+            if num and len(records) == num:
+                break
+    return records, originals
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    task = get_task(a.task) if a.task in _tasks() else None
+    if task is None:
+        raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")
+    if a.task == "arithmetic":
+        spec: dict[str, Any] = {}
+        if os.path.exists(os.path.join(a.model, "task.json")):
+            with open(os.path.join(a.model, "task.json")) as f:
+                spec = json.load(f).get("spec", {})
+        records = task.load(a.split, n=a.num or 512, seed=a.seed, **spec)
+        originals = [{"prompt_text": r["prompt_text"], "answer": r["answer"]} for r in records]
+    else:
+        if not a.file:
+            raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
+        records, originals = _file_records(a.task, existing_file("--file", a.file), a.num)
+    tok = load_tokenizer(a.model)
+    template = a.template or task.template
+    calls = {"n": 0}
+    if a.address:
+        session = RolloutSession.attach(a.address, token=None)
+    else:
+        work = os.path.join(os.path.dirname(os.path.abspath(a.out)), ".perfectible_server")
+        session = RolloutSession.launch(work_dir=work, engine=a.engine, model=a.model, dtype=a.dtype)
+    with session:
+        def sample_fn(prompts: list[str], n: int) -> list[list[str]]:
+            ids = tokenize_prompts(tok, prompts, template=template)
+            calls["n"] += 1
+            spec = SamplingSpec(n=n, max_tokens=a.max_tokens, temperature=a.temperature,
+                                seed=a.seed * 7919 + calls["n"], stop_token_ids=(tok.eos_id,))
+            return [[tok.decode(c.token_ids) for c in group] for group in session.generate(ids, spec)]
+
+        kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records], sample_fn,
+                                  task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=64,
+                                  extras=[{"line": i} for i in range(len(records))])
+    out = [{**originals[r["line"]], "initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
+           for r in kept]
+    write_jsonl(out, a.out)
+    fmt = "prompts (task arithmetic_prompts)" if a.task == "arithmetic" else f"{a.task} (same as the input)"
+    print(f"perfectible: kept {len(kept)} of {len(records)} prompts with accuracy in [{a.lo}, {a.hi}] over {a.k} "
+          f"samples → {a.out}, format {fmt}", flush=True)
+    return 0
+
+
+def _tasks() -> list[str]:
+    from jaxrl_mismatch.data import TASKS
+
+    return sorted(TASKS)

@@ -1,0 +1,125 @@
+"""A rollout server run as a child process: `jaxrl-mismatch serve` on loopback, owned by its launcher.
+
+The launcher talks to it only over gRPC, exactly as to an external server; this object just owns the
+process: start it, learn its port from the ready file, restart it on the same port, stop it with SIGTERM
+(graceful). Its command line is built from `server.build_parser()` itself, so a renamed or removed serve
+flag fails here at once instead of at the first restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from jaxrl_mismatch.rollout.client import RolloutError
+from jaxrl_mismatch.rollout.server import build_parser
+
+
+class ServerStartError(RolloutError):
+    """The rollout server subprocess exited or did not become ready; the message quotes its log."""
+
+
+def serve_argv(options: dict[str, Any]) -> list[str]:
+    """`jaxrl-mismatch serve` arguments for `options` (argparse dest names → values), checked by its parser.
+
+    True booleans become bare flags, False/None are left out; unknown names raise ValueError.
+    """
+    actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
+    argv: list[str] = []
+    for dest, value in options.items():
+        if dest not in actions:
+            raise ValueError(f"serve has no option {dest!r}; valid: {sorted(d for d in actions if d != 'help')}")
+        flag = actions[dest].option_strings[-1]
+        if value is None or value is False:
+            continue
+        argv += [flag] if value is True else [flag, str(value)]
+    build_parser().parse_args(argv)  # the server's own checks (choices, types, ranges) before any start
+    return argv
+
+
+class ManagedServer:
+    """One `serve` subprocess with a generated token; `options` are serve's flags by argparse dest name."""
+
+    def __init__(self, work_dir: str, startup_timeout_s: float = 600.0, **options: Any) -> None:
+        os.makedirs(work_dir, exist_ok=True)
+        self.startup_timeout_s = startup_timeout_s
+        self.token = secrets.token_hex(16)
+        self.token_file = os.path.join(work_dir, "rollout_token")
+        with open(os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(self.token + "\n")
+        self.log_path = os.path.join(work_dir, "rollout_server.log")
+        self.ready_file = os.path.join(work_dir, "rollout_ready.json")
+        self.options = {"port": 0, **options, "token_file": self.token_file, "ready_file": self.ready_file,
+                        "exit_with_parent": True}
+        serve_argv(self.options)  # fail now on a bad option
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def port(self) -> int:
+        return int(self.options["port"])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> str:
+        """Start (or restart, on the port it had) the server and block until it serves; returns host:port."""
+        if self.alive():
+            return self.address
+        if os.path.exists(self.ready_file):
+            os.remove(self.ready_file)
+        args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", *serve_argv(self.options)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # The server is a single-device process: the trainer's fake-device flags must not leak into it.
+        env.pop("XLA_FLAGS", None)
+        with open(self.log_path, "a") as log:
+            log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
+            log.flush()
+            # Own session: a Ctrl-C in the launcher's terminal reaches only the launcher, which then stops
+            # the server gracefully; --exit-with-parent covers a launcher killed outright.
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.starts += 1
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(self.ready_file):
+                with open(self.ready_file) as f:
+                    self.options["port"] = int(json.load(f)["port"])  # restarts reuse the port
+                return self.address
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"rollout server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.2)
+        self.stop()
+        raise ServerStartError(f"rollout server not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM (graceful shutdown), then SIGKILL of the process group if it lingers."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return "(no log)"

@@ -1,0 +1,115 @@
+"""`Learner`: the policy being trained — its train state on the mesh and the jitted functions of a step.
+
+The loop hands it a host `RolloutBatch` and gets host numbers back: `prepare` (θ_old forward,
+diagnostics, step metrics — one jitted call), `optimize` (PPO epochs × minibatches of the jitted update,
+statistics combined over all of them), `set_lr_scale` (the controller's multiplier, no retrace) and
+`hf_weights` (the weights to push, in HF naming).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.metrics import StatsAccumulator, metrics_config
+from jaxrl_mismatch.models import load_hf, params_to_hf
+from jaxrl_mismatch.objectives import objective_config
+from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
+from jaxrl_mismatch.train import distributed
+from jaxrl_mismatch.train.batch import RolloutBatch
+from jaxrl_mismatch.train.checkpoint import abstract_state_of
+from jaxrl_mismatch.train.config import build_optimizer, build_schedule, check_mesh
+from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
+from jaxrl_mismatch.train.state import TrainState, init_state, split_model
+from jaxrl_mismatch.train.step import (
+    jit_prepare,
+    jit_update,
+    make_prepare_fn,
+    make_update_fn,
+    place_batch,
+    place_state,
+)
+
+
+def build_objective(c: ml_collections.ConfigDict) -> PolicyObjective:
+    """The configured objective: preset + overrides, metrics bounds taken from it, diagnostics."""
+    obj_cfg = objective_config(c.objective.preset, **c.objective.overrides.to_dict())
+    d = c.diagnostics
+    on = d.weight_distortion_delta >= 0  # surrogate J measures the configured φ, else the paper's δ = 2
+    metrics_cfg = metrics_config(obj_cfg, phi_delta=d.weight_distortion_delta if on else None,
+                                 phi_pi_low=d.weight_distortion_pi_low if on else None)
+    return PolicyObjective(
+        cfg=obj_cfg, metrics_cfg=metrics_cfg, kl_coef=c.objective.kl_coef, entropy_coef=c.objective.entropy_coef,
+        diagnostics=Diagnostics(weight_distortion_delta=d.weight_distortion_delta,
+                                weight_distortion_pi_low=d.weight_distortion_pi_low, variance_sigma=d.variance_sigma))
+
+
+class Learner:
+    def __init__(self, c: ml_collections.ConfigDict) -> None:
+        self.c = c
+        self.mesh = check_mesh(c)
+        policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
+        self.model_cfg, model = load_hf(c.model.path, policy=policy, mesh=self.mesh)
+        model.remat = bool(c.trainer.remat)
+        graphdef, params = split_model(model)
+        self._graphdef = graphdef
+        opt = build_optimizer(c.optim)
+        self.objective = build_objective(c)
+        # π is scored at the rollout temperature: the distribution μ actually sampled from.
+        kw = dict(chunk_size=c.trainer.chunk_size, temperature=c.rollout.temperature)
+        self._update_fn = make_update_fn(graphdef, opt, self.objective, num_microbatches=c.batch.microbatches,
+                                         max_grad_norm=c.optim.max_grad_norm, **kw)
+        self._update = None  # jitted on the first minibatch (needs its pytree structure)
+        self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, **kw), self.mesh)
+        self.state: TrainState = place_state(
+            init_state(params, opt, precision.loss_scale_for(policy), seed=c.seed), self.mesh)
+        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if c.objective.kl_coef else None
+        self.minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
+
+    # -- a step ----------------------------------------------------------------------------------------
+    def prepare(self, batch: RolloutBatch, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """π(θ_old) (+ π_ref) and the diagnostics' weights filled in; the step's θ-independent metrics."""
+        key = jax.random.key_data(jax.random.key(seed))
+        out, metrics = self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
+        return jax.tree.map(distributed.to_host, out), {k: float(v) for k, v in metrics.items()}
+
+    def optimize(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
+        """`batch.ppo_epochs` passes of `minibatches` optimizer steps; statistics over all of them."""
+        c, acc = self.c, StatsAccumulator()
+        for epoch in range(c.batch.ppo_epochs):
+            order = (np.random.default_rng([seed, epoch]).permutation(batch.num_rows)
+                     if c.batch.minibatches > 1 else np.arange(batch.num_rows))
+            for m in range(c.batch.minibatches):
+                mb = place_batch(batch.rows(order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows]), self.mesh)
+                if self._update is None:
+                    self._update = jit_update(self._update_fn, self.state, mb, self.mesh)
+                self.state, stats = self._update(self.state, mb)
+                acc.add(stats)
+        return acc.result()
+
+    # -- host controls -----------------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """The LR of the most recent update (schedule × lr_scale); before any update, of the first."""
+        return float(get_lr(self.state.opt_state))
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.state = self.state.replace(opt_state=set_lr_scale(self.state.opt_state, scale, self.mesh))
+
+    def hf_weights(self) -> dict[str, np.ndarray]:
+        """HF-named host tensors of the current policy (every process joins the gather on multi-host)."""
+        return params_to_hf(distributed.gather_params(self.state.params), self.model_cfg)
+
+    def abstract_state(self):
+        return abstract_state_of(self.state)
+
+    def load_state(self, state: TrainState) -> None:
+        """Adopt a restored state. A constant LR lives in the Optax state as a hyperparameter, so the
+        configured value is set again: a resume that changed `optim.lr` trains at the new LR."""
+        self.state = state
+        if not callable(build_schedule(self.c.optim)):
+            self.state = self.state.replace(
+                opt_state=set_learning_rate(self.state.opt_state, float(self.c.optim.lr), self.mesh))

@@ -1,0 +1,69 @@
+"""`TaskData`: what a run draws from its task — tokenised train prompts in a resumable order, the
+validation set, the tokenizer and the reward of a completion.
+
+Every training prompt is tokenised at start-up, so a prompt over `task.max_prompt_len` fails before the
+first step, not at step 900.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+from jaxrl_mismatch.data import get_task
+from jaxrl_mismatch.data.batching import PromptIterator, tokenize_prompts
+from jaxrl_mismatch.data.tokenizer import load_tokenizer
+from jaxrl_mismatch.train.config import ConfigError
+
+
+def task_options(c: ml_collections.ConfigDict, split: str, n: int) -> dict[str, Any]:
+    """Loader options of the configured task; the synthetic task reuses the warm start's spec (task.json)."""
+    if c.task.name == "arithmetic":
+        spec: dict[str, Any] = {}
+        path = os.path.join(c.model.path, "task.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                spec = json.load(f).get("spec", {})
+        return {"n": n, "seed": c.seed, **spec}
+    return {"files": c.task.files.to_dict(), "data_dir": c.task.data_dir or os.path.join(c.run_dir, "tfds")}
+
+
+class TaskData:
+    def __init__(self, c: ml_collections.ConfigDict, model_vocab_size: int) -> None:
+        self.tok = load_tokenizer(c.model.path)
+        self.tok.check_model_vocab(model_vocab_size)
+        self.task = get_task(c.task.name)
+        self.template = c.task.template or self.task.template
+        self.max_prompt_len = c.task.max_prompt_len
+        train = self.task.load(c.task.train_split, **task_options(c, c.task.train_split, c.task.num_train))
+        val = self.task.load(c.task.val_split, **task_options(c, c.task.val_split, c.task.num_val))
+        for split, records in ((c.task.train_split, train), (c.task.val_split, val)):
+            if not records:
+                raise ConfigError(f"config.task: split {split!r} of task {c.task.name!r} is empty")
+        ids = self.tokenize([r["prompt_text"] for r in train])
+        self.prompts = PromptIterator([{"prompt_ids": p, "answer": r["answer"]} for p, r in zip(ids, train)],
+                                      c.batch.prompts_per_step, seed=c.seed)
+        val = val[: c.task.num_val]
+        self.val_ids = self.tokenize([r["prompt_text"] for r in val])
+        self.val_answers = [r["answer"] for r in val]
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return tokenize_prompts(self.tok, texts, template=self.template, max_prompt_len=self.max_prompt_len)
+
+    def next_prompts(self) -> tuple[list[list[int]], list[str]]:
+        recs = self.prompts.next_batch()
+        return [r["prompt_ids"] for r in recs], [r["answer"] for r in recs]
+
+    def reward(self, token_ids: list[int], answer: str) -> float:
+        return float(self.task.reward(self.tok.decode(token_ids), answer))
+
+    @property
+    def eos_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_id

@@ -1,0 +1,109 @@
+"""The command line as a stranger meets it: every subcommand's --help works, and every bad input ends as
+one line `error: ...` naming the flag, field or file, exit code 2, and no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "tiny_cpu.py")
+
+
+def cli(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"} | (env or {})
+    return subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=e)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.mark.parametrize("command", ["train", "serve", "report", "export", "warmstart", "perfectible"])
+def test_every_subcommand_has_a_working_help(command):
+    out = cli(command, "--help")
+    assert out.returncode == 0 and "Traceback" not in out.stderr
+    assert f"jaxrl-mismatch {command}" in out.stdout and "--" in out.stdout
+
+
+def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
+    out = cli("--help")
+    assert out.returncode == 0 and all(c in out.stdout for c in ("train", "serve", "export"))
+    assert_one_line_error(cli("trian"), "unknown command 'trian'")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["train"], ["--config"]),
+    (["train", "--config", "configs/nope.py"], ["--config configs/nope.py", "no such file"]),
+    (["train", "--config", CONFIG, "--config.optim.lrr=1"], ["config.optim.lrr", "did you mean config.optim.lr"]),
+    (["train", "--config", CONFIG, "--config.optim.lr=abc"], ["config.optim.lr", "'abc'"]),
+    (["train", "--config", CONFIG, "--config.batch.dynamic_sampling=maybe"], ["config.batch.dynamic_sampling"]),
+    (["train", "--config", CONFIG, "--config.task.name=gsm8k"], ["config.task.files.train"]),
+    (["train", "--config", CONFIG, "--config.controller.kwargs.surge_ratio=abc"], ["config.controller.kwargs"]),
+    (["train", "--config", CONFIG, "--config.controller.kwargs.no_such_knob=1"], ["config.controller.kwargs", "no_such_knob"]),
+    (["train", "--config", CONFIG, "--config.objective.overrides.eps_hi=0.3"], ["config.objective", "eps_hi"]),
+    (["train", "--config", CONFIG, "--config.optim.schedule=cosine", "--config.optim.schedule_kwargs.decay_stepz=5"],
+     ["config.optim.schedule_kwargs", "decay_stepz"]),
+    (["train", "--config", CONFIG, "--config.model.path=/nonexistent", "--config.model.warmstart_if_missing=false"],
+     ["config.model.path", "/nonexistent"]),
+    (["train", "--config", CONFIG, "--bogus"], ["--bogus"]),
+    (["train", "--config", CONFIG, "--config.steps"], ["--config.steps needs a value"]),
+    (["report", "/tmp"], ["/tmp", "not a run directory"]),
+    (["report"], ["run_dir"]),
+    (["export", "/tmp", "--out", "/tmp/export_out"], ["RUN_DIR /tmp"]),
+    (["serve", "--model", "/tmp", "--token-file", "/nonexistent/token"], ["--token-file /nonexistent/token"]),
+    (["serve", "--model", "/tmp", "--port", "99999"], ["--port", "99999"]),
+    (["serve", "--model", "/nonexistent"], ["--model /nonexistent"]),
+    (["serve", "--model", "/tmp", "--engine", "sglang"], ["--engine", "sglang"]),
+    (["perfectible", "--out", "x.jsonl"], ["--model"]),
+    (["warmstart", "--out", "/tmp/ws", "--steps", "0"], ["--steps"]),
+])
+def test_bad_input_is_one_line_exit_2(args, needles, tmp_path):
+    # Keep any run directory a failing command might create inside tmp_path.
+    if args[:1] == ["train"] and "--config" in args and len(args) > 2:
+        extra = [f"--config.run_dir={tmp_path / 'run'}"]
+        if not any(a.startswith("--config.model.path") for a in args):
+            extra.append(f"--config.model.path={tmp_path / 'base'}")
+        args = [*args[:3], *extra, *args[3:]]
+    out = cli(*args)
+    assert_one_line_error(out, *needles)
+    assert not (tmp_path / "base").exists() and not (tmp_path / "run").exists()  # nothing started or written
+
+
+def test_mesh_that_does_not_fit_the_devices_fails_before_the_warm_start(tmp_path):
+    out = cli("train", "--config", CONFIG, "--config.trainer.mesh.data=3", f"--config.run_dir={tmp_path / 'run'}",
+              f"--config.model.path={tmp_path / 'base'}")
+    assert_one_line_error(out, "config.trainer.mesh", "3 devices")
+    assert not (tmp_path / "base").exists()  # the warm start never ran
+
+
+def test_broken_config_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def get_config(:\n")
+    assert_one_line_error(cli("train", "--config", str(bad)), f"--config {bad}", "line 1")
+    none = tmp_path / "none.py"
+    none.write_text("x = 1\n")
+    assert_one_line_error(cli("train", "--config", str(none)), "get_config")
+
+
+def test_serve_port_in_use_is_one_line(tmp_path):
+    import socket
+
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        out = cli("serve", "--model", "/tmp", "--token-file", str(token), "--port", str(port))
+    assert_one_line_error(out, f"--port {port}", "cannot bind")

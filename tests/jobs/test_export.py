@@ -1,0 +1,90 @@
+"""`jaxrl-mismatch export`: a trained policy (any checkpoint step) as an HF checkpoint that transformers loads
+with the trainer's own log-probs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.jobs.export import export
+from jaxrl_mismatch.train.batch import RolloutBatch
+from jaxrl_mismatch.train.checkpoint import Checkpointer
+from jaxrl_mismatch.train.config import base_config
+from jaxrl_mismatch.usage import UsageError
+from tests.models.hf_tiny import hf_token_logprobs, real_positions
+from tests.rollout.conftest import VOCAB, make_tiny_qwen3
+
+
+def _batch(rows: int = 8, seq: int = 12, seed: int = 0) -> RolloutBatch:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, VOCAB, size=(rows, seq)).astype(np.int32)
+    attention_mask = np.ones_like(tokens)
+    response_mask = np.zeros((rows, seq - 1), np.float32)
+    response_mask[:, 4:] = 1.0
+    adv = rng.normal(size=(rows, 1)).astype(np.float32) * response_mask
+    return RolloutBatch(tokens=tokens, attention_mask=attention_mask, response_mask=response_mask, advantages=adv,
+                        rollout_logp=np.zeros_like(response_mask))
+
+
+def _logprobs(learner, tokens, mask):
+    from jaxrl_mismatch.train.step import make_old_logprobs
+
+    fn = make_old_logprobs(learner._graphdef, learner.mesh, chunk_size=8)
+    return np.asarray(fn(learner.state.params, tokens, mask)[0])
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A base checkpoint, then two checkpoints of a learner that took real update steps from it."""
+    from jaxrl_mismatch.train.learner import Learner
+
+    root = tmp_path_factory.mktemp("export")
+    base = make_tiny_qwen3(root / "base", tied=False)
+    c = base_config()
+    c.model.path, c.run_dir = str(base), str(root / "run")
+    c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 2, 4, 8
+    c.optim.lr = 3e-2
+    learner = Learner(c)
+    tokens, mask = _batch().tokens, _batch().attention_mask
+    lp = {}
+    with Checkpointer(str(root / "run" / "checkpoints")) as ckpt:
+        for step in (1, 2):
+            batch, _ = learner.prepare(_batch(seed=step), seed=step)
+            learner.optimize(batch, seed=step)
+            ckpt.save(step, learner.state, {"step": step, "config": c.to_dict()}, force=True)
+            lp[step] = _logprobs(learner, tokens, mask)
+        ckpt.wait()
+    return root, base, lp, (tokens, mask)
+
+
+def test_export_matches_transformers_at_every_step(trained_run, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root, base, lp, (tokens, mask) = trained_run
+    real = real_positions(mask)
+    base_lp = hf_token_logprobs(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32), tokens, mask)
+    for step, want in ((2, lp[2]), (1, lp[1])):
+        out = tmp_path / f"step{step}"
+        got_step = export(str(root / "run"), str(out), step=step if step == 1 else None)
+        assert got_step == step
+        hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+        theirs = hf_token_logprobs(hf, tokens, mask)
+        assert np.max(np.abs(theirs - want)[real]) <= 2e-5
+        # The trained weights were exported, not the base checkpoint's.
+        assert np.max(np.abs(theirs - base_lp)[real]) > 1e-3
+    assert np.max(np.abs(lp[1] - lp[2])) > 1e-4  # the two steps really differ
+
+
+def test_export_bf16_and_bad_inputs(trained_run, tmp_path):
+    import json
+
+    root, _, _, _ = trained_run
+    export(str(root / "run"), str(tmp_path / "bf16"), dtype="bfloat16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(UsageError, match=r"--step 7: no such checkpoint.*\[1, 2\]"):
+        export(str(root / "run"), str(tmp_path / "x"), step=7)
+    with pytest.raises(UsageError, match="no checkpoints"):
+        export(str(tmp_path), str(tmp_path / "x"))
+    with pytest.raises(UsageError, match="--base"):
+        export(str(root / "run"), str(tmp_path / "x"), base=str(tmp_path / "nowhere"))
