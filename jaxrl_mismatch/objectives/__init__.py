@@ -32,11 +32,9 @@ from jaxrl_mismatch.objectives.corrections import (
     weight_mean,
 )
 from jaxrl_mismatch.objectives.diagnostics import (
-    inject_mismatch,
     surrogate_j,
     variance_weights,
     weight_distortion,
-    zero_mismatch,
 )
 from jaxrl_mismatch.objectives.losses import (
     LOSSES,
@@ -81,9 +79,9 @@ __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "CLIP_KINDS", "IS_WEIGHTS", "LOG_RATIO_CLAMP", "LOSSES", "PRESETS", "REGISTRY", "REJECTIONS",
     "SEQ_LEVELS", "Normalizers", "ObjectiveConfig", "aggregate", "applied_weights", "clip_indicators", "batch_normalize", "compute_advantages",
     "correction_weights", "drgrpo_advantages", "global_normalizer", "gmpo_objective", "grpo_advantages",
-    "gspo_objective", "icepop", "inject_mismatch", "is_weights", "log_ratio_ppo", "log_rho", "normalizers",
+    "gspo_objective", "icepop", "is_weights", "log_ratio_ppo", "log_rho", "normalizers",
     "num_seqs", "num_tokens", "objective_config", "pg_objective", "policy_loss", "ppo_clip_objective", "ratio_ppo",
     "ref_kl_k3", "rejection_mask", "rho", "rloo_advantages", "seq_is", "seq_log_ratio", "seq_mis", "seq_tis", "surrogate_j",
     "token_advantages", "token_is", "token_mis", "token_tis", "variance_weights", "weight_distortion",
-    "weight_mean", "zero_mismatch",
+    "weight_mean",
 ]

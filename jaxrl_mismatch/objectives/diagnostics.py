@@ -1,11 +1,11 @@
-"""Diagnostic interventions for mismatch experiments: remove it, re-inject it, distort the objective.
+"""Diagnostic interventions on the objective (objective-level-hacking paper).
 
-* ``zero_mismatch`` — the VeXact setting (vexact-diagnosing-mismatch review): use the trainer's own
-  ``π(θ_old)`` as the behaviour log-probs, ``μ := π(θ_old)``, so ρ ≡ 1 exactly and every correction is the
-  identity; isolates training–inference mismatch from everything else.
-* ``inject_mismatch`` — mismatch re-introduced at a controlled scale and seed (the review's requested
-  "controlled re-introduction at varying scales"): ``log μ' = log μ + σ·ε``, ε ~ N(0, 1) per token, capped at
-  0 so μ' stays a probability. Then ``log ρ`` shifts by ``−σ·ε``; ``std(log ρ)`` grows as σ.
+Removing the training–inference mismatch and re-introducing it at a controlled scale (the VeXact review's
+diagnostic) happen where the tokens are sampled, not here: the built-in engine's exact mode and its
+sampling-logit noise (`rollout/exact_sampler.py`, `config.rollout.exact` / `rollout.logit_noise_std`).
+Overwriting or perturbing only the recorded μ would leave the sampled tokens unchanged, i.e. train the
+uncorrected estimator with the mismatch metrics forced to a chosen value.
+
 * ``weight_distortion`` — φ of objective-hacking eq. 18: δ for tokens with ``π(θ_old) < π_low``, else 1.
 * ``variance_weights`` — ξ ~ N(1, σ²) per token, objective-hacking eq. 21 (unbiased: E ξ = 1, eq. 22).
 * ``surrogate_j`` — ``J = Σ_{i,t} Â_it (φ_it − 1)``, objective-hacking eq. 23 (a metric).
@@ -29,20 +29,6 @@ def _key(seed_or_key) -> jax.Array:
     if isinstance(seed_or_key, int):
         return jax.random.key(seed_or_key)
     return seed_or_key
-
-
-def zero_mismatch(old_logp: TokenFloat, rollout_logp: TokenFloat | None = None) -> TokenFloat:
-    """VeXact zero-mismatch mode: the behaviour log-probs become ``π(θ_old)`` (ρ ≡ 1). ``rollout_logp`` is ignored."""
-    del rollout_logp
-    return sg(old_logp.astype(jnp.float32))
-
-
-def inject_mismatch(rollout_logp: TokenFloat, mask: TokenMask, *, scale: float, seed: int | jax.Array) -> TokenFloat:
-    """Controlled mismatch: ``log μ + scale·N(0, 1)`` on response tokens (capped at 0), padding unchanged."""
-    m = as_bool_mask(mask)
-    noise = jax.random.normal(_key(seed), rollout_logp.shape, jnp.float32)
-    lp = rollout_logp.astype(jnp.float32)
-    return sg(jnp.where(m, jnp.minimum(lp + scale * noise, 0.0), lp))
 
 
 def weight_distortion(old_logp: TokenFloat, mask: TokenMask, *, delta: float, pi_low: float = 0.1) -> TokenFloat:

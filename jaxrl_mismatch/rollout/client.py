@@ -244,6 +244,7 @@ class RolloutClient:
             engine=r.engine,
             weight_version=r.weight_version,
             max_model_len=r.max_model_len,
+            options=tuple(r.options),
         )
 
     def request_limits(self) -> Limits:
@@ -360,6 +361,8 @@ class RolloutClient:
             top_k=spec.top_k,
             seed=spec.seed,
             stop_token_ids=list(spec.stop_token_ids),
+            exact=spec.exact,
+            logit_noise_std=spec.logit_noise_std,
         )
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:

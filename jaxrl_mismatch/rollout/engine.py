@@ -24,6 +24,8 @@ class SamplingSpec:
     top_k: int = 0  # 0 = disabled
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    exact: bool = False  # batch-invariant log-probs equal to the trainer's exact scorer (models/exact.py)
+    logit_noise_std: float = 0.0  # controlled mismatch: sample from softmax((logits + σ·ε) / T), ε ~ N(0, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,7 @@ class EngineInfo:
     engine: str  # "jax" | "vllm"
     weight_version: int
     max_model_len: int
+    options: tuple[str, ...] = ()  # optional SamplingSpec features supported: "exact", "logit_noise_std"
 
 
 @dataclasses.dataclass(frozen=True)

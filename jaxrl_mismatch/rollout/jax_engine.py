@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import hf_io, kv_cache
 from jaxrl_mismatch.rollout import sampling
+from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -91,7 +92,8 @@ class JaxEngine(Engine):
         with self._lock:
             version = self._version
         return EngineInfo(architecture=self.cfg.architecture, vocab_size=self.cfg.vocab_size, dtype=self._dtype,
-                          engine="jax", weight_version=version, max_model_len=self._max_model_len)
+                          engine="jax", weight_version=version, max_model_len=self._max_model_len,
+                          options=("exact", "logit_noise_std"))
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
@@ -120,7 +122,13 @@ class JaxEngine(Engine):
         stopped = np.zeros((len(rows),), bool)
         for start in range(0, len(rows), self._max_batch_rows):
             part = rows[start : start + self._max_batch_rows]
-            t, lp, n, s = self._generate_rows(params, prompts, part, spec)
+            if spec.exact:  # batch-invariant, trainer-identical log-probs (exact_sampler.py)
+                t, lp, n, s = sample_exact(
+                    self._graphdef, params, self._rest, prompts, part, max_tokens=spec.max_tokens,
+                    temperature=spec.temperature, logit_noise_std=spec.logit_noise_std,
+                    stop_token_ids=spec.stop_token_ids, base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+            else:
+                t, lp, n, s = self._generate_rows(params, prompts, part, spec)
             sl = slice(start, start + len(part))
             tokens[sl], logps[sl], lengths[sl], stopped[sl] = t, lp, n, s
         out: list[list[Completion]] = [[] for _ in prompts]
@@ -156,8 +164,9 @@ class JaxEngine(Engine):
         tokens, logps, lengths, stopped = _sample_program(
             self._graphdef, params, self._rest, jnp.asarray(ids), jnp.asarray(mask), base_key,
             jnp.asarray(keys), jnp.asarray(samples), np.float32(spec.temperature), np.int32(spec.top_k),
-            np.float32(spec.top_p), jnp.asarray(stop), np.int32(spec.max_tokens),
+            np.float32(spec.top_p), jnp.asarray(stop), np.int32(spec.max_tokens), np.float32(spec.logit_noise_std),
             new_len=new_len, filtering=sampling.uses_filtering(spec.top_k, spec.top_p, spec.temperature),
+            inject=spec.logit_noise_std > 0,
         )
         k = len(rows)
         tokens, logps, lengths, stopped = jax.device_get((tokens, logps, lengths, stopped))
@@ -189,7 +198,7 @@ def step_logprobs(
     return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "filtering"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "filtering", "inject"))
 def _sample_program(
     graphdef, params, rest,
     prompt_ids: Int[Array, "rows prompt"],
@@ -197,8 +206,8 @@ def _sample_program(
     base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"],
     temperature, top_k, top_p,
     stop_ids: Int[Array, " stops"],
-    max_tokens,
-    *, new_len: int, filtering: bool,
+    max_tokens, sigma,
+    *, new_len: int, filtering: bool, inject: bool,
 ) -> tuple[Int[Array, "rows new"], Float[Array, "rows new"], Int[Array, " rows"], Bool[Array, " rows"]]:
     """Prefill + sampled decode until every row stopped or `max_tokens` (≤ new_len) tokens exist."""
     model = nnx.merge(graphdef, params, rest)
@@ -215,6 +224,8 @@ def _sample_program(
         t, logits, cache, tokens, logps, done, lengths = carry
         logp_all = step_logprobs(logits, temperature, top_k, top_p, filtering=filtering)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+        if inject:  # controlled mismatch: sample from, and report, the perturbed distribution
+            logp_all = perturb(logp_all, step_keys, sigma, temperature)
         tok = jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
         tok = jnp.where(done, 0, tok)

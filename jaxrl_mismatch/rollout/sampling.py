@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-GREEDY_TEMPERATURE = 1e-5  # vllm.sampling_params._SAMPLING_EPS: below it, sampling is greedy
+from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE  # vLLM's _SAMPLING_EPS
 
 
 def effective_settings(temperature, top_k, top_p):

@@ -199,6 +199,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             server_id=self.server_id,
             max_request_prompt_tokens=self._limits.max_request_prompt_tokens,
             max_request_completion_tokens=self._limits.max_request_completion_tokens,
+            options=list(info.options),
         )
         if request.include_weight_specs:
             for name, spec in sorted(engine.weight_specs().items()):

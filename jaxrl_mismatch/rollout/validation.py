@@ -27,6 +27,7 @@ from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
 DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21
 DEFAULT_MAX_REQUEST_COMPLETION_TOKENS = 1 << 22
 MAX_STOP_TOKEN_IDS = 64
+GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollout/sampling.py and vLLM)
 # Elements per block of the finiteness scan: bounds its temporary boolean array (16 MiB) for any tensor size.
 _FINITE_SCAN_BLOCK = 1 << 24
 
@@ -105,6 +106,18 @@ def parse_generate(
     stop = np.asarray(req.stop_token_ids, dtype=np.int64)
     _check_token_ids(stop, info.vocab_size, "stop_token_ids")
     seed = req.seed if req.HasField("seed") else 0
+    noise = req.logit_noise_std if req.HasField("logit_noise_std") else 0.0
+    if not (math.isfinite(noise) and noise >= 0.0):
+        raise RequestError("logit_noise_std", f"must be finite and >= 0 (0 = off), got {noise}")
+    for field, on in (("exact", req.exact), ("logit_noise_std", noise > 0)):
+        if on and field not in info.options:
+            raise RequestError(field, f"not supported by the {info.engine} engine (it supports: "
+                                      f"{', '.join(info.options) or 'no optional features'})")
+    if noise > 0 and temperature < GREEDY_TEMPERATURE:
+        raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
+    if req.exact and (temperature < GREEDY_TEMPERATURE or top_p != 1.0 or top_k != 0):
+        raise RequestError("exact", "exact mode samples the full distribution at temperature > 0: needs "
+                                    f"temperature >= {GREEDY_TEMPERATURE}, top_p = 1, top_k = 0")
     spec = SamplingSpec(
         n=n,
         max_tokens=req.max_tokens,
@@ -113,6 +126,8 @@ def parse_generate(
         top_k=top_k,
         seed=seed,
         stop_token_ids=tuple(int(t) for t in stop),
+        exact=bool(req.exact),
+        logit_noise_std=float(noise),
     )
     return prompts, spec
 

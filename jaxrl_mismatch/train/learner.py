@@ -16,6 +16,7 @@ import numpy as np
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import StatsAccumulator, metrics_config
 from jaxrl_mismatch.models import load_hf, params_to_hf
+from jaxrl_mismatch.models.exact import score_exact
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
@@ -53,6 +54,8 @@ class Learner:
         self.mesh = check_mesh(c)
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
         self.model_cfg, model = load_hf(c.model.path, policy=policy, mesh=self.mesh)
+        model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
+        self._exact_graphdef = split_model(model)[0]
         model.remat = bool(c.trainer.remat)
         graphdef, params = split_model(model)
         self._graphdef = graphdef
@@ -71,7 +74,14 @@ class Learner:
 
     # -- a step ----------------------------------------------------------------------------------------
     def prepare(self, batch: RolloutBatch, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """π(θ_old) (+ π_ref) and the diagnostics' weights filled in; the step's θ-independent metrics."""
+        """π(θ_old) (+ π_ref) and the diagnostics' weights filled in; the step's θ-independent metrics.
+
+        In exact mode π(θ_old) comes from the batch-invariant scorer the engine sampled with
+        (`models.exact.score_exact`), so it equals μ bit for bit when no mismatch is injected."""
+        if self.c.rollout.exact:
+            batch = batch.replace(old_logp=score_exact(
+                self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
+                batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature))
         key = jax.random.key_data(jax.random.key(seed))
         out, metrics = self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
         return jax.tree.map(distributed.to_host, out), {k: float(v) for k, v in metrics.items()}

@@ -163,11 +163,12 @@ class Trainer:
 
         return to_batch(collected.groups, advantages, pad_id=self.data.pad_id).arrays(), collected.stats
 
-    def _spec(self, seed: int, n: int | None = None, temperature: float | None = None) -> SamplingSpec:
+    def _spec(self, seed: int) -> SamplingSpec:
+        """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
+        not to validation, which measures the policy itself)."""
         r = self.c.rollout
-        return SamplingSpec(n=n or r.group_size, max_tokens=r.max_tokens,
-                            temperature=r.temperature if temperature is None else temperature,
-                            seed=seed, stop_token_ids=(self.data.eos_id,))
+        return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
+                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std)
 
     def _evaluate(self) -> dict[str, float]:
         return distributed.on_lead(self.is_lead, self._evaluate_on_lead, VAL_KEYS)

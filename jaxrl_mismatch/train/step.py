@@ -167,13 +167,16 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
     """`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)`; see the module docstring.
 
     `ref_params` None means no reference policy (no KL term). `seed` (uint32 key data) drives the
-    diagnostics' random weights ξ, drawn once for the whole batch.
+    diagnostics' random weights ξ, drawn once for the whole batch. A batch that already carries
+    `old_logp` (exact mode scores it row by row on the host side) is not scored again.
     """
 
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask
-        old_logp, _ = forward_logprobs(graphdef, params, batch.tokens, batch.attention_mask, chunk_size, temperature)
-        batch = batch.replace(old_logp=old_logp * mask)
+        if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
+            old_logp, _ = forward_logprobs(graphdef, params, batch.tokens, batch.attention_mask, chunk_size,
+                                           temperature)
+            batch = batch.replace(old_logp=old_logp * mask)
         if ref_params is not None:
             ref_logp, _ = forward_logprobs(graphdef, ref_params, batch.tokens, batch.attention_mask, chunk_size,
                                            temperature)

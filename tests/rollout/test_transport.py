@@ -113,6 +113,9 @@ def _req(**kw):
         (dict(max_tokens=62, prompts=[[1, 2, 3]]), "max_tokens"),  # 3 + 62 > max_model_len 64
         (dict(max_tokens=1, prompts=[[1] * 600, [1] * 600]), "prompts"),  # over the 1000-token request limit
         (dict(max_tokens=50, n=300), "max_tokens"),  # over the completion-token limit
+        (dict(max_tokens=4, exact=True), "exact"),  # the fake engine lists no optional features
+        (dict(max_tokens=4, logit_noise_std=0.5), "logit_noise_std"),
+        (dict(max_tokens=4, logit_noise_std=-1.0), "logit_noise_std"),
     ],
 )
 def test_malformed_generate_is_invalid_argument_naming_field(served, kwargs, field):

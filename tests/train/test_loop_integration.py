@@ -352,3 +352,40 @@ def test_resume_with_changed_config_is_refused_unless_accepted(base_model, tmp_p
     assert "validation after step 1" in out.stdout + out.stderr  # validation numbers in the progress output
     steps = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1] and steps[1]["lr"] == pytest.approx(0.005, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_exact_mode_run_has_zero_mismatch_and_injected_noise_shows_up(base_model, tmp_path):
+    """Through the real server: exact mode gives every mismatch metric exactly 0; σ > 0 gives ρ spread."""
+    for name, rollout in (("exact", dict(exact=True)), ("noise", dict(exact=True, logit_noise_std=0.5))):
+        c = tiny_config(base_model, tmp_path / name, **rollout)
+        c.steps, c.eval.every = 1, 0
+        _run(c)
+        (r,) = [r for r in read_jsonl(str(tmp_path / name / "metrics.jsonl")) if r["step"] >= 0]
+        if name == "exact":
+            assert r["mismatch/log_ppl_abs_diff"] == 0.0 and r["mismatch/rho_std"] == 0.0
+            assert r["mismatch/kl_k3"] == 0.0 and r["correction/token_truncated_frac"] == 0.0
+        else:
+            assert r["mismatch/rho_std"] > 0.05 and r["mismatch/log_ppl_abs_diff"] > 0.01
+
+
+@pytest.mark.slow
+def test_perfectible_output_keeps_the_input_format_so_the_training_task_reads_it(base_model, tmp_path):
+    """MATH-format input → MATH-format output (the R1 sanity config's `math` task reads it: issue 13)."""
+    import json
+
+    from jaxrl_mismatch.data import get_task
+    from jaxrl_mismatch.jobs.perfectible import main as perfectible
+
+    src = tmp_path / "math_train.jsonl"
+    problems = [(f"{a}+{b}*{c}=", a + b * c) for a, b, c in [(1, 2, 3), (4, 5, 6), (7, 8, 9), (2, 2, 2), (3, 1, 4), (9, 9, 1)]]
+    src.write_text("".join(json.dumps({"problem": p, "solution": f"so \\boxed{{{v}}}", "level": "1"}) + "\n"
+                           for p, v in problems))
+    out = tmp_path / "perfectible.jsonl"
+    assert perfectible(["--model", str(base_model), "--task", "math", "--file", str(src), "--template", "arithmetic",
+                        "--k", "2", "--max-tokens", "24", "--lo", "0", "--hi", "1", "--out", str(out)]) == 0
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [k["problem"] for k in kept] == [p for p, _ in problems]  # every line, in file order, MATH fields kept
+    assert all(k["level"] == "1" and 0.0 <= k["initial_accuracy"] <= 1.0 and k["num_samples"] == 2 for k in kept)
+    records = get_task("math").load("train", files={"train": str(out)}, data_dir=str(tmp_path / "tfds"))
+    assert [r["answer"] for r in records] == [str(v) for _, v in problems]

@@ -1,0 +1,128 @@
+"""The batch-invariant ("exact") log-prob computation shared bit for bit by the trainer and the built-in engine.
+
+Why: the VeXact review isolates the training–inference mismatch by making rollout and training produce
+*identical* log-probs. Two things break that in an ordinary stack: (1) the engine computes a different
+program (KV-cache decode: one query at a time, other matmul shapes), and (2) neither side is
+batch-invariant — a row's values depend on the shapes it was computed in (batch size, padded length),
+because kernels pick tilings and reduction orders by shape (verl #6280; on an H100 in bf16 34 % of a
+row's tokens moved by >10 % between batch 1 and 8).
+
+How: every row is computed *alone* (`lax.map` over rows, batch 1), right-padded to a canonical length
+that depends only on the row's prompt length and the request's `max_tokens` (`canonical_length`), and
+the LM head runs over fixed chunks of `EXACT_CHUNK` positions aligned at 0. So every kernel sees the same
+shapes whatever else is in the batch, however the batch is padded or split into microbatches. Positions
+after the one being scored cannot change it: the causal mask gives them a softmax weight of exactly 0 (the
+masked score is float32's minimum, whose exp underflows to 0) and 0 · v = 0. The engine samples token t
+from the log-softmax this very function computes for position t (a full forward of the row per sampled
+token — slower, see benchmarks/exact_engine.py), so μ and the trainer's π(θ_old) are the same bits.
+
+Limits: exactness holds on one device per row (a single-device or data-parallel trainer mesh); FSDP or
+tensor parallelism split reductions across devices and change their order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxrl_mismatch.models.model import Transformer, positions_from_mask
+
+EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
+
+
+def canonical_length(prompt_len: int, max_tokens: int) -> int:
+    """The padded length a row of this prompt length and response budget is computed at: the next power of
+    two ≥ prompt_len + max_tokens (at least `EXACT_CHUNK`), so a run compiles few shapes."""
+    n = int(prompt_len) + int(max_tokens)
+    return max(EXACT_CHUNK, 1 << max(0, (n - 1).bit_length()))
+
+
+def head_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array
+                  ) -> Float[Array, "chunk vocab"]:
+    """log softmax(logits / T) of one `EXACT_CHUNK` of positions, in the policy's logits dtype, as float32."""
+    logits = model.logits(hidden[None])[0]
+    logits = logits / jnp.asarray(temperature, logits.dtype)
+    return jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
+
+
+def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""]) -> Float[Array, "length d"]:
+    """Final hidden states of one right-padded row whose first `n_valid` tokens are real."""
+    mask = (jnp.arange(tokens.shape[0]) < n_valid).astype(jnp.int32)[None]
+    return model(tokens[None], positions_from_mask(mask), mask)[0]
+
+
+def row_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],
+                 temperature: float | Array) -> Float[Array, " length_minus_1"]:
+    """log π(tokens[t+1] | tokens[:t+1]) for t < length-1 of one row (0 past `n_valid`)."""
+    length = tokens.shape[0]
+    if length % EXACT_CHUNK:
+        raise ValueError(f"exact rows must be a multiple of {EXACT_CHUNK} long, got {length}")
+    hidden = row_hidden(model, tokens, n_valid).reshape(length // EXACT_CHUNK, EXACT_CHUNK, -1)
+    targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
+
+    def chunk(args):
+        h, t = args
+        return jnp.take_along_axis(head_logprobs(model, h, temperature), t[:, None], axis=-1)[:, 0]
+
+    logp = jax.lax.map(chunk, (hidden, targets)).reshape(length)[:-1]
+    return jnp.where(jnp.arange(length - 1) + 1 < n_valid, logp, 0.0)
+
+
+def next_token_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],
+                        temperature: float | Array) -> Float[Array, " vocab"]:
+    """log π(· | tokens[:n_valid]): the distribution of the next token, computed exactly as `row_logprobs`
+    computes the log-prob of the token at position n_valid (same forward, same head chunk)."""
+    hidden = row_hidden(model, tokens, n_valid)
+    pos = n_valid - 1
+    start = (pos // EXACT_CHUNK) * EXACT_CHUNK
+    chunk = jax.lax.dynamic_slice_in_dim(hidden, start, EXACT_CHUNK, axis=0)
+    return head_logprobs(model, chunk, temperature)[pos - start]
+
+
+def exact_token_logprobs(model: Transformer, tokens: Int[Array, "rows length"], n_valid: Int[Array, " rows"],
+                         temperature: float | Array) -> Float[Array, "rows length_minus_1"]:
+    """`row_logprobs` of every row, each computed alone (`lax.map`, batch 1): batch-invariant by construction."""
+    return jax.lax.map(lambda a: row_logprobs(model, a[0], a[1], temperature), (tokens, n_valid))
+
+
+EXACT_BLOCK = 8  # rows per jitted call of the trainer's scorer (any value gives the same bits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _score_block(graphdef, params, tokens, n_valid, temperature):
+    return exact_token_logprobs(nnx.merge(graphdef, params), tokens, n_valid, temperature)
+
+
+def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_mask: np.ndarray,
+                response_mask: np.ndarray, *, max_tokens: int, temperature: float) -> np.ndarray:
+    """Host driver of the trainer's exact scorer: log π(y_t) of a right-padded batch `[B, S]` as `[B, S-1]`,
+    each row computed at its canonical length (from its prompt length, i.e. its first response target,
+    and the rollout's `max_tokens`), in blocks of `EXACT_BLOCK` rows. Equal, bit for bit, to the log-probs
+    the engine returned for the same rows in exact mode."""
+    tokens, attention_mask, response_mask = (np.asarray(a) for a in (tokens, attention_mask, response_mask))
+    b, s = tokens.shape
+    n_valid = attention_mask.sum(axis=1).astype(np.int32)
+    has_response = response_mask.any(axis=1)
+    prompt_len = np.where(has_response, np.argmax(response_mask > 0, axis=1) + 1, n_valid)
+    lengths = np.array([canonical_length(p, max_tokens) for p in prompt_len])
+    if np.any(n_valid > lengths):
+        r = int(np.argmax(n_valid > lengths))
+        raise ValueError(f"row {r}: {n_valid[r]} tokens exceed prompt {prompt_len[r]} + max_tokens {max_tokens}")
+    out = np.zeros((b, s - 1), np.float32)
+    for length in np.unique(lengths):
+        rows = np.flatnonzero(lengths == length)
+        for start in range(0, len(rows), EXACT_BLOCK):
+            block = rows[start:start + EXACT_BLOCK]
+            ids = np.zeros((EXACT_BLOCK, length), np.int32)
+            n = np.zeros((EXACT_BLOCK,), np.int32)
+            width = min(s, length)
+            ids[: len(block), :width] = tokens[block, :width]
+            n[: len(block)] = n_valid[block]
+            logp = np.asarray(_score_block(graphdef, params, jnp.asarray(ids), jnp.asarray(n), np.float32(temperature)))
+            out[block, : width - 1] = logp[: len(block), : width - 1]
+    return out * response_mask
