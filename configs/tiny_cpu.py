@@ -31,6 +31,7 @@ def get_config():
     c.batch.dynamic_sampling = True
     c.batch.max_oversample_rounds = 2
     c.batch.minibatches = 4  # 4 PPO optimizer steps per rollout batch (clipped ratios keep them close)
+    c.batch.microbatches = 2  # same gradient; two microbatches give the gradient-noise estimate (grad/noise_*)
 
     c.trainer.precision = "fp32"
     c.trainer.chunk_size = 64

@@ -73,6 +73,26 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
+def gradient_noise(sum_sq_micro: jax.Array, norm_big: jax.Array, num_micro: int, rows: int) -> dict[str, jax.Array]:
+    """Gradient noise from the microbatch gradients the step computes anyway (LR-schedule paper §3).
+
+    With M microbatches of b = rows/M rows, g_m sums to the minibatch gradient G_B, and M·g_m estimates it
+    from b rows. McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", App. A.1, eqs. A.2–A.3)
+    give unbiased estimates from two batch sizes b < B:
+        |G|²  ≈ (B·|G_B|² − b·|G_b|²) / (B − b),    tr Σ ≈ (|G_b|² − |G_B|²) / (1/b − 1/B),
+    with |G_b|² the mean over microbatches of ‖M·g_m‖². B_simple = tr Σ / |G|² is the noise scale in rows
+    (sequences): the batch size at which gradient noise and signal are comparable. Per-step values are
+    noisy (either estimate can come out negative); smooth numerator and denominator separately.
+    """
+    b, big = rows // num_micro, rows
+    small_sq = jnp.square(num_micro) * sum_sq_micro / num_micro
+    big_sq = jnp.square(norm_big)
+    signal = (big * big_sq - b * small_sq) / (big - b)
+    trace = (small_sq - big_sq) / (1.0 / b - 1.0 / big)
+    return {"grad/noise_trace": trace, "grad/signal_sq": signal,
+            "grad/noise_scale": trace / jnp.maximum(jnp.abs(signal), 1e-30) * jnp.sign(signal)}
+
+
 def make_update_fn(
     graphdef: nnx.GraphDef,
     opt: optax.GradientTransformation,
@@ -111,15 +131,20 @@ def make_update_fn(
 
         def body(acc, mb):
             grads, (loss, aux, logp, entropy) = grad_fn(state.params, mb, normaliser, state.loss_scale)
-            acc_grads, acc_loss, acc_aux = acc
+            acc_grads, acc_loss, acc_aux, acc_sq = acc
             acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
             acc_aux = jax.tree_util.tree_map(jnp.add, acc_aux, aux)
-            return (acc_grads, acc_loss + loss, acc_aux), (logp, entropy)
+            # Σ_m ‖g_m‖² for the gradient-noise estimate (still loss-scaled; unscaled below).
+            acc_sq = acc_sq + jnp.square(optax.tree.norm(grads))
+            return (acc_grads, acc_loss + loss, acc_aux, acc_sq), (logp, entropy)
 
-        init = (zeros, jnp.zeros((), jnp.float32), aux_zeros)
-        (grads, loss, aux), (logp, entropy) = jax.lax.scan(body, init, mbs)
+        init = (zeros, jnp.zeros((), jnp.float32), aux_zeros, jnp.zeros((), jnp.float32))
+        (grads, loss, aux, sum_sq), (logp, entropy) = jax.lax.scan(body, init, mbs)
         logp, entropy = _merge_microbatches(logp), _merge_microbatches(entropy)
 
+        scale = state.loss_scale.scale.astype(jnp.float32)
+        noise = (gradient_noise(sum_sq / jnp.square(scale), optax.tree.norm(grads) / scale, num_microbatches,
+                                batch.num_rows) if num_microbatches > 1 else {})
         grads, finite = precision.unscale_and_check(state.loss_scale, grads)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = opt.update(grads, state.opt_state, state.params)
@@ -149,6 +174,7 @@ def make_update_fn(
             "grad/update_norm": jnp.where(finite, optax.tree.norm(updates), 0.0),
             "grad/param_norm": optax.tree.norm(params),
             "grad/finite": finite.astype(jnp.float32),
+            **noise,
         }
         running = {
             "loss_scale/scale": new_state.loss_scale.scale.astype(jnp.float32),
