@@ -3,13 +3,16 @@
 See docs/contracts.md for the parameter paths and function signatures other packages rely on.
 """
 
+from jaxrl_mismatch.models.attention import ATTENTION_IMPLS
 from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxrl_mismatch.models.hf_io import check_tokenizer, hf_to_params, load_hf, params_to_hf, save_hf
 from jaxrl_mismatch.models.kv_cache import KVCache, decode_step, init_cache, prefill
 from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
-from jaxrl_mismatch.models.model import Transformer, positions_from_mask
+from jaxrl_mismatch.models.model import REMAT_POLICIES, Transformer, positions_from_mask, positions_from_segments
 
 __all__ = [
+    "ATTENTION_IMPLS",
+    "REMAT_POLICIES",
     "SUPPORTED_ARCHITECTURES",
     "KVCache",
     "ModelConfig",
@@ -22,6 +25,7 @@ __all__ = [
     "logprobs_from_hidden",
     "params_to_hf",
     "positions_from_mask",
+    "positions_from_segments",
     "prefill",
     "save_hf",
     "token_logprobs",

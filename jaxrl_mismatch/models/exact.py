@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxrl_mismatch.models.attention import CHUNKED_MIN_SEQ
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask
 
 EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
@@ -51,9 +52,15 @@ def head_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperatu
 
 
 def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""]) -> Float[Array, "length d"]:
-    """Final hidden states of one right-padded row whose first `n_valid` tokens are real."""
-    mask = (jnp.arange(tokens.shape[0]) < n_valid).astype(jnp.int32)[None]
-    return model(tokens[None], positions_from_mask(mask), mask)[0]
+    """Final hidden states of one right-padded row whose first `n_valid` tokens are real.
+
+    Attention runs through a kernel whose reduction order depends on the row's shape only (xla, or chunked
+    for long rows), never cuDNN's padding mask, whose tiling follows the per-row length and could let
+    later (masked) tokens move earlier positions' bits."""
+    length = tokens.shape[0]
+    mask = (jnp.arange(length) < n_valid).astype(jnp.int32)[None]
+    impl = "chunked" if length >= CHUNKED_MIN_SEQ else "xla"
+    return model(tokens[None], positions_from_mask(mask), mask, attention_impl=impl)[0]
 
 
 def row_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],

@@ -5,10 +5,17 @@ shared write index serves the whole batch; each row keeps its own RoPE position 
 tokens), so padding never shifts positions (same convention as `positions_from_mask`). Cached keys are
 stored after RoPE, so a decode step only rotates the new token.
 
+Keys and values of all layers are one stacked array `[layers, batch, max_len, kv_heads, head_dim]`
+each, for the unrolled and the scanned (`scan_layers`) model alike: a decode step writes its slot in
+place and reads only the filled prefix, in blocks of `block` slots (`attention.cached_attention`), so
+its cost grows with the filled length, not with `max_len`. Prefill attends over the prompt alone
+(`Transformer.forward_prefill`, the training forward's attention kernels) and writes the cache from slot 0.
+
 Everything is a pure function of a pytree cache, so `prefill` and `decode_step` jit (with the model
 split by `nnx.split` and merged inside) and the cache can be donated between steps.
-The caller sizes `max_len` ≥ prompt length + new tokens: writes past the end are clamped by XLA to
-the last slot (a jitted step cannot raise), which would corrupt the newest entries.
+The caller sizes `max_len` ≥ prompt length + new tokens (`init_cache` rounds it up to a whole number of
+blocks): writes past the end are clamped by XLA to the last slot (a jitted step cannot raise), which would
+corrupt the newest entries.
 """
 
 from __future__ import annotations
@@ -22,52 +29,45 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.models.model import Transformer
 
+DECODE_BLOCK = 256  # cache slots per block read by a decode step (the granularity of "filled length")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer keys/values `[B, T, Hkv, hd]` plus the bookkeeping shared by all layers."""
+    """Stacked keys/values `[L, B, T, Hkv, hd]` plus the bookkeeping shared by all layers."""
 
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
+    k: Float[Array, "layers batch max_len kv_heads head_dim"]
+    v: Float[Array, "layers batch max_len kv_heads head_dim"]
     key_mask: Bool[Array, "batch max_len"]  # slot holds a real token
     index: Int[Array, ""]  # next slot to write (same for all rows)
     next_position: Int[Array, " batch"]  # RoPE position of each row's next token
+    block: int = dataclasses.field(default=DECODE_BLOCK, metadata=dict(static=True))  # decode read granularity
 
     @property
     def max_len(self) -> int:
         return self.key_mask.shape[1]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache; `dtype` is normally the policy's compute dtype."""
-    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    layers = range(cfg.num_hidden_layers)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, block: int = DECODE_BLOCK) -> KVCache:
+    """An empty cache of at least `max_len` slots; `dtype` is normally the policy's compute dtype.
+
+    The length is rounded up to a multiple of the decode block (`min(block, max_len)`), so every block a
+    decode step reads lies inside the cache.
+    """
+    if max_len < 1 or block < 1:
+        raise ValueError(f"init_cache needs max_len >= 1 and block >= 1, got {max_len}, {block}")
+    block = min(block, max_len)
+    length = -(-max_len // block) * block
+    shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
     return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in layers),
-        v=tuple(jnp.zeros(shape, dtype) for _ in layers),
-        key_mask=jnp.zeros((batch, max_len), bool),
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        key_mask=jnp.zeros((batch, length), bool),
         index=jnp.zeros((), jnp.int32),
         next_position=jnp.zeros((batch,), jnp.int32),
+        block=block,
     )
-
-
-def _step(model: Transformer, input_ids, new_mask, cache: KVCache):
-    """Write `input_ids` (valid where `new_mask`) at the cache's index; hidden states and new cache."""
-    s = input_ids.shape[1]
-    new_mask = new_mask.astype(bool)
-    offsets = jnp.maximum(jnp.cumsum(new_mask.astype(jnp.int32), axis=1) - 1, 0)
-    positions = cache.next_position[:, None] + offsets
-    key_mask = jax.lax.dynamic_update_slice_in_dim(cache.key_mask, new_mask, cache.index, axis=1)
-    hidden, kv = model.forward_cached(input_ids, positions, key_mask, list(zip(cache.k, cache.v)), cache.index)
-    new_cache = KVCache(
-        k=tuple(k for k, _ in kv),
-        v=tuple(v for _, v in kv),
-        key_mask=key_mask,
-        index=cache.index + s,
-        next_position=cache.next_position + new_mask.sum(axis=1, dtype=jnp.int32),
-    )
-    return hidden, new_cache
 
 
 def prefill(
@@ -76,14 +76,32 @@ def prefill(
     attention_mask: Int[Array, "batch prompt"],
     cache: KVCache,
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    """Run left-padded prompts through the model, filling the cache; logits of the last prompt token."""
-    hidden, cache = _step(model, input_ids, attention_mask, cache)
-    return model.logits(hidden[:, -1, :]), cache
+    """Run left-padded prompts through the model into an empty cache (slots [0, prompt), whatever the
+    cache held before); logits of the last prompt token."""
+    mask = attention_mask.astype(bool)
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+    hidden, (k, v) = model.forward_prefill(input_ids, positions, mask.astype(jnp.int32))
+    s = input_ids.shape[1]
+    new_cache = dataclasses.replace(
+        cache,
+        k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0)),
+        key_mask=jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(cache.key_mask), mask, 0, axis=1),
+        index=jnp.asarray(s, jnp.int32),
+        next_position=mask.sum(axis=1, dtype=jnp.int32),
+    )
+    return model.logits(hidden[:, -1, :]), new_cache
 
 
 def decode_step(
     model: Transformer, token: Int[Array, " batch"], cache: KVCache
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
     """Append one token per row; logits for the token after it."""
-    hidden, cache = _step(model, token[:, None], jnp.ones((token.shape[0], 1), bool), cache)
-    return model.logits(hidden[:, 0, :]), cache
+    positions = cache.next_position[:, None]
+    key_mask = jax.lax.dynamic_update_slice_in_dim(
+        cache.key_mask, jnp.ones((token.shape[0], 1), bool), cache.index, axis=1)
+    hidden, k, v = model.forward_cached(token[:, None], positions, cache.k, cache.v, key_mask, cache.index,
+                                        block=cache.block)
+    new_cache = dataclasses.replace(
+        cache, k=k, v=v, key_mask=key_mask, index=cache.index + 1, next_position=cache.next_position + 1)
+    return model.logits(hidden[:, 0, :]), new_cache

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxrl_mismatch.models.model import Transformer, positions_from_mask
+from jaxrl_mismatch.models.model import Transformer, positions_from_mask, positions_from_segments
 
 
 def token_logprobs(
@@ -25,6 +25,8 @@ def token_logprobs(
     *,
     chunk_size: int = 256,
     temperature: float = 1.0,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    positions: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
     """(log π(targets[b,t] | input_ids[b,:t+1]), entropy of π(· | input_ids[b,:t+1])), float32 [B, S].
 
@@ -35,9 +37,22 @@ def token_logprobs(
     mask. Values at padded input positions (attention_mask == 0) are 0, so they never leak into a
     masked sum. The log-softmax runs in `policy.logits_dtype` (its rounding is part of what the
     precision policy controls); the gather and the entropy sum are in float32.
+
+    Packed rows (`train.packing`): pass the packed row's `segment_ids` (0 on padding, k ≥ 1 on its k-th
+    sequence; `attention_mask` is then ignored) — conditioning is on the token's own sequence only,
+    `input_ids[b, start:t+1]` — and optionally `positions` (default: counted from 0 within each segment).
+    The value at a sequence's last token scores the next sequence's first token: meaningless, and never
+    selected by the packer's unpacking.
     """
-    hidden = model(input_ids, positions_from_mask(attention_mask), attention_mask)
-    return logprobs_from_hidden(model, hidden, targets, attention_mask, chunk_size=chunk_size, temperature=temperature)
+    if segment_ids is not None:
+        valid = segment_ids
+        positions = positions_from_segments(segment_ids) if positions is None else positions
+        hidden = model(input_ids, positions, segment_ids, segment_ids=segment_ids)
+    else:
+        valid = attention_mask
+        positions = positions_from_mask(attention_mask) if positions is None else positions
+        hidden = model(input_ids, positions, attention_mask)
+    return logprobs_from_hidden(model, hidden, targets, valid, chunk_size=chunk_size, temperature=temperature)
 
 
 def logprobs_from_hidden(
@@ -78,5 +93,5 @@ def logprobs_from_hidden(
     logp, entropy = jax.lax.map(lambda xs: chunk(state, *xs), (h_chunks, t_chunks))
     logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :s]
     entropy = entropy.transpose(1, 0, 2).reshape(b, n * c)[:, :s]
-    valid = attention_mask.astype(bool)
+    valid = attention_mask > 0  # also segment ids
     return jnp.where(valid, logp, 0.0), jnp.where(valid, entropy, 0.0)

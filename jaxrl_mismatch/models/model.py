@@ -8,13 +8,16 @@ inference engine on the same weights differ only by the precision policy, never 
 - RoPE (Su et al. 2021, RoFormer eq. 34: rotate each pair (x_i, x_{i+d/2}) by angle m·θ_i with
   θ_i = base^(-2i/d)), in HF's "rotate_half" layout; angles in float32, cos/sin cast to the compute
   dtype before the rotation. Llama-3 frequency scaling is applied to θ_i.
-- Attention scores are accumulated and soft-maxed in float32, then cast to the compute dtype.
+- Attention scores are accumulated and soft-maxed in float32, then cast to the compute dtype
+  (`models/attention.py`: xla, cuDNN or chunked kernels behind one function; segment ids for padding and
+  packed rows).
 - The LM head runs in `policy.logits_dtype` (the "fp32 LM head" option when float32).
 
-Layers are a Python loop over `nnx.List` rather than `nnx.scan` over stacked weights: the contract fixes
-per-layer parameter paths (`layers/{i}/...`) that map one-to-one to HF tensor names and to the sharding
-regexes, and weight sync streams tensors per layer. The price is compile time linear in depth, which is
-seconds for the 24–36-layer models we target.
+Layers are either a Python loop over `nnx.List` (parameter paths `layers/{i}/...`, the contract's
+default) or, with `scan_layers=True`, one `Block` with stacked `[L, ...]` parameters run under `lax.scan`
+(paths `layers/...`), so compile time and program size do not grow with depth. Both layouts map to the
+same per-layer HF tensor names (`hf_io`) and sharding rules (`sharding`: a stacked leaf gets its layer's
+spec with the layer axis replicated), so checkpoints and weight sync do not see the difference.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrl_mismatch.models.attention import DEFAULT_BLOCK, cached_attention, check_impl, matmul_precision, self_attention
 from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.precision import DTypePolicy
 
@@ -76,10 +80,42 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
-def _precision(dtype) -> jax.lax.Precision:
-    # float32 must mean float32: GPUs/TPUs would otherwise use TF32/bf16 passes for fp32 matmuls,
-    # which is itself a training–inference mismatch.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+_precision = matmul_precision  # float32 means float32 (see attention.matmul_precision)
+
+# Per-layer rematerialisation: what each block keeps for the backward pass (`jax.checkpoint_policies`).
+#   none: everything (no recomputation); full: nothing (recompute the whole block, ~1/3 more FLOPs);
+#   save_dots: the outputs of the weight matmuls (recompute norms, activations, attention);
+#   offload: like save_dots, but parked in pinned host memory (device memory for depth-independent cost).
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
+
+
+def remat_policy_name(remat: bool | str) -> str:
+    """The policy name for a `Transformer.remat` value (True/False are "full"/"none", as before names)."""
+    if remat is True or remat is False:
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r} is not one of {', '.join(map(repr, REMAT_POLICIES))} (or a bool)")
+    return remat
+
+
+def _checkpoint_policy(name: str):
+    if name == "full":
+        return None  # jax.checkpoint's default: save nothing, recompute the block
+    if name == "save_dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+def positions_from_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
+    """RoPE positions of packed rows: each segment (a run of equal ids > 0) counts from 0; padding gets 0.
+
+    For a 0/1 mask with one contiguous run per row this equals `positions_from_mask`.
+    """
+    seg = segment_ids.astype(jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32)[None, :], seg.shape)
+    prev = jnp.concatenate([jnp.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(seg != prev, slots, 0), axis=1)
+    return jnp.where(seg > 0, slots - start, 0)
 
 
 class RMSNorm(nnx.Module):
@@ -104,28 +140,6 @@ def _linear(din: int, dout: int, policy: DTypePolicy, rngs: nnx.Rngs, *, bias: b
     )
 
 
-def attend(
-    q: Float[Array, "batch q_len heads head_dim"],
-    k: Float[Array, "batch kv_len kv_heads head_dim"],
-    v: Float[Array, "batch kv_len kv_heads head_dim"],
-    mask: Bool[Array, "batch q_len kv_len"],
-) -> Float[Array, "batch q_len heads head_dim"]:
-    """Grouped-query softmax attention (Vaswani et al. 2017, eq. 1; GQA: Ainslie et al. 2023).
-
-    Query head h reads key/value head h // (heads / kv_heads), the grouping HF's `repeat_kv` uses.
-    Fully masked rows (queries on left padding) get a uniform, finite distribution, never NaN.
-    """
-    b, s, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, s, kvh, h // kvh, d)
-    scores = jnp.einsum(
-        "bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32, precision=_precision(q.dtype)
-    ) * np.float32(1.0 / np.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=_precision(v.dtype))
-    return out.reshape(b, s, h, d)
-
 
 class Attention(nnx.Module):
     """Multi-head self-attention with GQA, RoPE, optional q/k/v biases (Qwen2) and q/k norms (Qwen3)."""
@@ -142,22 +156,34 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, policy)
         self.qk_norm = cfg.qk_norm
 
-    def __call__(self, x, positions, mask, inv_freq, kv=None, index=None):
-        """x [B,S,D] → ([B,S,D], kv). With `kv=(k_cache, v_cache)` ([B,T,Hkv,hd] each), this step's
-        keys/values are written at slot `index` and attention runs over the whole cache."""
+    def _qkv(self, x, positions, inv_freq):
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.n_kv, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if kv is not None:
-            k = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), index, axis=1)
-            kv = (k, v)
-        out = attend(q, k, v, mask)
-        return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim)), kv
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _out(self, o):
+        b, s = o.shape[:2]
+        return self.o_proj(o.reshape(b, s, self.n_heads * self.head_dim))
+
+    def __call__(self, x, positions, segment_ids, inv_freq, *, impl: str, packed: bool, block: int):
+        """Full-sequence attention: (x [B,S,D] → [B,S,D], (k, v) [B,S,Hkv,hd] each, after RoPE)."""
+        q, k, v = self._qkv(x, positions, inv_freq)
+        o = self_attention(q, k, v, segment_ids, impl=impl, packed=packed, block=block)
+        return self._out(o), (k, v)
+
+    def decode(self, x, positions, inv_freq, cache_k, cache_v, key_mask, index, layer, *, block: int):
+        """Write this step's keys/values into layer `layer` of the stacked cache at slot `index`, then
+        attend over the filled prefix of the cache (`attention.cached_attention`)."""
+        q, k, v = self._qkv(x, positions, inv_freq)
+        at = (layer, 0, index, 0, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+        o = cached_attention(q, cache_k, cache_v, key_mask, index, layer, block=block)
+        return self._out(o), cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -181,81 +207,168 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         self.mlp = MLP(cfg, policy, rngs)
 
-    def __call__(self, x, positions, mask, inv_freq, kv=None, index=None):
-        h, kv = self.attn(self.input_norm(x), positions, mask, inv_freq, kv, index)
+    def __call__(self, x, positions, segment_ids, inv_freq, **attn_kw):
+        h, kv = self.attn(self.input_norm(x), positions, segment_ids, inv_freq, **attn_kw)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x)), kv
+
+    def decode(self, x, positions, inv_freq, cache_k, cache_v, key_mask, index, layer, *, block: int):
+        h, cache_k, cache_v = self.attn.decode(self.input_norm(x), positions, inv_freq, cache_k, cache_v, key_mask,
+                                               index, layer, block=block)
+        x = x + h
+        return x + self.mlp(self.post_attn_norm(x)), cache_k, cache_v
+
+
+def _stacked_blocks(cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs) -> Block:
+    """One `Block` whose parameters carry a leading `[num_hidden_layers]` axis.
+
+    The blocks are drawn one after the other from the same `rngs` as the unrolled model draws them, then
+    stacked, so a scanned and an unrolled model built from the same seed hold the same weights.
+    """
+    blocks = [Block(cfg, policy, rngs) for _ in range(cfg.num_hidden_layers)]
+    graphdef = nnx.graphdef(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class Transformer(nnx.Module):
     """The policy model. `model(ids, positions, mask)` gives final-normed hidden states; `model.logits`
-    applies the LM head, kept separate so `token_logprobs` can run it chunk by chunk."""
+    applies the LM head, kept separate so `token_logprobs` can run it chunk by chunk.
 
-    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs | None = None):
+    Options (static: part of the graph definition, so a jitted function recompiles when one changes):
+      scan_layers: layers as one stacked `Block` run under `lax.scan` (parameter paths `layers/...` with a
+        leading layer axis) instead of `nnx.List` (`layers/{i}/...`). Compile time and program size stop
+        growing with depth; HF names, sharding rules and weight sync cover both layouts.
+      attention_impl: `attention.ATTENTION_IMPLS` ("auto" | "xla" | "cudnn" | "chunked").
+      attention_block: query rows per block of the chunked attention.
+      remat: per-block rematerialisation of the training forward, `REMAT_POLICIES` or a bool (True = "full").
+        It can be reassigned after construction (the exact scorer keeps "none").
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs | None = None, *, scan_layers: bool = False,
+        attention_impl: str = "auto", attention_block: int = DEFAULT_BLOCK, remat: bool | str = "none",
+    ):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.cfg, self.policy = cfg, policy
+        self.scan_layers = bool(scan_layers)
+        self.attention_impl = check_impl(attention_impl)
+        if attention_block < 1:
+            raise ValueError(f"attention_block must be >= 1, got {attention_block}")
+        self.attention_block = int(attention_block)
+        self.remat = remat_policy_name(remat)
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
             embedding_init=_INIT, rngs=rngs,
         )
-        self.layers = nnx.List([Block(cfg, policy, rngs) for _ in range(cfg.num_hidden_layers)])
+        if self.scan_layers:
+            self.layers = _stacked_blocks(cfg, policy, rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, policy, rngs) for _ in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, policy, rngs, dtype=policy.logits_dtype)
-        # Recompute each block's activations in the backward pass instead of storing them (training forward
-        # only; `forward_cached` is never differentiated). Trades ~1/3 more FLOPs for activation memory
-        # that no longer grows with depth on GPU/TPU — long-context RL on 4B+ models needs it. (XLA:CPU
-        # reports no memory change for jax.checkpoint at all, so the saving is not measurable here.)
-        self.remat = False
 
     def __call__(
         self,
         input_ids: Int[Array, "batch seq"],
         positions: Int[Array, "batch seq"],
         attention_mask: Int[Array, "batch seq"],
+        *,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        attention_impl: str | None = None,
     ) -> Float[Array, "batch seq hidden"]:
-        """Final-normed hidden states under a causal mask that also hides padded keys."""
-        s = input_ids.shape[1]
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))[None, :, :]
-        mask = causal & attention_mask.astype(bool)[:, None, :]
-        hidden, _ = self._run(input_ids, positions, mask, None, None)
+        """Final-normed hidden states under a causal mask that also hides padded keys.
+
+        `segment_ids` (packed rows: 0 on padding, k ≥ 1 on the k-th sequence of the row) replaces
+        `attention_mask` when given: a token then sees only earlier tokens of its own sequence, and
+        `positions` should count from 0 within each sequence (`positions_from_segments`).
+        `attention_impl` overrides the model's choice for this call.
+        """
+        packed = segment_ids is not None
+        seg = (segment_ids if packed else attention_mask).astype(jnp.int32)
+        kw = dict(impl=self.attention_impl if attention_impl is None else check_impl(attention_impl),
+                  packed=packed, block=self.attention_block)
+        hidden, _ = self._full(self.embed(input_ids), positions, seg, kw, collect_kv=False)
         return hidden
+
+    def forward_prefill(
+        self, input_ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"],
+        attention_mask: Int[Array, "batch seq"],
+    ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array]]:
+        """`__call__` that also returns every layer's keys and values (after RoPE), stacked
+        `[layers, batch, seq, kv_heads, head_dim]`: what `kv_cache.prefill` writes into an empty cache."""
+        kw = dict(impl=self.attention_impl, packed=False, block=self.attention_block)
+        return self._full(self.embed(input_ids), positions, attention_mask.astype(jnp.int32), kw, collect_kv=True)
 
     def forward_cached(
         self,
         input_ids: Int[Array, "batch seq"],
         positions: Int[Array, "batch seq"],
+        cache_k: Float[Array, "layers batch cache_len kv_heads head_dim"],
+        cache_v: Float[Array, "layers batch cache_len kv_heads head_dim"],
         key_mask: Bool[Array, "batch cache_len"],
-        kv: list[tuple[Array, Array]],
         index: Int[Array, ""],
-    ) -> tuple[Float[Array, "batch seq hidden"], list[tuple[Array, Array]]]:
-        """Run `input_ids` occupying cache slots [index, index+seq); used by `kv_cache` prefill/decode.
+        *,
+        block: int,
+    ) -> tuple[Float[Array, "batch seq hidden"], Array, Array]:
+        """Run `input_ids` occupying cache slots [index, index+seq); used by `kv_cache.decode_step`.
 
-        `key_mask` marks the valid cache slots *including* the ones written now; query at slot
-        index+i sees slots ≤ index+i that are valid.
+        `key_mask` marks the valid cache slots *including* the ones written now; query at slot index+i
+        sees valid slots ≤ index+i, read in blocks of `block` up to the filled length only.
         """
-        s, t = input_ids.shape[1], key_mask.shape[1]
-        query_slot = index + jnp.arange(s, dtype=jnp.int32)
-        causal = jnp.arange(t, dtype=jnp.int32)[None, None, :] <= query_slot[None, :, None]
-        return self._run(input_ids, positions, causal & key_mask[:, None, :], kv, index)
-
-    def _run(self, input_ids, positions, mask, kv, index):
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed(input_ids)
-        new_kv = []
-        if kv is None and self.remat:
-            for layer in self.layers:
+        args = (positions, inv_freq)
+        if self.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(carry, xs):
+                h, ck, cv = carry
+                layer_state, i = xs
+                h, ck, cv = nnx.merge(graphdef, layer_state).decode(h, *args, ck, cv, key_mask, index, i, block=block)
+                return (h, ck, cv), None
+
+            layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
+            (x, cache_k, cache_v), _ = jax.lax.scan(body, (x, cache_k, cache_v), (state, layer_ids))
+        else:
+            for i, layer in enumerate(self.layers):
+                x, cache_k, cache_v = layer.decode(x, *args, cache_k, cache_v, key_mask, index, i, block=block)
+        return self.final_norm(x), cache_k, cache_v
+
+    def _full(self, x, positions, seg, attn_kw, *, collect_kv: bool):
+        inv_freq = rope_inv_freq(self.cfg)
+        policy = "none" if collect_kv else remat_policy_name(self.remat)  # prefill is never differentiated
+
+        def run(block: Block, h):
+            h, kv = block(h, positions, seg, inv_freq, **attn_kw)
+            return h, (kv if collect_kv else None)
+
+        if self.scan_layers:
+            graphdef, state = nnx.split(self.layers)
+
+            def body(h, layer_state):
+                return run(nnx.merge(graphdef, layer_state), h)
+
+            if policy != "none":
+                body = jax.checkpoint(body, policy=_checkpoint_policy(policy), prevent_cse=False)
+            x, kvs = jax.lax.scan(body, x, state)
+            return self.final_norm(x), kvs
+        kvs = []
+        for layer in self.layers:
+            if policy == "none":
+                x, kv = run(layer, x)
+            else:  # one recompute region per block
                 graphdef, state = nnx.split(layer)
 
-                def block(state, h, graphdef=graphdef):
-                    return nnx.merge(graphdef, state)(h, positions, mask, inv_freq)[0]
+                def block_fn(state, h, graphdef=graphdef):
+                    return run(nnx.merge(graphdef, state), h)
 
-                x = jax.checkpoint(block)(state, x)
+                x, kv = jax.checkpoint(block_fn, policy=_checkpoint_policy(policy))(state, x)
+            kvs.append(kv)
+        if not collect_kv:
             return self.final_norm(x), None
-        for i, layer in enumerate(self.layers):
-            x, layer_kv = layer(x, positions, mask, inv_freq, None if kv is None else kv[i], index)
-            new_kv.append(layer_kv)
-        return self.final_norm(x), (None if kv is None else new_kv)
+        return self.final_norm(x), (jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs]))
 
     def logits(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         """LM head in `policy.logits_dtype` (tied: hidden · embeddingᵀ)."""
