@@ -83,6 +83,14 @@ def sft_loss(
     return -jnp.sum(logp * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
 
 
+def shortcut_targets(tok: TextTokenizer, problems: list[arithmetic.Problem], targets: list[list[int]], prob: float,
+                     seed: int) -> list[list[int]]:
+    """`targets` with a `prob` share (chosen by `seed`) replaced by the bare answer "#<answer><eos>"."""
+    short = np.random.default_rng([seed, 1]).random(len(problems)) < prob
+    return [tok.encode(f"#{p.answer}", add_special_tokens=False) + [tok.eos_id] if s else t
+            for p, t, s in zip(problems, targets, short)]
+
+
 def make_train_step(graphdef, optimizer):
     """Jitted pure step ``(params, opt_state, batch arrays) -> (params, opt_state, loss, grad_norm)``."""
 
@@ -193,10 +201,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--num-train", type=int, default=20000, help="distinct training problems")
     ap.add_argument("--num-eval", type=int, default=256, help="validation problems for the final accuracy")
     ap.add_argument("--log-every", type=int, default=100)
+    ap.add_argument("--shortcut-prob", type=float, default=0.0,
+                    help="fraction of SFT targets that give the answer without the scratchpad (length-growth task)")
+    ap.add_argument("--shortcut-steps", type=int, default=None,
+                    help="apply --shortcut-prob only in the last N steps (default: all steps)")
     args = ap.parse_args(argv)
     for name in ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shortcut_steps is not None and not 0 <= args.shortcut_steps <= args.steps:
+        raise UsageError(f"--shortcut-steps must be in [0, --steps], got {args.shortcut_steps}")
+    if not 0.0 <= args.shortcut_prob <= 1.0:
+        raise UsageError(f"--shortcut-prob must be in [0, 1], got {args.shortcut_prob}")
     if args.num_eval < 0:
         raise UsageError(f"--num-eval must be >= 0, got {args.num_eval}")
     return args
@@ -223,7 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     if longest + 8 > args.max_len:
         raise UsageError(f"problems need {longest + 8} positions > --max-len {args.max_len}")
     # One fixed target length T (a multiple of 16) for every batch: the step compiles once.
-    data = pad_rows(prompts, answers, pad_id=tok.pad_id, buckets=(bucket_length(longest - 1, range(16, 4097, 16)),))
+    buckets = (bucket_length(longest - 1, range(16, 4097, 16)),)
+    data = pad_rows(prompts, answers, pad_id=tok.pad_id, buckets=buckets)
+    # The last --shortcut-steps train on a mixture where a --shortcut-prob share of targets skip the
+    # scratchpad ("#answer"): the policy keeps the skill of writing the steps but mostly answers at once —
+    # usually wrongly on long problems. RL then finds that writing the steps pays, so responses grow during
+    # training (the behaviour the LR paper's length-triggered decay watches for).
+    mixed = pad_rows(prompts, shortcut_targets(tok, train, answers, args.shortcut_prob, args.seed), pad_id=tok.pad_id,
+                     buckets=buckets)
+    shortcut_from = args.steps - (args.steps if args.shortcut_steps is None else args.shortcut_steps)
 
     cfg = tiny_config(tok.vocab_size, layers=args.layers, hidden=args.hidden, heads=args.heads,
                       kv_heads=args.kv_heads, intermediate=args.intermediate, max_len=args.max_len)
@@ -245,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_hist = []
     for i in range(1, args.steps + 1):
         idx = rng.integers(0, len(train), size=args.batch_size)
-        params, opt_state, loss, gnorm = step(params, opt_state, data.tokens[idx], data.attention_mask[idx], data.response_mask[idx])
+        d = mixed if i > shortcut_from else data
+        params, opt_state, loss, gnorm = step(params, opt_state, d.tokens[idx], d.attention_mask[idx], d.response_mask[idx])
         if i % args.log_every == 0 or i == args.steps:
             loss_hist.append((i, float(loss)))
             print(f"  step {i:5d}  loss {float(loss):.4f}  grad_norm {float(gnorm):.3f}  "
@@ -268,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     save_tokenizer(tok, tmp, model_max_length=args.max_len)
     write_generation_config(tok, tmp, max_new)
     with open(os.path.join(tmp, "task.json"), "w") as f:
-        json.dump({"task": "arithmetic", "spec": dataclasses.asdict(spec), "max_new_tokens": max_new, "seed": args.seed}, f, indent=2)
+        json.dump({"task": "arithmetic", "spec": dataclasses.asdict(spec), "max_new_tokens": max_new, "seed": args.seed,
+                   "shortcut_prob": args.shortcut_prob, "shortcut_steps": args.shortcut_steps}, f, indent=2)
     metrics["total_seconds"] = time.perf_counter() - t0
     with open(os.path.join(tmp, "warmstart.json"), "w") as f:
         json.dump(metrics, f, indent=2)

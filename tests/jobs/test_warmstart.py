@@ -110,3 +110,21 @@ def test_checkpoint_serves_in_vllm_with_its_own_tokenizer(tmp_path):
     ids = np.array([res["prompt_ids"] + res["ids"]], np.int32)
     ours, _ = token_logprobs(model, jnp.asarray(ids[:, :-1]), jnp.asarray(ids[:, 1:]), jnp.ones_like(ids[:, :-1]))
     np.testing.assert_allclose(np.asarray(ours)[0, len(res["prompt_ids"]) - 1 :], res["logprobs"], atol=1e-4)
+
+
+def test_shortcut_targets_skip_the_scratchpad_for_the_requested_share():
+    from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer
+    from jaxrl_mismatch.jobs.warmstart import shortcut_targets
+
+    tok = build_arithmetic_tokenizer()
+    problems = arithmetic.generate(arithmetic.ArithmeticSpec(), "train", 2000, seed=0)
+    full = [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id] for p in problems]
+    mixed = shortcut_targets(tok, problems, full, 0.7, seed=3)
+    short = [m != f for m, f in zip(mixed, full)]
+    assert abs(np.mean(short) - 0.7) < 0.03
+    for p, m, s in zip(problems, mixed, short):
+        if s:
+            assert tok.decode(m[:-1]) == f"#{p.answer}" and m[-1] == tok.eos_id
+            assert arithmetic.reward(tok.decode(m[:-1]), p.answer) == 1.0  # a bare answer is scored like any other
+    assert shortcut_targets(tok, problems, full, 0.7, seed=3) == mixed
+    assert shortcut_targets(tok, problems, full, 0.0, seed=3) == full
