@@ -8,6 +8,10 @@ safetensors file, transposed to our `[in, out]` layout, cast to the policy's par
 Names are mapped by one regex table (`_RULES`, Tunix style). The same mapping is the weight-sync wire
 format (`params_to_hf` / `hf_to_params`): a trainer pushes HF-named, torch-layout tensors and the JAX
 engine or vLLM applies them exactly like a checkpoint.
+
+Both layer layouts of `Transformer` use the same per-layer HF names: a stacked parameter of the scanned
+layout (`layers/attn/q_proj/kernel`, `[L, ...]`) is read from, and written as, the L tensors
+`model.layers.{i}.self_attn.q_proj.weight`, one stacked parameter on the host at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.models.model import Transformer
+from jaxrl_mismatch.models.sharding import stacked_layer_param
 from jaxrl_mismatch.precision import DTypePolicy
 
 # (our parameter path, HF tensor name template, transposed?) — linear kernels are [in, out] here and
@@ -96,21 +101,32 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_p
     """
     used: set[str] = set()
 
-    def place(keys, leaf):
-        path = param_path(keys)
+    def read(path: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         name, transposed = hf_name(path)
         if name not in tensors:
-            raise ValueError(f"checkpoint is missing tensor {name!r} (parameter {path}, shape {tuple(leaf.shape)})")
+            raise ValueError(f"checkpoint is missing tensor {name!r} (parameter {path}, shape {shape})")
         x = np.asarray(tensors[name])
         if transposed:
             x = x.T
-        if x.shape != tuple(leaf.shape):
+        if x.shape != shape:
             got = x.T.shape if transposed else x.shape
-            want = tuple(leaf.shape)[::-1] if transposed else tuple(leaf.shape)
+            want = shape[::-1] if transposed else shape
             raise ValueError(f"tensor {name!r} has shape {got}, expected {want} for {cfg.architecture} config")
         used.add(name)
+        return np.asarray(x, dtype=dtype)
+
+    def place(keys, leaf):
+        path = param_path(keys)
+        shape = tuple(leaf.shape)
+        inner = stacked_layer_param(path)
+        if inner is None:
+            x = read(path, shape, leaf.dtype)
+        else:  # scanned layout: L per-layer tensors into one [L, ...] host array
+            x = np.empty(shape, dtype=leaf.dtype)
+            for i in range(shape[0]):
+                x[i] = read(f"layers/{i}/{inner}", shape[1:], leaf.dtype)
         sharding = getattr(leaf, "sharding", None)
-        return jax.device_put(np.ascontiguousarray(x, dtype=leaf.dtype), sharding)
+        return jax.device_put(np.ascontiguousarray(x), sharding)
 
     params = jax.tree_util.tree_map_with_path(place, abstract_params)
     allowed = _expected_extras(cfg)
@@ -122,15 +138,40 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_p
     return params
 
 
+class _LayerSlice:
+    """Layer `i` of a stacked parameter, fetched from the device only when written (`_to_host`)."""
+
+    def __init__(self, stacked, i: int):
+        self.stacked, self.i = stacked, i
+        self.shape, self.dtype = tuple(stacked.shape[1:]), stacked.dtype
+
+    def fetch(self) -> np.ndarray:
+        return np.asarray(jax.device_get(self.stacked[self.i]))
+
+
 def _iter_hf(params: PyTree) -> Iterator[tuple[str, str, bool, Any]]:
+    """(HF name, our path, transposed?, leaf or `_LayerSlice`) of every HF tensor, per layer in both layouts."""
     for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
         path = param_path(keys)
-        name, transposed = hf_name(path)
-        yield name, path, transposed, leaf
+        inner = stacked_layer_param(path)
+        if inner is None:
+            name, transposed = hf_name(path)
+            yield name, path, transposed, leaf
+            continue
+        for i in range(leaf.shape[0]):
+            layer_path = f"layers/{i}/{inner}"
+            name, transposed = hf_name(layer_path)
+            yield name, layer_path, transposed, _LayerSlice(leaf, i)
+
+
+def hf_tensor_shapes(params: PyTree) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """HF name -> (torch-layout shape, dtype) of every tensor `params_to_hf` would produce, from shapes alone."""
+    return {name: ((tuple(leaf.shape)[::-1] if tr else tuple(leaf.shape)), leaf.dtype)
+            for name, _, tr, leaf in _iter_hf(params)}
 
 
 def _to_host(leaf, transposed: bool) -> np.ndarray:
-    x = np.asarray(jax.device_get(leaf))
+    x = leaf.fetch() if isinstance(leaf, _LayerSlice) else np.asarray(jax.device_get(leaf))
     return np.ascontiguousarray(x.T if transposed else x)
 
 
@@ -180,20 +221,23 @@ class _LazyCheckpoint(Mapping):
         return name in self._weight_map
 
 
-def abstract_model(cfg: ModelConfig, policy: DTypePolicy) -> Transformer:
-    """The model with `ShapeDtypeStruct`s in place of arrays (nothing allocated)."""
-    return nnx.eval_shape(lambda: Transformer(cfg, policy, rngs=nnx.Rngs(0)))
+def abstract_model(cfg: ModelConfig, policy: DTypePolicy, **options) -> Transformer:
+    """The model with `ShapeDtypeStruct`s in place of arrays (nothing allocated); `options` are
+    `Transformer`'s keyword options (`scan_layers`, `attention_impl`, `attention_block`, `remat`)."""
+    return nnx.eval_shape(lambda: Transformer(cfg, policy, rngs=nnx.Rngs(0), **options))
 
 
-def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.sharding.Mesh | None = None):
+def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.sharding.Mesh | None = None,
+            **options):
     """Load a local HF checkpoint directory → (ModelConfig, Transformer), parameters in `policy.param_dtype`.
 
     With a `mesh`, each tensor is placed on `models.sharding.param_shardings`' sharding for its path;
-    without, on the default device.
+    without, on the default device. `options` go to `Transformer` (e.g. `scan_layers=True`: the same
+    checkpoint loads into the stacked layout).
     """
     directory = os.fspath(directory)
     cfg = ModelConfig.from_hf(directory)
-    graphdef, abstract = nnx.split(abstract_model(cfg, policy), nnx.Param)
+    graphdef, abstract = nnx.split(abstract_model(cfg, policy, **options), nnx.Param)
     if mesh is not None:
         from jaxrl_mismatch.models.sharding import param_shardings
 

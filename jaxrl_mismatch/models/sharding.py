@@ -57,6 +57,15 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"lm_head/kernel", ("fsdp", "tensor")),
 )
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in PARAM_RULES)
+# Scanned layers (`Transformer(scan_layers=True)`): one stacked leaf per block parameter, path without the
+# layer index (`layers/attn/q_proj/kernel`, shape `[L, D, H*hd]`).
+_STACKED = re.compile(r"layers/(\D.*)")
+
+
+def stacked_layer_param(path: str) -> str | None:
+    """For a stacked (scanned-layers) parameter path, the in-block part (`attn/q_proj/kernel`); else None."""
+    m = _STACKED.fullmatch(path)
+    return m.group(1) if m else None
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -114,7 +123,9 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
 def param_partition_spec(path: str, shape: Sequence[int], mesh: Mesh | None = None) -> P:
     """The ``PartitionSpec`` of the parameter at ``path`` (e.g. ``"layers/3/attn/q_proj/kernel"``).
 
-    The first rule of ``PARAM_RULES`` that matches the whole path wins. With a ``mesh``, a mesh axis
+    The first rule of ``PARAM_RULES`` that matches the whole path wins. A stacked parameter of the
+    scanned-layers layout (``layers/attn/q_proj/kernel``, leading layer axis) gets ``None`` on the layer
+    axis followed by the spec of its per-layer path. With a ``mesh``, a mesh axis
     whose size does not divide the dimension it would shard is dropped for that dimension (``None``,
     i.e. replicated along it): e.g. a 151,936-row Qwen embedding on ``tensor=3``, or 2 KV heads ×
     head_dim on a large ``tensor`` axis. jit would otherwise reject the sharding; replicating one
@@ -125,6 +136,13 @@ def param_partition_spec(path: str, shape: Sequence[int], mesh: Mesh | None = No
             rule's rank differs from ``len(shape)``.
     """
     shape = tuple(int(d) for d in shape)
+    inner = stacked_layer_param(path)
+    if inner is not None:
+        # The layer axis stays whole on every device (a scan step reads one layer); the rest follows the rule
+        # of the per-layer parameter.
+        if not shape:
+            raise ValueError(f"stacked parameter {path!r} has no layer axis (shape {shape})")
+        return P(None, *param_partition_spec(f"layers/0/{inner}", shape[1:], mesh))
     for pattern, spec in _COMPILED_RULES:
         if pattern.fullmatch(path):
             break
