@@ -1,25 +1,33 @@
-"""`jaxrl-mismatch report RUN_DIR`: one PNG with panels like the papers' figures.
+"""`jaxrl-mismatch report RUN_DIR [RUN_DIR ...]`: PNG figures with panels like the papers' figures.
 
 Panels (LR paper Figs. 1–3, 12; objective-hacking paper Fig. 15): train reward, validation accuracy,
 the mismatch indicator log_ppl_abs_diff, ρ std ("mismatch" in the objective-hacking paper), the
 length-normalised grad norm, mean response length with the detected surge marked, and the LR.
+
+One run directory gives that run's report (`make_report`). Several give an overlay (`plot_overlay`): the
+same panels, one line per run — and `jaxrl-mismatch compare` draws its grid with the same function, one
+line per variant (mean over seeds) with a band over the seeds, as in the LR paper's Figs. 1/3 and the FP16
+paper's Fig. 1. Noisy per-step series are drawn as a moving average in both.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from jaxrl_mismatch.report.summary import moving_average, series  # noqa: E402
 from jaxrl_mismatch.runlog import read_run  # noqa: E402
 from jaxrl_mismatch.usage import ArgumentParser, UsageError  # noqa: E402
 
 # (title, metric names tried in order, y scale)
-PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+Panel = tuple[str, tuple[str, ...], str]
+PANELS: tuple[Panel, ...] = (
     ("train reward", ("reward/mean",), "linear"),
     ("validation accuracy (avg@k, greedy)", ("val/accuracy",), "linear"),
     ("log_ppl_abs_diff (mismatch indicator)", ("mismatch/log_ppl_abs_diff",), "log"),
@@ -31,26 +39,28 @@ PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 
 _SMOOTHED = ("reward/mean", "grad/norm_clipped_per_token", "grad/norm", "mismatch/log_ppl_abs_diff", "mismatch/rho_std")
+SMOOTH_WINDOW, SMOOTH_MIN_POINTS = 10, 20  # per-step values are noisy (one rollout batch each)
 
 
-def _moving_average(ys: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y
-        if i >= window:
-            acc -= ys[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+def _logged_name(runs: Sequence[Sequence[Mapping[str, Any]]], names: Sequence[str]) -> str | None:
+    """The first of a panel's metric names that any of `runs` logged."""
+    return next((n for n in names if any(series(r, n)[0] for r in runs)), None)
 
 
-def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for r in records:
-        v = r.get(name)
-        if isinstance(v, (int, float)):
-            xs.append(r["step"])
-            ys.append(float(v))
-    return xs, ys
+# Overlays show only the smoothed line (no faint raw series under it), so the response length, which the
+# single-run report draws raw for the controller's sake, is smoothed there too.
+_SMOOTHED_IN_OVERLAYS = (*_SMOOTHED, "length/mean")
+
+
+def _smoothed(name: str, ys: list[float], which: Sequence[str] = _SMOOTHED) -> bool:
+    return name in which and len(ys) >= SMOOTH_MIN_POINTS
+
+
+def _finish_axis(ax, scale: str, ys: Sequence[float]) -> None:
+    # A log axis only where it shows something: positive values that vary (a flat series stays linear).
+    if scale == "log" and ys and min(ys) > 0 and max(ys) > min(ys):
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
 
 
 def make_report(run_dir: str, out: str | None = None) -> str:
@@ -62,38 +72,36 @@ def make_report(run_dir: str, out: str | None = None) -> str:
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
     for ax, (title, names, scale) in zip(axes.flat, PANELS):
-        name = next((n for n in names if _series(records, n)[0]), None)
+        name = _logged_name([records], names)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         if name is None:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
-        xs, ys = _series(records, name)
+        xs, ys = series(records, name)
         marker = "o" if len(xs) < 30 else None
-        if name in _SMOOTHED and len(ys) >= 20:
+        if _smoothed(name, ys):
             # Per-step values are noisy (one rollout batch each): show them faintly under a moving average.
             ax.plot(xs, ys, lw=0.8, alpha=0.35)
-            ax.plot(xs, _moving_average(ys, 10), lw=2.0, label="10-step mean")
+            ax.plot(xs, moving_average(ys, SMOOTH_WINDOW), lw=2.0, label=f"{SMOOTH_WINDOW}-step mean")
             ax.legend(fontsize=8)
         else:
             ax.plot(xs, ys, marker=marker, lw=1.5, label=name)
-        if name == "val/accuracy" and _series(records, "val/greedy_accuracy")[0]:
-            gx, gy = _series(records, "val/greedy_accuracy")
+        if name == "val/accuracy" and series(records, "val/greedy_accuracy")[0]:
+            gx, gy = series(records, "val/greedy_accuracy")
             ax.plot(gx, gy, marker=marker, lw=1.5, ls="--", label="val/greedy_accuracy")
             ax.legend(fontsize=8)
-        if scale == "log" and min(ys) > 0 and max(ys) > min(ys):
-            ax.set_yscale("log")
         if name == "length/mean" and surge_step is not None:
             ax.axvline(surge_step, color="red", ls="--", label=f"surge detected (step {int(surge_step)})")
             ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        _finish_axis(ax, scale, ys)
     # Last panel: a text summary of the run.
     ax = axes.flat[-1]
     ax.axis("off")
     last = records[-1]
     lines = [f"run: {os.path.basename(os.path.abspath(run_dir))}", f"steps: {last['step'] + 1}"]
     for key in ("reward/mean", "val/accuracy", "mismatch/log_ppl_abs_diff", "lr"):
-        xs, ys = _series(records, key)
+        xs, ys = series(records, key)
         if ys:
             lines.append(f"{key}: first {ys[0]:.4g} → last {ys[-1]:.4g}")
     ax.text(0.0, 1.0, "\n".join(lines), va="top", family="monospace", fontsize=9)
@@ -103,12 +111,146 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     return out
 
 
+# -- overlays: several runs (or groups of seeds) in the same panels ------------------------------------
+def panels_from_spec(entries: Any, field: str = "metrics") -> tuple[Panel, ...]:
+    """Panels from a list of entries, each a metric name (its panel in `PANELS` if it has one, else a
+    linear panel of that metric) or a dict {"metric": name or [names tried in order], "title": str,
+    "scale": "linear" | "log"}. UsageError naming `field[i]` for a bad entry."""
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise UsageError(f"{field}: must be a non-empty list of metric names or panel dicts, got {entries!r}")
+    panels = []
+    for i, e in enumerate(entries):
+        where = f"{field}[{i}]"
+        if isinstance(e, str) and e:
+            panels.append(next((p for p in PANELS if e in p[1]), (e, (e,), "linear")))
+            continue
+        if not isinstance(e, Mapping):
+            raise UsageError(f"{where}: must be a metric name or a dict with 'metric', got {e!r}")
+        unknown = sorted(set(e) - {"metric", "title", "scale"})
+        if unknown:
+            raise UsageError(f"{where}: unknown key {unknown[0]!r}; valid: metric, title, scale")
+        names = e.get("metric")
+        names = (names,) if isinstance(names, str) else tuple(names) if isinstance(names, (list, tuple)) else ()
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise UsageError(f"{where}.metric: must be a metric name or a non-empty list of them, got {e.get('metric')!r}")
+        scale = e.get("scale", "linear")
+        if scale not in ("linear", "log"):
+            raise UsageError(f"{where}.scale: must be 'linear' or 'log', got {scale!r}")
+        panels.append((str(e.get("title", names[0])), names, scale))
+    return tuple(panels)
+
+
+def _curve(records: Sequence[Mapping[str, Any]], name: str) -> tuple[list[int], list[float], bool]:
+    """(steps, values drawn, smoothed?) of one run's metric."""
+    xs, ys = series(records, name)
+    if _smoothed(name, ys, _SMOOTHED_IN_OVERLAYS):
+        return xs, moving_average(ys, SMOOTH_WINDOW), True
+    return xs, ys, False
+
+
+def _across(curves: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over the curves at each step any of them has (a run that stopped early
+    leaves the statistics of the later steps to the others)."""
+    at: dict[int, list[float]] = {}
+    for xs, ys in curves:
+        for x, y in zip(xs, ys):
+            at.setdefault(x, []).append(y)
+    steps = sorted(at)
+    return (steps, [sum(at[s]) / len(at[s]) for s in steps], [min(at[s]) for s in steps], [max(at[s]) for s in steps])
+
+
+def _draw_group(ax, name: str, runs: Sequence[Sequence[Mapping[str, Any]]], color) -> tuple[Any, list[float], bool, bool]:
+    """One group's mean line (and min–max band over its runs) of metric `name`; (line or None, the values
+    drawn, smoothed?, greedy drawn?). In the validation panel, greedy accuracy is a dashed mean line, as in
+    the single-run report."""
+    curves = [c for c in (_curve(r, name) for r in runs) if c[0]]
+    if not curves:
+        return None, [], False, False
+    steps, mean, lo, hi = _across([(c[0], c[1]) for c in curves])
+    (line,) = ax.plot(steps, mean, color=color, lw=1.6, marker="o" if len(steps) < 30 else None, ms=3)
+    if len(curves) > 1:
+        ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
+    greedy = [c for c in (series(r, "val/greedy_accuracy") for r in runs) if c[0]] if name == "val/accuracy" else []
+    if greedy:
+        gx, gy, _, _ = _across(greedy)
+        ax.plot(gx, gy, color=color, lw=1.2, ls="--", marker="o" if len(gx) < 30 else None, ms=2)
+    return line, lo + hi, any(c[2] for c in curves), bool(greedy)
+
+
+def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], out: str, *,
+                 panels: Sequence[Panel] = PANELS, title: str | None = None) -> str:
+    """One panel per metric, one line per group: the mean over the group's runs (seeds) with a shaded
+    min–max band where a group has several runs. `groups`: label -> the step records of each run.
+    Returns `out`."""
+    colors = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors
+    ncols = 4
+    nrows = math.ceil((len(panels) + 1) / ncols)  # +1: the legend's cell
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.9 * nrows), squeeze=False)
+    all_runs = [r for runs in groups.values() for r in runs]
+    handles, dashed = {}, False
+    for ax, (panel_title, names, scale) in zip(axes.flat, panels):
+        ax.set_xlabel("step")
+        name = _logged_name(all_runs, names)
+        if name is None:
+            ax.set_title(panel_title, fontsize=10)
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+            continue
+        drawn, smoothed = [], False
+        for i, (label, runs) in enumerate(groups.items()):
+            line, values, smooth, greedy = _draw_group(ax, name, runs, colors[i % len(colors)])
+            if line is not None:
+                handles.setdefault(label, (line, len(runs)))
+            drawn, smoothed, dashed = drawn + values, smoothed or smooth, dashed or greedy
+        ax.set_title(panel_title + (f" ({SMOOTH_WINDOW}-step mean)" if smoothed else ""), fontsize=10)
+        _finish_axis(ax, scale, drawn)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    notes = ["line: mean over seeds; band: min–max over seeds"] if any(len(r) > 1 for r in groups.values()) else []
+    notes += ["dashed: greedy validation accuracy"] if dashed else []
+    axes.flat[len(panels)].legend(
+        [h for h, _ in handles.values()],
+        [f"{label} ({n} runs)" if n > 1 else label for label, (_, n) in handles.items()],
+        loc="upper left", fontsize=9, frameon=False, title="\n".join(notes) or None, title_fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def _short_labels(run_dirs: Sequence[str]) -> list[str]:
+    """The shortest path suffixes that tell the run directories apart (`cosine/seed_0`, not `seed_0`)."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in run_dirs]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return list(run_dirs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(prog="jaxrl-mismatch report", description=__doc__.splitlines()[0])
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--labels", default=None,
+                   help="comma-separated legend labels, one per RUN_DIR (several run directories; default: the "
+                        "shortest path suffixes that tell them apart)")
+    p.add_argument("--out", default=None,
+                   help="PNG path (default RUN_DIR/report.png; for several runs overlay.png in their common parent)")
     args = p.parse_args(argv)
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise UsageError(f"--out {args.out}: its directory does not exist")
-    print(make_report(args.run_dir, args.out))
+    if len(args.run_dirs) == 1:
+        if args.labels is not None:
+            raise UsageError("--labels: only for an overlay of several run directories")
+        print(make_report(args.run_dirs[0], args.out))
+        return 0
+    labels = _short_labels(args.run_dirs) if args.labels is None else [s.strip() for s in args.labels.split(",")]
+    if len(labels) != len(args.run_dirs):
+        raise UsageError(f"--labels: {len(labels)} labels for {len(args.run_dirs)} run directories")
+    if len(set(labels)) != len(labels) or not all(labels):
+        raise UsageError(f"--labels: labels must be distinct and non-empty, got {args.labels!r}")
+    groups = {label: [read_run(d)] for label, d in zip(labels, args.run_dirs)}
+    parent = os.path.commonpath([os.path.abspath(d) for d in args.run_dirs])
+    print(plot_overlay(groups, args.out or os.path.join(parent, "overlay.png")))
     return 0

@@ -1,0 +1,235 @@
+"""Numbers of a run and of a grid of runs: per-run statistics, collapse detection, mean ± std over seeds,
+and the Markdown / JSON table of `jaxrl-mismatch compare`.
+
+Why a module of its own: `compare --table-only` and any notebook summarise finished run directories
+without running or plotting anything, and the definitions (what "collapse" and "final accuracy" mean)
+must be the same everywhere they are quoted. Per-run statistics are taken over all of that run's steps;
+the statistics of a variant are taken over its seeds (one number per seed, then mean and sample std).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jaxrl_mismatch.usage import UsageError
+
+# How many steps "start" and "end" of a run average over (response length), fewer in a shorter run.
+EDGE_STEPS = 10
+
+
+def series(records: Sequence[Mapping[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of metric `name`, skipping records without it and non-finite values (runlog writes
+    those as strings)."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def moving_average(ys: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (over all values so far for the first window - 1)."""
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollapseRule:
+    """When a run has collapsed: the moving average (trailing, `window` points) of `metric` falls below
+    `frac` × its running peak (the highest moving average so far) and stays below until the end of the
+    run, for at least `patience` logged points. The collapse step is the step of the first of those points.
+
+    A run whose peak is <= 0 never collapses (a fraction of a non-positive peak means nothing). Defaults:
+    the train reward (logged every step), 10-step average, half its peak, 10 steps — a run that merely
+    ends on a bad step has not collapsed; one that lost half of what it had learned and never came back has.
+    For validation accuracy (logged every `eval.every` steps) use e.g. `window=1, patience=2`.
+    """
+
+    metric: str = "reward/mean"
+    frac: float = 0.5
+    window: int = 10
+    patience: int = 10
+
+    @classmethod
+    def from_spec(cls, d: Any, field: str = "collapse") -> "CollapseRule":
+        """The rule of a spec's `collapse` dict; UsageError naming `collapse.<key>` for a bad one."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise UsageError(f"{field}: must be a dict such as {{'metric': 'reward/mean', 'frac': 0.5}}, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                raise UsageError(f"{field}.{key}: unknown field; valid: {sorted(known)}")
+        rule = cls(**d)
+        if not isinstance(rule.metric, str) or not rule.metric:
+            raise UsageError(f"{field}.metric: must be a metric name such as 'reward/mean', got {rule.metric!r}")
+        if isinstance(rule.frac, bool) or not isinstance(rule.frac, (int, float)) or not 0 < rule.frac < 1:
+            raise UsageError(f"{field}.frac: must be a number in (0, 1), got {rule.frac!r}")
+        for key in ("window", "patience"):
+            v = getattr(rule, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"{field}.{key}: must be an integer >= 1, got {v!r}")
+        return rule
+
+    def step(self, records: Sequence[Mapping[str, Any]]) -> int | None:
+        """The collapse step of a run's records, or None when it did not collapse (see the class)."""
+        steps, values = series(records, self.metric)
+        if not steps:
+            return None
+        avg = np.asarray(moving_average(values, self.window))
+        peak = np.maximum.accumulate(avg)
+        below = (avg < self.frac * peak) & (peak > 0)
+        if not below[-1]:
+            return None
+        # The first point of the trailing run of "below" points.
+        first = len(below) - int(np.argmin(below[::-1])) if not below.all() else 0
+        if len(below) - first < self.patience:
+            return None
+        return steps[first]
+
+
+def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[str, float | None]:
+    """Statistics of one run over all of its steps (None where the run did not log the metric).
+
+    - `val_final` / `val_peak`: last and highest `val/accuracy` (the initial validation, step -1, counts
+      toward the peak); `greedy_*` the same for `val/greedy_accuracy`;
+    - `collapse_step`: `rule.step(records)`; `collapsed`: 1.0 / 0.0;
+    - `log_ppl_abs_diff_mean` / `_max`, `rho_std_mean`: over the run's training steps;
+    - `length_start` / `length_end`: mean `length/mean` over the first / last `EDGE_STEPS` steps;
+    - `lr_decays`: how many steps lowered the controller's LR multiplier (`controller/scale`);
+    - `step_time_s`: the sum of `time/step_s` (training steps only: no start-up, no validation);
+    - `steps_done`: the last training step logged + 1.
+    """
+    def values(name: str) -> list[float]:
+        return series(records, name)[1]
+
+    out: dict[str, float | None] = {}
+    for key, name in (("val", "val/accuracy"), ("greedy", "val/greedy_accuracy")):
+        v = values(name)
+        out[f"{key}_final"] = v[-1] if v else None
+        out[f"{key}_peak"] = max(v) if v else None
+    collapse = rule.step(records)
+    out["collapse_step"] = None if collapse is None else float(collapse)
+    out["collapsed"] = float(collapse is not None) if values(rule.metric) else None
+    diff, rho = values("mismatch/log_ppl_abs_diff"), values("mismatch/rho_std")
+    out["log_ppl_abs_diff_mean"] = float(np.mean(diff)) if diff else None
+    out["log_ppl_abs_diff_max"] = max(diff) if diff else None
+    out["rho_std_mean"] = float(np.mean(rho)) if rho else None
+    length = values("length/mean")
+    out["length_start"] = float(np.mean(length[:EDGE_STEPS])) if length else None
+    out["length_end"] = float(np.mean(length[-EDGE_STEPS:])) if length else None
+    scale = values("controller/scale")
+    out["lr_decays"] = float(sum(b < a for a, b in zip(scale, scale[1:]))) if scale else None
+    times = values("time/step_s")
+    out["step_time_s"] = float(sum(times)) if times else None
+    steps = [int(r["step"]) for r in records if int(r.get("step", -1)) >= 0]
+    out["steps_done"] = float(max(steps) + 1) if steps else 0.0
+    return out
+
+
+def over_seeds(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    """mean, sample std (ddof=1; None for one value) and count of the values that exist."""
+    v = [float(x) for x in values if x is not None]
+    if not v:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else None, "n": len(v)}
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunResult:
+    """One run of a grid as the table sees it. `ok`: finished (reached its last step, exited 0) — only
+    those enter the statistics; `status` says what happened otherwise ("failed (exit 1)", …)."""
+
+    seed: int
+    run_dir: str
+    status: str
+    ok: bool
+    records: list[dict]
+    wall_s: float | None = None  # process wall time of the run (all attempts), when the harness ran it
+
+
+# Table columns: (key in the variant summary, header, format). Statistics come from `run_stats`.
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("val_final", "val acc final", ".3f"),
+    ("val_peak", "val acc peak", ".3f"),
+    ("greedy_final", "greedy final", ".3f"),
+    ("greedy_peak", "greedy peak", ".3f"),
+    ("collapse_step", "steps to collapse", ".0f"),
+    ("log_ppl_abs_diff_mean", "log_ppl_abs_diff mean", ".3g"),
+    ("log_ppl_abs_diff_max", "log_ppl_abs_diff max", ".3g"),
+    ("rho_std_mean", "ρ std mean", ".3g"),
+    ("length_start", "length start", ".1f"),
+    ("length_end", "length end", ".1f"),
+    ("lr_decays", "LR decays", ".1f"),
+    ("step_time_s", "Σ step time (s)", ".0f"),
+    ("wall_s", "wall (s)", ".0f"),
+)
+
+
+def summarize(variants: Mapping[str, Sequence[RunResult]], rule: CollapseRule) -> dict[str, Any]:
+    """{variant: {"runs": [...per-seed stats and status...], "summary": {stat: mean/std/n over ok seeds},
+    "ok": n, "collapsed": k}} — the content of table.json."""
+    out: dict[str, Any] = {}
+    for name, runs in variants.items():
+        rows, ok = [], []
+        for r in runs:
+            stats = {**run_stats(r.records, rule), "wall_s": r.wall_s} if r.records else {"wall_s": r.wall_s}
+            rows.append({"seed": r.seed, "run_dir": r.run_dir, "status": r.status, "ok": r.ok, "stats": stats})
+            if r.ok:
+                ok.append(stats)
+        summary = {key: over_seeds([s.get(key) for s in ok]) for key, _, _ in COLUMNS}
+        out[name] = {"runs": rows, "summary": summary, "ok": len(ok), "total": len(runs),
+                     "collapsed": int(sum(s.get("collapsed") or 0 for s in ok))}
+    return out
+
+
+def _cell(stat: Mapping[str, Any], fmt: str) -> str:
+    if stat["mean"] is None:
+        return "–"
+    text = format(stat["mean"], fmt)
+    return text if stat["std"] is None else f"{text} ± {format(stat['std'], fmt)}"
+
+
+def table_markdown(table: Mapping[str, Any], rule: CollapseRule) -> str:
+    """The Markdown table of `summarize`'s output, with the definitions it uses underneath."""
+    header = ["variant", "runs ok", "collapsed", *(h for _, h, _ in COLUMNS)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, v in table.items():
+        cells = [name, f"{v['ok']}/{v['total']}", f"{v['collapsed']}/{v['ok']}"]
+        cells += [_cell(v["summary"][key], fmt) for key, _, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Mean ± sample std over the finished seeds of each variant; per-run numbers over all of the "
+              f"run's steps. Collapse: the {rule.window}-point moving average of `{rule.metric}` falls below "
+              f"{rule.frac:g} × its running peak and stays below to the end (≥ {rule.patience} points); steps to "
+              f"collapse average the seeds that collapsed, – when none did. Length start/end: mean of "
+              f"`length/mean` over the first/last {EDGE_STEPS} steps. LR decays: steps that lowered "
+              "`controller/scale`. Σ step time: the sum of `time/step_s`; wall: the train process's wall time."]
+    problems = [f"- {name} seed {r['seed']}: {r['status']} ({r['run_dir']})"
+                for name, v in table.items() for r in v["runs"] if not r["ok"]]
+    if problems:
+        lines += ["", "Runs not in the statistics:", *problems]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(table: Mapping[str, Any], rule: CollapseRule, md_path: str, json_path: str,
+                extra: Mapping[str, Any] | None = None) -> str:
+    """Write table.md and table.json (`extra` goes into the JSON's top level); returns the Markdown."""
+    md = table_markdown(table, rule)
+    with open(md_path, "w") as f:
+        f.write(md)
+    with open(json_path, "w") as f:
+        json.dump({**(extra or {}), "collapse": dataclasses.asdict(rule), "variants": table}, f, indent=1)
+    return md

@@ -1,0 +1,104 @@
+"""`jaxrl-mismatch report RUN_DIR RUN_DIR ...`: several runs overlaid in the report's panels, one line per run;
+and the figure `compare` draws from the same function (mean line and min–max band over seeds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.image
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.report import plot
+from jaxrl_mismatch.runlog import RunWriter
+from jaxrl_mismatch.usage import UsageError
+
+
+def _run(run_dir: Path, reward: float, steps: int = 40) -> Path:
+    w = RunWriter(str(run_dir), tensorboard=False)
+    w.write(-1, {"val/accuracy": 0.2, "lr": 1e-3})
+    for s in range(steps):
+        w.write(s, {"reward/mean": reward + 0.01 * (s % 3), "mismatch/log_ppl_abs_diff": 1e-3 * (1 + s),
+                    "mismatch/rho_std": 0.1, "length/mean": 10.0 + s, "lr": 1e-3 * 0.99 ** s, "grad/norm": 0.5,
+                    **({"val/accuracy": reward, "val/greedy_accuracy": reward + 0.1} if s % 10 == 9 else {})})
+    w.close()
+    return run_dir
+
+
+def _has_color(png: Path, rgb: tuple[float, float, float], tol: float = 0.02) -> int:
+    """How many pixels of the PNG have (about) this colour."""
+    img = matplotlib.image.imread(str(png))[..., :3]
+    return int((np.abs(img - np.asarray(rgb)).max(axis=-1) < tol).sum())
+
+
+def test_overlay_of_two_run_dirs_draws_a_line_per_run(tmp_path, capsys):
+    a, b = _run(tmp_path / "runs" / "const", 0.3), _run(tmp_path / "runs" / "decay", 0.6)
+    out = tmp_path / "overlay.png"
+    assert plot.main([str(a), str(b), "--labels", "constant,decay", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    tab10 = plt.get_cmap("tab10").colors
+    # Both runs' lines are in the figure, in the first two colours of the cycle; no third line.
+    assert _has_color(out, tab10[0]) > 200 and _has_color(out, tab10[1]) > 200
+    assert _has_color(out, tab10[2]) == 0
+    # Default output: overlay.png in the runs' common parent, labels from their directory names.
+    assert plot.main([str(a), str(b)]) == 0
+    assert (tmp_path / "runs" / "overlay.png").stat().st_size > 10_000
+
+
+def test_overlay_groups_draw_a_band_over_seeds(tmp_path):
+    """A group of two seeds gets a shaded min–max band (alpha-blended colour) under its mean line; a group
+    of one run gets none."""
+    from jaxrl_mismatch.report.summary import series
+
+    seeds = [[{"step": s, "reward/mean": 0.2 + 0.4 * k} for s in range(10)] for k in range(2)]
+    single = [[{"step": s, "reward/mean": 0.9} for s in range(10)]]
+    out = tmp_path / "bands.png"
+    plot.plot_overlay({"two seeds": seeds, "one run": single}, str(out), panels=(("reward", ("reward/mean",), "linear"),))
+    tab10 = plt.get_cmap("tab10").colors
+    band = tuple(1 - 0.18 * (1 - c) for c in tab10[0])  # fill_between alpha 0.18 over white
+    band_single = tuple(1 - 0.18 * (1 - c) for c in tab10[1])
+    assert _has_color(out, band, tol=0.01) > 1000 and _has_color(out, band_single, tol=0.01) == 0
+    # The mean line of the seeds lies at the mean (0.4), between the band's edges 0.2 and 0.6.
+    steps, mean, lo, hi = plot._across([series(r, "reward/mean") for r in seeds])
+    assert steps == list(range(10)) and mean == pytest.approx([0.4] * 10) and lo == pytest.approx([0.2] * 10) and hi == pytest.approx([0.6] * 10)
+
+
+def test_across_uses_the_runs_that_reached_each_step():
+    steps, mean, lo, hi = plot._across([([0, 1, 2], [1.0, 2.0, 3.0]), ([0, 1], [3.0, 4.0])])
+    assert steps == [0, 1, 2] and mean == [2.0, 3.0, 3.0] and lo == [1.0, 2.0, 3.0] and hi == [3.0, 4.0, 3.0]
+
+
+def test_overlay_bad_arguments_are_one_line(tmp_path):
+    a, b = _run(tmp_path / "a", 0.3, steps=3), _run(tmp_path / "b", 0.4, steps=3)
+    with pytest.raises(UsageError, match="--labels: 1 labels for 2 run directories"):
+        plot.main([str(a), str(b), "--labels", "x"])
+    with pytest.raises(UsageError, match="--labels: labels must be distinct"):
+        plot.main([str(a), str(b), "--labels", "x,x"])
+    with pytest.raises(UsageError, match="only for an overlay"):
+        plot.main([str(a), "--labels", "x"])
+    with pytest.raises(UsageError, match="not a run directory"):
+        plot.main([str(a), str(tmp_path)])
+    with pytest.raises(UsageError, match="--out .*: its directory does not exist"):
+        plot.main([str(a), str(b), "--out", str(tmp_path / "no" / "x.png")])
+
+
+def test_single_run_report_is_unchanged(tmp_path):
+    a = _run(tmp_path / "a", 0.3)
+    assert plot.main([str(a)]) == 0
+    assert (a / "report.png").stat().st_size > 10_000
+
+
+def test_short_labels_tell_runs_apart():
+    assert plot._short_labels(["/x/const/seed_0", "/x/cosine/seed_0"]) == ["const/seed_0", "cosine/seed_0"]
+    assert plot._short_labels(["/x/a", "/y/b"]) == ["a", "b"]
+
+
+@pytest.mark.parametrize("entries, expected", [
+    (["val/accuracy"], [plot.PANELS[1]]),
+    (["grad/norm"], [plot.PANELS[4]]),  # a fallback name of a known panel picks that panel
+    (["policy/entropy"], [("policy/entropy", ("policy/entropy",), "linear")]),
+    ([{"metric": ["a", "b"], "title": "t", "scale": "log"}], [("t", ("a", "b"), "log")]),
+])
+def test_panels_from_spec(entries, expected):
+    assert list(plot.panels_from_spec(entries)) == expected
