@@ -8,8 +8,9 @@ its errors routed the same way (argparse itself prints a usage block and exits f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class UsageError(ValueError):
@@ -48,3 +49,23 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is outside 0-65535 (0 picks a free port)")
     return value
+
+
+def call_file_function(path: str, function: str, label: str, *args: Any) -> Any:
+    """`function(*args)` of the Python file `path` (a config or spec file); any failure to load or run it is
+    one UsageError starting with `label` (e.g. "--config FILE")."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{label}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
+    spec = importlib.util.spec_from_file_location(f"_jaxrl_file_{abs(hash(os.path.abspath(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        fn = getattr(module, function, None)
+        if fn is None:
+            raise UsageError(f"{label}: defines no {function}()")
+        return fn(*args)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a broken user file is bad input: one line naming it
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        raise UsageError(f"{label}: cannot load it{where}: {type(e).__name__}: {e}") from None

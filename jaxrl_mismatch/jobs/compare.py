@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import numbers
 import os
@@ -78,7 +77,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
-from jaxrl_mismatch.usage import ArgumentParser, UsageError
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, call_file_function
 
 PROG = "jaxrl-mismatch compare"
 SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "out", "metrics", "collapse")
@@ -152,21 +151,7 @@ def _overrides(path: str, field: str, d: Any) -> dict[str, Any]:
 def load_spec(path: str) -> Spec:
     """The spec of the Python file `path` (its `get_spec()`), checked field by field (not yet against the
     config: `validate_spec`). UsageError naming the field otherwise."""
-    if not os.path.isfile(path):
-        raise UsageError(f"spec {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
-    mod_spec = importlib.util.spec_from_file_location(f"_jaxrl_compare_spec_{abs(hash(os.path.abspath(path)))}", path)
-    module = importlib.util.module_from_spec(mod_spec)
-    try:
-        mod_spec.loader.exec_module(module)
-        get = getattr(module, "get_spec", None)
-        if get is None:
-            raise UsageError(f"spec {path}: defines no get_spec()")
-        d = get()
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a broken spec file is bad input: one line naming it
-        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
-        raise UsageError(f"spec {path}: cannot load it{where}: {type(e).__name__}: {e}") from None
+    d = call_file_function(path, "get_spec", f"spec {path}")
     if not isinstance(d, Mapping):
         raise UsageError(f"spec {path}: get_spec() returned {type(d).__name__}, not a dict")
     for key in d:

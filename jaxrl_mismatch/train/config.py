@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import difflib
-import importlib.util
 import math
 import os
 from typing import Any, Sequence
@@ -20,7 +19,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.usage import UsageError
+from jaxrl_mismatch.usage import UsageError, call_file_function
 
 
 class ConfigError(UsageError):
@@ -392,21 +391,7 @@ def load_config(path: str, overrides: Sequence[tuple[str, str]] = ()) -> ml_coll
     an open section (`OPEN_SECTIONS`) is parsed as a Python literal, else kept as a string.
     """
     file, _, arg = path.partition(":")
-    if not os.path.isfile(file):
-        raise UsageError(f"--config {file}: " + ("is a directory" if os.path.isdir(file) else "no such file"))
-    spec = importlib.util.spec_from_file_location(f"_jaxrl_config_{abs(hash(os.path.abspath(file)))}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-        get = getattr(module, "get_config", None)
-        if get is None:
-            raise UsageError(f"--config {file}: defines no get_config()")
-        c = get(arg) if arg else get()
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a broken config file is bad input: one line naming it
-        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
-        raise UsageError(f"--config {file}: cannot load it{where}: {type(e).__name__}: {e}") from None
+    c = call_file_function(file, "get_config", f"--config {file}", *([arg] if arg else []))
     if not isinstance(c, ml_collections.ConfigDict):
         raise UsageError(f"--config {file}: get_config() returned {type(c).__name__}, not an ml_collections.ConfigDict")
     for dotted, text in overrides:

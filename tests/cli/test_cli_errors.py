@@ -29,7 +29,8 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> No
         assert n in lines[0], (n, lines[0])
 
 
-@pytest.mark.parametrize("command", ["train", "serve", "report", "export", "warmstart", "perfectible"])
+@pytest.mark.parametrize("command", ["train", "serve", "report", "export", "compare", "analyze", "warmstart",
+                                     "perfectible"])
 def test_every_subcommand_has_a_working_help(command):
     out = cli(command, "--help")
     assert out.returncode == 0 and "Traceback" not in out.stderr
@@ -59,7 +60,9 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["train", "--config", CONFIG, "--bogus"], ["--bogus"]),
     (["train", "--config", CONFIG, "--config.steps"], ["--config.steps needs a value"]),
     (["report", "/tmp"], ["/tmp", "not a run directory"]),
-    (["report"], ["run_dir"]),
+    (["report"], ["RUN_DIR"]),
+    (["compare", "experiments/nope.py"], ["experiments/nope.py"]),
+    (["analyze", "bf16-softmax", "--vocab", "0", "--out", "/tmp/bf16sim"], ["--vocab"]),
     (["export", "/tmp", "--out", "/tmp/export_out"], ["RUN_DIR /tmp"]),
     (["serve", "--model", "/tmp", "--token-file", "/nonexistent/token"], ["--token-file /nonexistent/token"]),
     (["serve", "--model", "/tmp", "--port", "99999"], ["--port", "99999"]),
