@@ -1,0 +1,48 @@
+"""The experiments' CPU task: arithmetic RL where responses grow because longer reasoning pays.
+
+    jaxrl-mismatch train --config configs/arith_length_cpu.py
+
+Why: on the demo task responses stay ~18 tokens, so the LR paper's length-triggered decay never fires
+and nothing collapses. Here the warm start teaches the full scratchpad, then for its last 150 steps mostly the bare answer "#42",
+so the initial policy mostly answers at once and is mostly wrong (validation 8 %, ~8 tokens).
+RL discovers that writing the steps is what gets rewarded, and the mean response length rises several-fold
+during the run. The comparison specs in `experiments/` run this config under injected mismatch
+(`rollout.logit_noise_std`) with different LR schedules, corrections and precisions.
+"""
+
+from jaxrl_mismatch.train.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.run_dir = "runs/arith_length"
+    c.steps = 80
+    c.model.path = "runs/arith_length_base"
+    c.model.warmstart_if_missing = True
+    # 750 steps of full scratchpads, then 150 where 80 % of the targets are the bare answer.
+    c.model.warmstart_args = "--steps 900 --shortcut-prob 0.8 --shortcut-steps 150"
+
+    c.task.name = "arithmetic"
+    c.task.num_train = 20000
+    c.task.num_val = 128
+
+    c.rollout.group_size = 8
+    c.rollout.max_tokens = 48
+
+    c.batch.prompts_per_step = 16  # 128 completions per step
+    c.batch.max_oversample_rounds = 1
+    c.batch.minibatches = 2
+    c.batch.microbatches = 2
+
+    c.trainer.chunk_size = 64
+    # Measured (1 seed, 100 steps): 7e-4 learns (validation 0.08 → ~0.28) without injected mismatch and
+    # degrades below its start with rollout.logit_noise_std = 3; 1e-3 collapses even without mismatch.
+    c.optim.lr = 7e-4
+    c.optim.max_grad_norm = 1.0
+
+    c.objective.preset = "grpo"
+
+    c.eval.every = 10
+    c.eval.k = 2
+    c.checkpoint.every = 50
+    return c
