@@ -171,8 +171,9 @@ def test_hf_round_trip_scanned(tmp_path):
             assert np.array_equal(got[name], ref[name]), name
 
 
-def test_scanned_sharded_equals_one_device_and_wire_round_trip():
-    _, scanned = _pair()
+@pytest.mark.parametrize("impl", ["auto", "chunked"])
+def test_scanned_sharded_equals_one_device_and_wire_round_trip(impl):
+    _, scanned = _pair(attention_impl=impl, attention_block=4)
     graphdef, params, rest = nnx.split(scanned, nnx.Param, ...)
     tokens, mask = _batch(b=8)
 
