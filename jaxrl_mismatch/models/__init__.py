@@ -1,4 +1,4 @@
-"""Policy models: one decoder (Llama-3, Qwen2/2.5, Qwen3), log-probs, KV cache, HF checkpoint I/O.
+"""Policy models: one decoder (Llama-3, Qwen2/2.5, Qwen3, Qwen3-MoE), log-probs, KV cache, HF checkpoint I/O.
 
 See docs/contracts.md for the parameter paths and function signatures other packages rely on.
 """
@@ -8,6 +8,7 @@ from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxrl_mismatch.models.hf_io import check_tokenizer, hf_to_params, load_hf, params_to_hf, save_hf
 from jaxrl_mismatch.models.kv_cache import KVCache, decode_step, init_cache, prefill
 from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
+from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
 from jaxrl_mismatch.models.model import REMAT_POLICIES, Transformer, positions_from_mask, positions_from_segments
 
 __all__ = [
@@ -16,11 +17,13 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "KVCache",
     "ModelConfig",
+    "RouterOutput",
     "Transformer",
     "check_tokenizer",
     "decode_step",
     "hf_to_params",
     "init_cache",
+    "load_balancing_loss",
     "load_hf",
     "logprobs_from_hidden",
     "params_to_hf",

@@ -7,6 +7,12 @@ One decoder covers the three families people fine-tune with RL; they differ only
 | `LlamaForCausalLM`  | no         | no                   | llama3 or none |
 | `Qwen2ForCausalLM`  | yes        | no                   | none         |
 | `Qwen3ForCausalLM`  | no         | yes                  | none         |
+| `Qwen3MoeForCausalLM` | no       | yes                  | none         |
+
+`Qwen3MoeForCausalLM` (Qwen3 technical report, 2025, §2) replaces the SwiGLU MLP of its sparse layers by
+`num_experts` SwiGLU experts of width `moe_intermediate_size` behind a top-`num_experts_per_tok` softmax
+router (`models/moe.py`); a layer is sparse iff it is not in `mlp_only_layers` and
+`(layer + 1) % decoder_sparse_step == 0` (HF's rule), the others keep a dense MLP of `intermediate_size`.
 
 Anything outside that set (another architecture, sliding-window attention, an MLP bias, another RoPE
 scaling type) is refused here with an error naming the field, rather than silently computing a
@@ -20,8 +26,10 @@ import json
 import os
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "Qwen3MoeForCausalLM": "qwen3_moe"}
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -44,6 +52,14 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projection biases (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     max_position_embeddings: int
+    # Mixture of experts (Qwen3MoeForCausalLM; 0 experts = every layer dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k of the router
+    moe_intermediate_size: int = 0  # width of one expert's SwiGLU
+    norm_topk_prob: bool = False  # renormalise the k selected router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001  # HF's coefficient, kept for to_hf (the trainer's is objective.router_aux_coef)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,12 +73,44 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.architecture == "Qwen3MoeForCausalLM":
+            if self.num_experts < 1:
+                raise ValueError(f"num_experts={self.num_experts} must be >= 1 for {self.architecture}")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                                 f"{self.num_experts}]")
+            if self.moe_intermediate_size < 1:
+                raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+            if self.decoder_sparse_step < 1:
+                raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+            if bad:
+                raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)}: layer {bad[0]} is outside "
+                                 f"[0, num_hidden_layers={self.num_hidden_layers})")
+        elif self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts}: experts need architecture Qwen3MoeForCausalLM, "
+                             f"got {self.architecture}")
 
     def __hash__(self) -> int:
         # The config rides in the model's static graph definition, which jit hashes; the dict field
         # would make the generated hash fail.
         items = tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         return hash(tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in items))
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has the mixture-of-experts block (HF `Qwen3MoeDecoderLayer`'s rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Indices of the sparse (MoE) layers, in order: the `layers` axis of routing arrays."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i))
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.sparse_layers)
 
     @property
     def q_per_kv(self) -> int:
@@ -89,6 +137,21 @@ class ModelConfig:
         _refuse_unsupported_features(d, arch)
         theta, scaling = _rope_settings(d)
         heads = int(d["num_attention_heads"])
+        moe = {}
+        if arch == "Qwen3MoeForCausalLM":
+            if "num_experts" not in d and "num_local_experts" in d:  # transformers 5 writes this spelling
+                d = {**d, "num_experts": d["num_local_experts"]}
+            missing = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size") if k not in d]
+            if missing:
+                raise ValueError(f"config.json of {arch} is missing {', '.join(missing)}")
+            moe = dict(
+                num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+            )
         return cls(
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
@@ -103,8 +166,9 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QK_NORM,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            **moe,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -135,8 +199,13 @@ class ModelConfig:
         }
         if self.architecture == "LlamaForCausalLM":
             out.update(attention_bias=False, mlp_bias=False)
-        elif self.architecture == "Qwen3ForCausalLM":
+        elif self.architecture in _QK_NORM:
             out.update(attention_bias=False, use_sliding_window=False)
+            if self.architecture == "Qwen3MoeForCausalLM":
+                out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                           moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                           decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                           router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
         else:
             out.update(use_sliding_window=False)
         return out

@@ -12,10 +12,17 @@ engine or vLLM applies them exactly like a checkpoint.
 Both layer layouts of `Transformer` use the same per-layer HF names: a stacked parameter of the scanned
 layout (`layers/attn/q_proj/kernel`, `[L, ...]`) is read from, and written as, the L tensors
 `model.layers.{i}.self_attn.q_proj.weight`, one stacked parameter on the host at a time.
+
+Mixture-of-experts weights are stacked over experts here (`layers/{i}/mlp/experts/gate_proj`, `[E, D, F]`)
+and one tensor per expert in HF checkpoints (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, `[F, D]`;
+transformers 5 fuses them on load and splits them again on save), so such a parameter is read from, and
+written as, its E slices (L × E in the scanned layout); the router `layers/{i}/mlp/router/kernel` `[D, E]` is
+`model.layers.{i}.mlp.gate.weight` `[E, D]`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -36,6 +43,8 @@ from jaxrl_mismatch.models.model import Transformer
 from jaxrl_mismatch.models.sharding import stacked_layer_param
 from jaxrl_mismatch.precision import DTypePolicy
 
+_EXPERT_STACK = re.compile(r"layers/\d+/mlp/experts/(gate|up|down)_proj")
+
 # (our parameter path, HF tensor name template, transposed?) — linear kernels are [in, out] here and
 # [out, in] in torch.
 _RULES: tuple[tuple[re.Pattern, str, bool], ...] = tuple(
@@ -48,6 +57,10 @@ _RULES: tuple[tuple[re.Pattern, str, bool], ...] = tuple(
         (r"layers/(\d+)/attn/([qkv])_proj/bias", "model.layers.{0}.self_attn.{1}_proj.bias", False),
         (r"layers/(\d+)/attn/([qk])_norm/scale", "model.layers.{0}.self_attn.{1}_norm.weight", False),
         (r"layers/(\d+)/mlp/(gate|up|down)_proj/kernel", "model.layers.{0}.mlp.{1}_proj.weight", True),
+        (r"layers/(\d+)/mlp/router/kernel", "model.layers.{0}.mlp.gate.weight", True),
+        # One expert's slice of a stacked expert parameter (`_slices`): .../experts/gate_proj/{e}.
+        (r"layers/(\d+)/mlp/experts/(gate|up|down)_proj/(\d+)", "model.layers.{0}.mlp.experts.{2}.{1}_proj.weight",
+         True),
         (r"final_norm/scale", "model.norm.weight", False),
         (r"lm_head/kernel", "lm_head.weight", True),
     )
@@ -64,6 +77,17 @@ def hf_name(path: str) -> tuple[str, bool]:
         if m:
             return template.format(*m.groups()), transposed
     raise ValueError(f"parameter {path!r} has no Hugging Face name mapping")
+
+
+def _slices(path: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(per-tensor path, index into the parameter) of every HF tensor one parameter holds: itself; its L layers
+    (scanned layout); its E experts (stacked expert weights); or L × E of them."""
+    inner = stacked_layer_param(path)
+    if inner is not None:
+        return [(p, (i, *idx)) for i in range(shape[0]) for p, idx in _slices(f"layers/{i}/{inner}", shape[1:])]
+    if _EXPERT_STACK.fullmatch(path):
+        return [(f"{path}/{e}", (e,)) for e in range(shape[0])]
+    return [(path, ())]
 
 
 def param_path(keys) -> str:
@@ -118,13 +142,13 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_p
     def place(keys, leaf):
         path = param_path(keys)
         shape = tuple(leaf.shape)
-        inner = stacked_layer_param(path)
-        if inner is None:
+        parts = _slices(path, shape)
+        if parts == [(path, ())]:
             x = read(path, shape, leaf.dtype)
-        else:  # scanned layout: L per-layer tensors into one [L, ...] host array
+        else:  # scanned layers and/or stacked experts: one host array filled tensor by tensor
             x = np.empty(shape, dtype=leaf.dtype)
-            for i in range(shape[0]):
-                x[i] = read(f"layers/{i}/{inner}", shape[1:], leaf.dtype)
+            for part, idx in parts:
+                x[idx] = read(part, shape[len(idx):], leaf.dtype)
         sharding = getattr(leaf, "sharding", None)
         return jax.device_put(np.ascontiguousarray(x), sharding)
 
@@ -138,30 +162,50 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_p
     return params
 
 
-class _LayerSlice:
-    """Layer `i` of a stacked parameter, fetched from the device only when written (`_to_host`)."""
+class _Block:
+    """`leaf[prefix]` fetched from the device once for the `count` slices that read it, then dropped."""
 
-    def __init__(self, stacked, i: int):
-        self.stacked, self.i = stacked, i
-        self.shape, self.dtype = tuple(stacked.shape[1:]), stacked.dtype
+    def __init__(self, leaf, prefix: tuple[int, ...], count: int):
+        self.leaf, self.prefix, self.left, self.data = leaf, prefix, count, None
+
+    def take(self, rest: tuple[int, ...]) -> np.ndarray:
+        if self.data is None:
+            self.data = np.asarray(jax.device_get(self.leaf[self.prefix] if self.prefix else self.leaf))
+        out = self.data[rest] if rest else self.data
+        self.left -= 1
+        if self.left == 0:
+            self.data = None
+        return out
+
+
+class _LayerSlice:
+    """One HF tensor inside a stacked parameter (a layer and/or an expert), fetched only when written
+    (`_to_host`); the slices of one layer share a `_Block`, so a layer's experts cross to the host at once."""
+
+    def __init__(self, stacked, idx: tuple[int, ...], block: _Block):
+        self.idx, self.block = idx, block
+        self.shape, self.dtype = tuple(stacked.shape[len(idx):]), stacked.dtype
 
     def fetch(self) -> np.ndarray:
-        return np.asarray(jax.device_get(self.stacked[self.i]))
+        return self.block.take(self.idx[len(self.block.prefix):])
 
 
 def _iter_hf(params: PyTree) -> Iterator[tuple[str, str, bool, Any]]:
-    """(HF name, our path, transposed?, leaf or `_LayerSlice`) of every HF tensor, per layer in both layouts."""
+    """(HF name, our path, transposed?, leaf or `_LayerSlice`) of every HF tensor, per layer and expert."""
     for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
         path = param_path(keys)
-        inner = stacked_layer_param(path)
-        if inner is None:
+        parts = _slices(path, tuple(leaf.shape))
+        if parts == [(path, ())]:
             name, transposed = hf_name(path)
             yield name, path, transposed, leaf
             continue
-        for i in range(leaf.shape[0]):
-            layer_path = f"layers/{i}/{inner}"
-            name, transposed = hf_name(layer_path)
-            yield name, layer_path, transposed, _LayerSlice(leaf, i)
+        width = 1 if stacked_layer_param(path) is not None else 0  # one block per layer, else the whole leaf
+        counts = collections.Counter(idx[:width] for _, idx in parts)
+        blocks = {prefix: _Block(leaf, prefix, n) for prefix, n in counts.items()}
+        for part, idx in parts:
+            prefix = idx[:width]
+            name, transposed = hf_name(part)
+            yield name, part, transposed, _LayerSlice(leaf, idx, blocks[prefix])
 
 
 def hf_tensor_shapes(params: PyTree) -> dict[str, tuple[tuple[int, ...], Any]]:

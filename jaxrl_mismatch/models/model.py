@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama-3, Qwen2/2.5, Qwen3) as a `flax.nnx` module.
+"""Decoder-only transformer (Llama-3, Qwen2/2.5, Qwen3, Qwen3-MoE) as a `flax.nnx` module.
 
 Numerics follow the Hugging Face PyTorch reference so that π computed here and μ computed by an
 inference engine on the same weights differ only by the precision policy, never by a formula:
@@ -18,6 +18,12 @@ default) or, with `scan_layers=True`, one `Block` with stacked `[L, ...]` parame
 (paths `layers/...`), so compile time and program size do not grow with depth. Both layouts map to the
 same per-layer HF tensor names (`hf_io`) and sharding rules (`sharding`: a stacked leaf gets its layer's
 spec with the layer axis replicated), so checkpoints and weight sync do not see the difference.
+
+Mixture of experts (`Qwen3MoeForCausalLM`): each block holds a dense `MLP` or a `moe.SparseMoE` as
+`cfg.is_sparse_layer` says. The forwards that return routing (`forward_routed`, `forward_prefill_routed`,
+`forward_cached_routed`) also give a `moe.RouterOutput` over the sparse layers, and every full-sequence
+forward takes `routing` (`[B, S, sparse layers, k]` expert ids) to replay a routing (moe.py). Scanned layers
+need all layers of one kind (Qwen3-30B-A3B: all sparse); a mix is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch.models.attention import DEFAULT_BLOCK, cached_attention, check_impl, matmul_precision, self_attention
 from jaxrl_mismatch.models.config import ModelConfig
+from jaxrl_mismatch.models.moe import RouterOutput, SparseMoE, from_scan, stack_layers
 from jaxrl_mismatch.precision import DTypePolicy
 
 _INIT = nnx.initializers.normal(0.02)  # HF's `initializer_range` default, for freshly built models
@@ -199,24 +206,35 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + Attn(norm(x)), then x + MLP(norm(x))."""
+    """Pre-norm decoder block: x + Attn(norm(x)), then x + MLP(norm(x)) (MLP: dense or `SparseMoE`).
 
-    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs):
+    Calls return `(x, kv or cache, router)`; `router` is this layer's `RouterOutput` (sparse) or None."""
+
+    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs, *, sparse: bool = False):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         self.attn = Attention(cfg, policy, rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
-        self.mlp = MLP(cfg, policy, rngs)
+        self.sparse = bool(sparse)
+        self.mlp = SparseMoE(cfg, policy, rngs) if sparse else MLP(cfg, policy, rngs)
 
-    def __call__(self, x, positions, segment_ids, inv_freq, **attn_kw):
+    def _ffn(self, x, valid, forced, mesh):
+        if self.sparse:
+            return self.mlp(x, valid, forced, mesh)
+        return self.mlp(x), None
+
+    def __call__(self, x, positions, segment_ids, inv_freq, *, forced=None, mesh=None, **attn_kw):
         h, kv = self.attn(self.input_norm(x), positions, segment_ids, inv_freq, **attn_kw)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x)), kv
+        m, router = self._ffn(self.post_attn_norm(x), segment_ids > 0, forced, mesh)
+        return x + m, kv, router
 
     def decode(self, x, positions, inv_freq, cache_k, cache_v, key_mask, index, layer, *, block: int):
         h, cache_k, cache_v = self.attn.decode(self.input_norm(x), positions, inv_freq, cache_k, cache_v, key_mask,
                                                index, layer, block=block)
         x = x + h
-        return x + self.mlp(self.post_attn_norm(x)), cache_k, cache_v
+        valid = jnp.ones(x.shape[:2], bool)
+        m, router = self._ffn(self.post_attn_norm(x), valid, None, None)
+        return x + m, cache_k, cache_v, router
 
 
 def _stacked_blocks(cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs) -> Block:
@@ -225,7 +243,14 @@ def _stacked_blocks(cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs) -> Bl
     The blocks are drawn one after the other from the same `rngs` as the unrolled model draws them, then
     stacked, so a scanned and an unrolled model built from the same seed hold the same weights.
     """
-    blocks = [Block(cfg, policy, rngs) for _ in range(cfg.num_hidden_layers)]
+    kinds = {cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers)}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"scan_layers=True needs every layer of one kind, but this {cfg.architecture} mixes dense and sparse "
+            f"layers (sparse: {list(cfg.sparse_layers)}; mlp_only_layers={list(cfg.mlp_only_layers)}, "
+            f"decoder_sparse_step={cfg.decoder_sparse_step}); use scan_layers=False")
+    sparse = kinds.pop()
+    blocks = [Block(cfg, policy, rngs, sparse=sparse) for _ in range(cfg.num_hidden_layers)]
     graphdef = nnx.graphdef(blocks[0])
     states = [nnx.state(b) for b in blocks]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
@@ -243,11 +268,15 @@ class Transformer(nnx.Module):
       attention_block: query rows per block of the chunked attention.
       remat: per-block rematerialisation of the training forward, `REMAT_POLICIES` or a bool (True = "full").
         It can be reassigned after construction (the exact scorer keeps "none").
+      mesh: the device mesh the parameters live on, or None. Only MoE layers use it: their expert FFN then
+        runs under `shard_map` with expert parallelism (`models/moe.py`). Set by `load_hf(..., mesh=)` and
+        `sharding.shard_model`; assignable.
     """
 
     def __init__(
         self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs | None = None, *, scan_layers: bool = False,
         attention_impl: str = "auto", attention_block: int = DEFAULT_BLOCK, remat: bool | str = "none",
+        mesh: jax.sharding.Mesh | None = None,
     ):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.cfg, self.policy = cfg, policy
@@ -257,6 +286,7 @@ class Transformer(nnx.Module):
             raise ValueError(f"attention_block must be >= 1, got {attention_block}")
         self.attention_block = int(attention_block)
         self.remat = remat_policy_name(remat)
+        self.mesh = mesh
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=policy.compute_dtype, param_dtype=policy.param_dtype,
             embedding_init=_INIT, rngs=rngs,
@@ -264,7 +294,8 @@ class Transformer(nnx.Module):
         if self.scan_layers:
             self.layers = _stacked_blocks(cfg, policy, rngs)
         else:
-            self.layers = nnx.List([Block(cfg, policy, rngs) for _ in range(cfg.num_hidden_layers)])
+            self.layers = nnx.List([Block(cfg, policy, rngs, sparse=cfg.is_sparse_layer(i))
+                                    for i in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, policy, rngs, dtype=policy.logits_dtype)
@@ -277,20 +308,38 @@ class Transformer(nnx.Module):
         *,
         segment_ids: Int[Array, "batch seq"] | None = None,
         attention_impl: str | None = None,
+        routing: Int[Array, "batch seq sparse_layers k"] | None = None,
     ) -> Float[Array, "batch seq hidden"]:
         """Final-normed hidden states under a causal mask that also hides padded keys.
 
         `segment_ids` (packed rows: 0 on padding, k ≥ 1 on the k-th sequence of the row) replaces
         `attention_mask` when given: a token then sees only earlier tokens of its own sequence, and
         `positions` should count from 0 within each sequence (`positions_from_segments`).
-        `attention_impl` overrides the model's choice for this call.
+        `attention_impl` overrides the model's choice for this call. `routing` (MoE only) replays expert ids.
         """
+        return self.forward_routed(input_ids, positions, attention_mask, segment_ids=segment_ids,
+                                   attention_impl=attention_impl, routing=routing)[0]
+
+    def forward_routed(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"],
+        attention_mask: Int[Array, "batch seq"] | None,
+        *,
+        segment_ids: Int[Array, "batch seq"] | None = None,
+        attention_impl: str | None = None,
+        routing: Int[Array, "batch seq sparse_layers k"] | None = None,
+    ) -> tuple[Float[Array, "batch seq hidden"], RouterOutput | None]:
+        """`__call__` that also returns what the routers did (`moe.RouterOutput`; None for dense models).
+
+        `routing[b, t, j]` forces the k experts of input token t in the j-th sparse layer (routing replay:
+        the gate weights are the current router's probabilities over them, `moe.route`)."""
         packed = segment_ids is not None
         seg = (segment_ids if packed else attention_mask).astype(jnp.int32)
         kw = dict(impl=self.attention_impl if attention_impl is None else check_impl(attention_impl),
                   packed=packed, block=self.attention_block)
-        hidden, _ = self._full(self.embed(input_ids), positions, seg, kw, collect_kv=False)
-        return hidden
+        hidden, _, router = self._full(self.embed(input_ids), positions, seg, kw, collect_kv=False, routing=routing)
+        return hidden, router
 
     def forward_prefill(
         self, input_ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"],
@@ -298,6 +347,14 @@ class Transformer(nnx.Module):
     ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array]]:
         """`__call__` that also returns every layer's keys and values (after RoPE), stacked
         `[layers, batch, seq, kv_heads, head_dim]`: what `kv_cache.prefill` writes into an empty cache."""
+        hidden, kv, _ = self.forward_prefill_routed(input_ids, positions, attention_mask)
+        return hidden, kv
+
+    def forward_prefill_routed(
+        self, input_ids: Int[Array, "batch seq"], positions: Int[Array, "batch seq"],
+        attention_mask: Int[Array, "batch seq"],
+    ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array], RouterOutput | None]:
+        """`forward_prefill` plus the prompt's `RouterOutput` (None for dense models)."""
         kw = dict(impl=self.attention_impl, packed=False, block=self.attention_block)
         return self._full(self.embed(input_ids), positions, attention_mask.astype(jnp.int32), kw, collect_kv=True)
 
@@ -317,6 +374,20 @@ class Transformer(nnx.Module):
         `key_mask` marks the valid cache slots *including* the ones written now; query at slot index+i
         sees valid slots ≤ index+i, read in blocks of `block` up to the filled length only.
         """
+        return self.forward_cached_routed(input_ids, positions, cache_k, cache_v, key_mask, index, block=block)[:3]
+
+    def forward_cached_routed(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        positions: Int[Array, "batch seq"],
+        cache_k: Float[Array, "layers batch cache_len kv_heads head_dim"],
+        cache_v: Float[Array, "layers batch cache_len kv_heads head_dim"],
+        key_mask: Bool[Array, "batch cache_len"],
+        index: Int[Array, ""],
+        *,
+        block: int,
+    ) -> tuple[Float[Array, "batch seq hidden"], Array, Array, RouterOutput | None]:
+        """`forward_cached` plus the new tokens' `RouterOutput` (None for dense models)."""
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed(input_ids)
         args = (positions, inv_freq)
@@ -326,49 +397,70 @@ class Transformer(nnx.Module):
             def body(carry, xs):
                 h, ck, cv = carry
                 layer_state, i = xs
-                h, ck, cv = nnx.merge(graphdef, layer_state).decode(h, *args, ck, cv, key_mask, index, i, block=block)
-                return (h, ck, cv), None
+                h, ck, cv, r = nnx.merge(graphdef, layer_state).decode(h, *args, ck, cv, key_mask, index, i,
+                                                                       block=block)
+                return (h, ck, cv), r
 
             layer_ids = jnp.arange(self.cfg.num_hidden_layers, dtype=jnp.int32)
-            (x, cache_k, cache_v), _ = jax.lax.scan(body, (x, cache_k, cache_v), (state, layer_ids))
+            (x, cache_k, cache_v), rs = jax.lax.scan(body, (x, cache_k, cache_v), (state, layer_ids))
+            router = None if rs is None else from_scan(rs)
         else:
+            outs = []
             for i, layer in enumerate(self.layers):
-                x, cache_k, cache_v = layer.decode(x, *args, cache_k, cache_v, key_mask, index, i, block=block)
-        return self.final_norm(x), cache_k, cache_v
+                x, cache_k, cache_v, r = layer.decode(x, *args, cache_k, cache_v, key_mask, index, i, block=block)
+                if r is not None:
+                    outs.append(r)
+            router = stack_layers(outs) if outs else None
+        return self.final_norm(x), cache_k, cache_v, router
 
-    def _full(self, x, positions, seg, attn_kw, *, collect_kv: bool):
+    def _full(self, x, positions, seg, attn_kw, *, collect_kv: bool, routing=None):
         inv_freq = rope_inv_freq(self.cfg)
         policy = "none" if collect_kv else remat_policy_name(self.remat)  # prefill is never differentiated
+        mesh = self.mesh
+        if routing is not None:
+            want = (len(self.cfg.sparse_layers), self.cfg.num_experts_per_tok)
+            if not self.cfg.is_moe or tuple(routing.shape[2:]) != want or routing.shape[:2] != x.shape[:2]:
+                raise ValueError(f"routing has shape {tuple(routing.shape)}; this {self.cfg.architecture} model needs "
+                                 f"[batch, seq, sparse layers, k] = {x.shape[:2] + want}")
 
-        def run(block: Block, h):
-            h, kv = block(h, positions, seg, inv_freq, **attn_kw)
-            return h, (kv if collect_kv else None)
+        def run(block: Block, h, forced):
+            h, kv, r = block(h, positions, seg, inv_freq, forced=forced, mesh=mesh, **attn_kw)
+            return h, (kv if collect_kv else None), r
 
         if self.scan_layers:
             graphdef, state = nnx.split(self.layers)
+            forced_xs = None if routing is None else jnp.moveaxis(routing, 2, 0)
 
-            def body(h, layer_state):
-                return run(nnx.merge(graphdef, layer_state), h)
+            def body(h, xs):
+                layer_state, forced = xs
+                h, kv, r = run(nnx.merge(graphdef, layer_state), h, forced)
+                return h, (kv, r)
 
             if policy != "none":
                 body = jax.checkpoint(body, policy=_checkpoint_policy(policy), prevent_cse=False)
-            x, kvs = jax.lax.scan(body, x, state)
-            return self.final_norm(x), kvs
-        kvs = []
+            x, (kvs, rs) = jax.lax.scan(body, x, (state, forced_xs))
+            return self.final_norm(x), kvs, (None if rs is None else from_scan(rs))
+        kvs, outs = [], []
         for layer in self.layers:
+            forced = None
+            if routing is not None and layer.sparse:
+                forced = routing[:, :, len(outs)]
             if policy == "none":
-                x, kv = run(layer, x)
+                x, kv, r = run(layer, x, forced)
             else:  # one recompute region per block
                 graphdef, state = nnx.split(layer)
 
-                def block_fn(state, h, graphdef=graphdef):
-                    return run(nnx.merge(graphdef, state), h)
+                def block_fn(state, h, forced, graphdef=graphdef):
+                    return run(nnx.merge(graphdef, state), h, forced)
 
-                x, kv = jax.checkpoint(block_fn, policy=_checkpoint_policy(policy))(state, x)
+                x, kv, r = jax.checkpoint(block_fn, policy=_checkpoint_policy(policy))(state, x, forced)
             kvs.append(kv)
+            if r is not None:
+                outs.append(r)
+        router = stack_layers(outs) if outs else None
         if not collect_kv:
-            return self.final_norm(x), None
-        return self.final_norm(x), (jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs]))
+            return self.final_norm(x), None, router
+        return self.final_norm(x), (jnp.stack([k for k, _ in kvs]), jnp.stack([v for _, v in kvs])), router
 
     def logits(self, hidden: Float[Array, "... hidden"]) -> Float[Array, "... vocab"]:
         """LM head in `policy.logits_dtype` (tied: hidden · embeddingᵀ)."""

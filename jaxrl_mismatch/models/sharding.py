@@ -4,11 +4,16 @@ Sharding is declared here, by a regex table over the parameter paths fixed in ``
 and nowhere in the model code (the big_vision way): the model stays a plain single-device module and
 the same rules serve checkpoint loading (``hf_io``), the jitted train step and the rollout engine.
 
-Mesh axes, always all three and always in this order:
+Mesh axes, always ``data``, ``fsdp``, ``tensor`` and, when the mesh config names it, ``expert`` (before
+``tensor``), in this order:
 
 - ``data``: pure data parallelism; parameters are replicated over it.
 - ``fsdp``: parameters *and* the batch are split over it (ZeRO-3 style); XLA all-gathers a weight
   just before its matmul and reduce-scatters its gradient.
+- ``expert``: expert parallelism for mixture-of-experts layers (``models/moe.py``). Expert weights
+  ``[E, ...]`` are split over it on E; everything else is replicated over it and the batch is split over
+  it, so outside the expert FFN it acts as a data axis. A rule naming ``expert`` on a mesh without the axis
+  is read as replicated.
 - ``tensor``: Megatron tensor parallelism. Column-parallel kernels (q/k/v/gate/up, ``[in, out]``)
   split their output features, row-parallel kernels (o/down) split their input features, so an
   attention or MLP block needs a single all-reduce at its output.
@@ -34,6 +39,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+OPTIONAL_AXES: tuple[str, ...] = ("expert",)  # present only when the mesh config names them
+_AXIS_ORDER: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 
 # One entry per tensor dimension (spelled out in full, see DESIGN.md "Sharding"). Paths are the
 # "/"-joined keys of `nnx.state(model, nnx.Param)`; `\d+` is the layer index.
@@ -55,6 +62,11 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"final_norm/scale", (None,)),
     # [D, V]: vocab-parallel LM head; logits come out sharded over `tensor` on the vocab axis.
     (r"lm_head/kernel", ("fsdp", "tensor")),
+    # Mixture of experts: the router [D, E] is small (every device routes its own tokens); expert weights
+    # [E, D, F] / [E, F, D] split E over `expert` and are column / row parallel inside each expert.
+    (_LAYER + r"mlp/router/kernel", ("fsdp", None)),
+    (_LAYER + r"mlp/experts/(gate|up)_proj", ("expert", "fsdp", "tensor")),
+    (_LAYER + r"mlp/experts/down_proj", ("expert", "tensor", "fsdp")),
 )
 _COMPILED_RULES = tuple((re.compile(pattern), spec) for pattern, spec in PARAM_RULES)
 # Scanned layers (`Transformer(scan_layers=True)`): one stacked leaf per block parameter, path without the
@@ -69,9 +81,11 @@ def stacked_layer_param(path: str) -> str | None:
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build a ``Mesh`` with axes ``("data", "fsdp", "tensor")`` from sizes such as ``{"data": -1}``.
+    """Build a ``Mesh`` with axes ``("data", "fsdp", "tensor")`` from sizes such as ``{"data": -1}``, or
+    ``("data", "fsdp", "expert", "tensor")`` when ``axes`` names ``expert``.
 
-    Axes left out have size 1, so every ``PartitionSpec`` in this module is valid on every mesh.
+    Axes left out have size 1 (``expert`` is then absent), so every ``PartitionSpec`` in this module is
+    valid on every mesh (``param_partition_spec`` reads ``expert`` on a mesh without it as replicated).
     Exactly one size may be ``-1``, meaning "all devices not used by the other axes". The product of
     the sizes must equal the number of devices: silently using a subset would leave accelerators idle
     and make the global batch size differ from what the config says.
@@ -87,10 +101,11 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     devices = list(jax.devices() if devices is None else devices)
     n_devices = len(devices)
     config = dict(axes)
-    unknown = sorted(set(config) - set(MESH_AXES))
+    unknown = sorted(set(config) - set(MESH_AXES) - set(OPTIONAL_AXES))
     if unknown:
-        raise ValueError(f"mesh config {config}: unknown axis {unknown}; valid axes are {MESH_AXES}")
-    sizes = {name: config.get(name, 1) for name in MESH_AXES}
+        raise ValueError(f"mesh config {config}: unknown axis {unknown}; valid axes are {_AXIS_ORDER}")
+    names = tuple(a for a in _AXIS_ORDER if a in MESH_AXES or a in config)
+    sizes = {name: config.get(name, 1) for name in names}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
             raise ValueError(f"mesh config {config}: axis {name!r} has size {size!r}; use a positive int or -1")
@@ -105,10 +120,10 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
                 f"the {n_devices} available devices, so {rest[0]!r}=-1 has no integer size"
             )
         sizes[rest[0]] = n_devices // fixed
-    shape = tuple(int(sizes[name]) for name in MESH_AXES)
+    shape = tuple(int(sizes[name]) for name in names)
     if math.prod(shape) != n_devices:
         raise ValueError(
-            f"mesh config {config} needs {math.prod(shape)} devices (shape {dict(zip(MESH_AXES, shape))}) "
+            f"mesh config {config} needs {math.prod(shape)} devices (shape {dict(zip(names, shape))}) "
             f"but {n_devices} devices are available"
         )
     try:
@@ -117,7 +132,7 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     except (ValueError, NotImplementedError, AssertionError):
         # An explicit device subset that the topology helper cannot lay out: keep the given order.
         device_array = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(device_array, MESH_AXES)
+    return Mesh(device_array, names)
 
 
 def param_partition_spec(path: str, shape: Sequence[int], mesh: Mesh | None = None) -> P:
@@ -160,7 +175,7 @@ def param_partition_spec(path: str, shape: Sequence[int], mesh: Mesh | None = No
         return P(*spec)
     resolved = []
     for axis, dim in zip(spec, shape):
-        if axis is not None and dim % mesh.shape[axis] != 0:
+        if axis is not None and (axis not in mesh.shape or dim % mesh.shape[axis] != 0):
             axis = None
         resolved.append(axis)
     return P(*resolved)
@@ -206,15 +221,21 @@ def param_specs(params: PyTree, mesh: Mesh | None = None) -> PyTree:
     )
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch dimension is split over: ``data``, ``fsdp`` and ``expert`` when present."""
+    return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding of a ``[batch, seq, ...]`` array: batch over ``data`` and ``fsdp``, the rest replicated.
+    """Sharding of a ``[batch, seq, ...]`` array: batch over ``data`` and ``fsdp`` (and ``expert`` when the
+    mesh has it), the rest replicated.
 
     FSDP shards the batch too (each fsdp rank computes on its own examples with gathered weights), so
-    the batch dimension is split over both axes and the global batch must divide by data×fsdp.
+    the batch dimension is split over both axes and the global batch must divide by data×fsdp(×expert).
     """
     if ndim < 1:
         raise ValueError(f"batch_sharding needs ndim >= 1, got {ndim}")
-    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+    return NamedSharding(mesh, P(batch_axes(mesh), *([None] * (ndim - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -231,4 +252,6 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.device_put(params, param_shardings(params, mesh)))
+    if hasattr(model, "mesh"):  # a Transformer: its MoE layers dispatch experts over this mesh (models/moe.py)
+        model.mesh = mesh
     return model

@@ -114,7 +114,7 @@ def test_make_mesh_on_given_devices():
         ({"data": -1, "tensor": -1}, r"only one axis may be -1"),
         ({"data": 0, "fsdp": -1}, r"axis 'data' has size 0"),
         ({"data": 2.0, "fsdp": -1}, r"axis 'data' has size 2.0"),
-        ({"data": -1, "expert": 1}, r"unknown axis \['expert'\]"),
+        ({"data": -1, "pipeline": 1}, r"unknown axis \['pipeline'\]"),  # "expert" is an axis since issue 11
     ],
 )
 def test_make_mesh_bad_config_names_config_and_devices(config, match):
