@@ -119,12 +119,28 @@ def weight_chunks(
             yield rollout_pb2.WeightChunk(offset=off, data=raw[off : off + chunk_bytes].tobytes(), **header)
 
 
+def routing_from_proto(pb: rollout_pb2.Routing, num_tokens: int) -> np.ndarray:
+    """The `[tokens, layers, k]` expert ids of a `Routing` message (uint8 / uint16); RolloutError when malformed."""
+    dtype = {1: np.dtype("<u1"), 2: np.dtype("<u2")}.get(pb.itemsize)
+    if dtype is None or pb.num_layers < 1 or pb.top_k < 1:
+        raise RolloutError(f"malformed routing: itemsize {pb.itemsize}, num_layers {pb.num_layers}, top_k {pb.top_k}")
+    want = num_tokens * pb.num_layers * pb.top_k * dtype.itemsize
+    if len(pb.expert_ids) != want:
+        raise RolloutError(f"malformed routing: {len(pb.expert_ids)} bytes for {num_tokens} tokens x "
+                           f"{pb.num_layers} layers x top-{pb.top_k} ({want} expected)")
+    return np.frombuffer(pb.expert_ids, dtype).reshape(num_tokens, pb.num_layers, pb.top_k).astype(dtype.newbyteorder("="))
+
+
 def _completion(pb: rollout_pb2.Completion) -> Completion:
+    routing = None
+    if pb.HasField("routing"):
+        routing = routing_from_proto(pb.routing, pb.routing.num_prompt_tokens + len(pb.token_ids))
     return Completion(
         token_ids=list(pb.token_ids),
         logprobs=list(pb.logprobs),
         finish_reason=_FINISH.get(pb.finish_reason, "unspecified"),
         weight_version=pb.weight_version,
+        routing=routing,
     )
 
 
@@ -363,6 +379,7 @@ class RolloutClient:
             stop_token_ids=list(spec.stop_token_ids),
             exact=spec.exact,
             logit_noise_std=spec.logit_noise_std,
+            return_routing=spec.return_routing,
         )
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:
@@ -375,6 +392,13 @@ class RolloutClient:
         completions = [[_completion(c) for c in pc.samples] for pc in resp.prompts]
         if len(completions) != len(prompts) or any(len(s) != spec.n for s in completions):
             raise RolloutError(f"Generate on {self.target}: response shape does not match {len(prompts)} prompts x n={spec.n}")
+        if spec.return_routing:
+            for i, samples in enumerate(completions):
+                for j, c in enumerate(samples):
+                    if c.routing is None or c.routing.shape[0] != len(prompts[i]) + len(c.token_ids):
+                        got = "none" if c.routing is None else f"{c.routing.shape[0]} tokens"
+                        raise RolloutError(f"Generate on {self.target}: completion (prompt {i}, sample {j}) has routing "
+                                           f"for {got}, expected {len(prompts[i]) + len(c.token_ids)} (prompt + completion)")
         check_finite_logprobs(completions)
         self._check_versions(completions, min_version)
         return completions

@@ -26,6 +26,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     exact: bool = False  # batch-invariant log-probs equal to the trainer's exact scorer (models/exact.py)
     logit_noise_std: float = 0.0  # controlled mismatch: sample from softmax((logits + σ·ε) / T), ε ~ N(0, 1)
+    return_routing: bool = False  # MoE: also return each token's chosen experts per sparse layer (Completion.routing)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,10 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was produced, and is included) | "length"
     weight_version: int
+    # MoE routing replay (SamplingSpec.return_routing): routing[t, j] = the k experts the j-th sparse layer's
+    # router chose for token t of prompt + token_ids (as model input), [len(prompt) + len(token_ids), layers, k],
+    # uint8 (<= 256 experts) or uint16. None when not requested.
+    routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,7 +55,8 @@ class EngineInfo:
     engine: str  # "jax" | "vllm"
     weight_version: int
     max_model_len: int
-    options: tuple[str, ...] = ()  # optional SamplingSpec features supported: "exact", "logit_noise_std"
+    # optional SamplingSpec features supported: "exact", "logit_noise_std", "routing" (return_routing)
+    options: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

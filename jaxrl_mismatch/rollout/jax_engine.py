@@ -11,6 +11,11 @@ of decode steps that ends when every row has stopped or `max_tokens` is reached.
 not one per request; sampling settings (temperature, top-k, top-p, stop ids, max_tokens) are traced
 values, so changing them never recompiles, except that top-k/top-p select the variant with the sort.
 
+Mixture-of-experts routing (`SamplingSpec.return_routing`, engine option "routing" for MoE models): the
+program also records the experts each sparse layer chose for every prompt token (prefill) and every sampled
+token (the decode step that consumes it), as uint8/uint16 ids `[tokens, layers, k]` per completion, so the
+trainer can replay them (R3, `train/step.py`).
+
 Sampling randomness is per row: row (prompt i, sample j) at step t uses
 fold_in(fold_in(fold_in(PRNGKey(seed), i), j), t), so a request is reproducible from its seed and a
 row's draws do not depend on how many other rows share the batch.
@@ -46,12 +51,9 @@ MAX_STOP_SLOTS = 64  # stop ids are padded to a fixed length (a traced value, ne
 
 
 def _hf_specs(params, dtype: str) -> dict[str, TensorSpec]:
-    """HF name -> torch-layout shape of every parameter, from shapes alone (no host copy of the weights)."""
-    specs = {}
-    for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
-        name, transposed = hf_io.hf_name(hf_io.param_path(keys))
-        specs[name] = TensorSpec(tuple(leaf.shape)[::-1] if transposed else tuple(leaf.shape), dtype)
-    return specs
+    """HF name -> torch-layout shape of every HF tensor (one per expert of a stacked expert weight), from
+    shapes alone (no host copy of the weights)."""
+    return {name: TensorSpec(shape, dtype) for name, (shape, _) in hf_io.hf_tensor_shapes(params).items()}
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -91,9 +93,10 @@ class JaxEngine(Engine):
     def info(self) -> EngineInfo:
         with self._lock:
             version = self._version
+        options = ("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
         return EngineInfo(architecture=self.cfg.architecture, vocab_size=self.cfg.vocab_size, dtype=self._dtype,
                           engine="jax", weight_version=version, max_model_len=self._max_model_len,
-                          options=("exact", "logit_noise_std"))
+                          options=options)
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
@@ -120,6 +123,9 @@ class JaxEngine(Engine):
         logps = np.zeros((len(rows), spec.max_tokens), np.float32)
         lengths = np.zeros((len(rows),), np.int32)
         stopped = np.zeros((len(rows),), bool)
+        routing: list[np.ndarray | None] = [None] * len(rows)
+        if spec.return_routing and (spec.exact or not self.cfg.is_moe):
+            raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
         for start in range(0, len(rows), self._max_batch_rows):
             part = rows[start : start + self._max_batch_rows]
             if spec.exact:  # batch-invariant, trainer-identical log-probs (exact_sampler.py)
@@ -128,7 +134,9 @@ class JaxEngine(Engine):
                     temperature=spec.temperature, logit_noise_std=spec.logit_noise_std,
                     stop_token_ids=spec.stop_token_ids, base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
             else:
-                t, lp, n, s = self._generate_rows(params, prompts, part, spec)
+                t, lp, n, s, r = self._generate_rows(params, prompts, part, spec)
+                if r is not None:
+                    routing[start : start + len(part)] = r
             sl = slice(start, start + len(part))
             tokens[sl], logps[sl], lengths[sl], stopped[sl] = t, lp, n, s
         out: list[list[Completion]] = [[] for _ in prompts]
@@ -139,7 +147,8 @@ class JaxEngine(Engine):
             if bad.size:
                 raise NonFiniteLogprobsError(i, j, int(bad[0]), float(lp[bad[0]]), version)
             out[i].append(Completion(token_ids=tokens[r, :n].tolist(), logprobs=lp.tolist(),
-                                     finish_reason="stop" if stopped[r] else "length", weight_version=version))
+                                     finish_reason="stop" if stopped[r] else "length", weight_version=version,
+                                     routing=None if routing[r] is None else routing[r][: len(prompts[i]) + n]))
         return out
 
     # -- batching ----------------------------------------------------------------------------------
@@ -161,16 +170,20 @@ class JaxEngine(Engine):
         stop = np.full((MAX_STOP_SLOTS,), -1, np.int32)
         stop[: len(spec.stop_token_ids)] = spec.stop_token_ids
         base_key = seed_key_data(spec.seed)
-        tokens, logps, lengths, stopped = _sample_program(
+        out = _sample_program(
             self._graphdef, params, self._rest, jnp.asarray(ids), jnp.asarray(mask), base_key,
             jnp.asarray(keys), jnp.asarray(samples), np.float32(spec.temperature), np.int32(spec.top_k),
             np.float32(spec.top_p), jnp.asarray(stop), np.int32(spec.max_tokens), np.float32(spec.logit_noise_std),
             new_len=new_len, filtering=sampling.uses_filtering(spec.top_k, spec.top_p, spec.temperature),
-            inject=spec.logit_noise_std > 0,
+            inject=spec.logit_noise_std > 0, routing=spec.return_routing,
         )
         k = len(rows)
-        tokens, logps, lengths, stopped = jax.device_get((tokens, logps, lengths, stopped))
-        return tokens[:k, : spec.max_tokens], logps[:k, : spec.max_tokens], lengths[:k], stopped[:k]
+        tokens, logps, lengths, stopped, prompt_routes, new_routes = jax.device_get(out)
+        routes = None
+        if spec.return_routing:  # prompt tokens sit right-aligned in the left-padded prefill
+            routes = [np.concatenate([prompt_routes[r, prompt_len - len(prompts[i]):], new_routes[r, : int(lengths[r])]])
+                      for r, (i, _) in enumerate(rows)]
+        return tokens[:k, : spec.max_tokens], logps[:k, : spec.max_tokens], lengths[:k], stopped[:k], routes
 
 
 def seed_key_data(seed: int) -> np.ndarray:
@@ -198,7 +211,33 @@ def step_logprobs(
     return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "filtering", "inject"))
+def _routing_dtype(num_experts: int):
+    """The narrowest unsigned integer type holding every expert id (the wire's itemsize)."""
+    return jnp.uint8 if num_experts <= 256 else jnp.uint16
+
+
+class _RoutingRecorder:
+    """The model as `kv_cache.prefill` / `decode_step` use it (`forward_prefill`, `forward_cached`, `logits`),
+    keeping the expert ids of the last call's tokens, so the cache bookkeeping stays in one place."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype, self.last = model, dtype, None
+
+    def forward_prefill(self, *args):
+        hidden, kv, router = self.model.forward_prefill_routed(*args)
+        self.last = router.expert_ids.astype(self.dtype)
+        return hidden, kv
+
+    def forward_cached(self, *args, **kwargs):
+        hidden, k, v, router = self.model.forward_cached_routed(*args, **kwargs)
+        self.last = router.expert_ids.astype(self.dtype)
+        return hidden, k, v
+
+    def logits(self, hidden):
+        return self.model.logits(hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "filtering", "inject", "routing"))
 def _sample_program(
     graphdef, params, rest,
     prompt_ids: Int[Array, "rows prompt"],
@@ -207,21 +246,29 @@ def _sample_program(
     temperature, top_k, top_p,
     stop_ids: Int[Array, " stops"],
     max_tokens, sigma,
-    *, new_len: int, filtering: bool, inject: bool,
-) -> tuple[Int[Array, "rows new"], Float[Array, "rows new"], Int[Array, " rows"], Bool[Array, " rows"]]:
-    """Prefill + sampled decode until every row stopped or `max_tokens` (≤ new_len) tokens exist."""
+    *, new_len: int, filtering: bool, inject: bool, routing: bool = False,
+) -> tuple[Int[Array, "rows new"], Float[Array, "rows new"], Int[Array, " rows"], Bool[Array, " rows"], Array, Array]:
+    """Prefill + sampled decode until every row stopped or `max_tokens` (≤ new_len) tokens exist.
+
+    Also returns the expert ids of the prompt tokens `[rows, prompt, layers, k]` and of each sampled token
+    `[rows, new, layers, k]` when `routing` (else two empty arrays)."""
     model = nnx.merge(graphdef, params, rest)
     rows, prompt_len = prompt_ids.shape
-    cache = kv_cache.init_cache(model.cfg, rows, prompt_len + new_len, model.policy.compute_dtype)
-    logits, cache = kv_cache.prefill(model, prompt_ids, prompt_mask, cache)
+    cfg = model.cfg
+    route_dtype = _routing_dtype(cfg.num_experts)
+    route_shape = (len(cfg.sparse_layers), cfg.num_experts_per_tok) if routing else (0, 0)
+    runner = _RoutingRecorder(model, route_dtype) if routing else model
+    cache = kv_cache.init_cache(cfg, rows, prompt_len + new_len, model.policy.compute_dtype)
+    logits, cache = kv_cache.prefill(runner, prompt_ids, prompt_mask, cache)
+    prompt_routes = runner.last if routing else jnp.zeros((rows, 0) + route_shape, route_dtype)
     keys = _row_keys(base_key, prompt_idx, sample_idx)
 
     def cond(carry):
-        t, _, _, _, _, done, _ = carry
+        t, _, _, _, _, done, _, _ = carry
         return (t < max_tokens) & ~jnp.all(done)
 
     def body(carry):
-        t, logits, cache, tokens, logps, done, lengths = carry
+        t, logits, cache, tokens, logps, done, lengths, routes = carry
         logp_all = step_logprobs(logits, temperature, top_k, top_p, filtering=filtering)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
         if inject:  # controlled mismatch: sample from, and report, the perturbed distribution
@@ -233,13 +280,16 @@ def _sample_program(
         logps = logps.at[:, t].set(jnp.where(done, 0.0, lp))
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        logits, cache = kv_cache.decode_step(model, tok, cache)
-        return t + 1, logits, cache, tokens, logps, done, lengths
+        logits, cache = kv_cache.decode_step(runner, tok, cache)
+        if routing:  # the experts that processed token t (as the input of this decode step)
+            routes = routes.at[:, t].set(runner.last[:, 0])
+        return t + 1, logits, cache, tokens, logps, done, lengths, routes
 
     init = (
         jnp.zeros((), jnp.int32), logits, cache,
         jnp.zeros((rows, new_len), jnp.int32), jnp.zeros((rows, new_len), jnp.float32),
         jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32),
+        jnp.zeros((rows, new_len if routing else 0) + route_shape, route_dtype),
     )
-    _, _, _, tokens, logps, done, lengths = jax.lax.while_loop(cond, body, init)
-    return tokens, logps, lengths, done
+    _, _, _, tokens, logps, done, lengths, routes = jax.lax.while_loop(cond, body, init)
+    return tokens, logps, lengths, done, prompt_routes, routes

@@ -23,7 +23,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std")
+    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
     LOGIT_NOISE_STD_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     n: int
     max_tokens: int
@@ -44,19 +45,36 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     exact: bool
     logit_noise_std: float
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ...) -> None: ...
+    return_routing: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ...) -> None: ...
+
+class Routing(_message.Message):
+    __slots__ = ("expert_ids", "num_layers", "top_k", "itemsize", "num_prompt_tokens")
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ITEMSIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    expert_ids: bytes
+    num_layers: int
+    top_k: int
+    itemsize: int
+    num_prompt_tokens: int
+    def __init__(self, expert_ids: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., itemsize: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version", "routing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
     weight_version: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    routing: Routing
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
 
 class PromptCompletions(_message.Message):
     __slots__ = ("samples",)

@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
@@ -88,17 +89,31 @@ GRPC_OPTIONS = [
 _FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
 
 
-def completions_to_proto(completions: list[list[Completion]], server_id: str) -> rollout_pb2.GenerateResponse:
+def routing_to_proto(routing, num_prompt_tokens: int) -> rollout_pb2.Routing:
+    """`Completion.routing` ([tokens, layers, k] uint8/uint16) as the packed `Routing` message."""
+    arr = np.ascontiguousarray(routing)
+    if arr.ndim != 3 or arr.dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"routing must be a [tokens, layers, k] uint8/uint16 array, got {arr.dtype}{arr.shape}")
+    return rollout_pb2.Routing(expert_ids=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(),
+                               num_layers=arr.shape[1], top_k=arr.shape[2], itemsize=arr.dtype.itemsize,
+                               num_prompt_tokens=num_prompt_tokens)
+
+
+def completions_to_proto(completions: list[list[Completion]], server_id: str,
+                         prompts: list[list[int]] | None = None) -> rollout_pb2.GenerateResponse:
     resp = rollout_pb2.GenerateResponse(server_id=server_id)
-    for samples in completions:
+    for i, samples in enumerate(completions):
         pc = resp.prompts.add()
         for c in samples:
-            pc.samples.add(
+            pb = pc.samples.add(
                 token_ids=c.token_ids,
                 logprobs=c.logprobs,
                 finish_reason=_FINISH[c.finish_reason],
                 weight_version=c.weight_version,
             )
+            if c.routing is not None:
+                n_prompt = len(prompts[i]) if prompts is not None else c.routing.shape[0] - len(c.token_ids)
+                pb.routing.CopyFrom(routing_to_proto(c.routing, n_prompt))
     return resp
 
 
@@ -165,7 +180,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(e))
         except Exception as e:  # an engine failure must not look like a transport error to the client
             self._abort_engine_failure(context, "Generate", e)
-        return completions_to_proto(completions, self.server_id)
+        return completions_to_proto(completions, self.server_id, prompts)
 
     def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
         self._authenticate(context)

@@ -109,12 +109,16 @@ def parse_generate(
     noise = req.logit_noise_std if req.HasField("logit_noise_std") else 0.0
     if not (math.isfinite(noise) and noise >= 0.0):
         raise RequestError("logit_noise_std", f"must be finite and >= 0 (0 = off), got {noise}")
-    for field, on in (("exact", req.exact), ("logit_noise_std", noise > 0)):
-        if on and field not in info.options:
+    for field, option, on in (("exact", "exact", req.exact), ("logit_noise_std", "logit_noise_std", noise > 0),
+                              ("return_routing", "routing", req.return_routing)):
+        if on and option not in info.options:
             raise RequestError(field, f"not supported by the {info.engine} engine (it supports: "
                                       f"{', '.join(info.options) or 'no optional features'})")
     if noise > 0 and temperature < GREEDY_TEMPERATURE:
         raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
+    if req.exact and req.return_routing:
+        raise RequestError("return_routing", "not available in exact mode (exact mode already gives μ = π(θ_old); "
+                                             "routing replay is for the normal sampler)")
     if req.exact and (temperature < GREEDY_TEMPERATURE or top_p != 1.0 or top_k != 0):
         raise RequestError("exact", "exact mode samples the full distribution at temperature > 0: needs "
                                     f"temperature >= {GREEDY_TEMPERATURE}, top_p = 1, top_k = 0")
@@ -128,6 +132,7 @@ def parse_generate(
         stop_token_ids=tuple(int(t) for t in stop),
         exact=bool(req.exact),
         logit_noise_std=float(noise),
+        return_routing=bool(req.return_routing),
     )
     return prompts, spec
 
