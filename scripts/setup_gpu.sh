@@ -30,13 +30,7 @@ if .venv/bin/python -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__versi
   .venv/bin/pip uninstall -q -y torch torchvision torchaudio
 fi
 rm -f .venv/.installed-demo .venv/.installed-test  # the CPU stamps no longer describe this environment
-if grep -Eq '^gpu *= *\[' pyproject.toml; then
-  .venv/bin/pip install -q -e ".[gpu,math,test]"
-else
-  # Until pyproject.toml has its `gpu` extra: the same pins, spelled out (vllm 0.32.0 requires torch==2.13.0,
-  # transformers >=5.16.1,<5.20, the versions the test extra pins).
-  .venv/bin/pip install -q -e ".[math,test]" "jax[cuda12]==0.10.2" "vllm==0.32.0"
-fi
+.venv/bin/pip install -q -e ".[gpu,math,test]"
 .venv/bin/python - <<'PYEOF'
 import jax
 import torch
