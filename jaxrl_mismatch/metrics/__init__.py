@@ -9,10 +9,14 @@ Two kinds, by whether they depend on θ:
   microbatches by ``combine_stats`` (jit) and over the step's updates by ``StatsAccumulator`` (host).
 
 ``cfg = metrics_config(obj_cfg, phi_delta=…, phi_pi_low=…)``: every bound comes from the objective.
+
+Mixture-of-experts policies add ``moe/*`` step metrics (``moe_step_metrics``: router agreement with the engine,
+router entropy, expert load, ρ std split by routing agreement), computed in the same jitted ``prepare``.
 """
 
 from jaxrl_mismatch.metrics.accumulator import REDUCTIONS, StatsAccumulator, split_key
 from jaxrl_mismatch.metrics.config import MetricsConfig, as_metrics_config, bucket_names, metrics_config
+from jaxrl_mismatch.metrics.moe import moe_metric_names, moe_step_metrics, routing_disagrees
 from jaxrl_mismatch.metrics.step import step_metric_names, step_metrics
 from jaxrl_mismatch.metrics.update import combine_stats, update_metric_names, update_stats
 
@@ -23,5 +27,5 @@ def metric_names(cfg=MetricsConfig(), *, with_entropy: bool = True) -> list[str]
 
 
 __all__ = ["REDUCTIONS", "MetricsConfig", "StatsAccumulator", "as_metrics_config", "bucket_names", "combine_stats",
-           "metric_names", "metrics_config", "split_key", "step_metric_names", "step_metrics", "update_metric_names",
-           "update_stats"]
+           "metric_names", "metrics_config", "moe_metric_names", "moe_step_metrics", "routing_disagrees", "split_key",
+           "step_metric_names", "step_metrics", "update_metric_names", "update_stats"]

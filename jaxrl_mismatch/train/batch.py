@@ -10,10 +10,18 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
     old_logp        f32   [B, S-1]  log π(y_t | θ_old): filled by `Learner.prepare` (the θ_old forward)
     ref_logp        f32   [B, S-1]  reference policy, only with a KL penalty
     token_weight    f32   [B, S-1]  objective-hacking diagnostics φ (eq. 18) × ξ (eq. 21), only when on
+    routing         int32 [B, S, L, k]  MoE: the experts the engine's L sparse layers chose for each token
+                                        (as model input), aligned with `tokens`; 0 on padding. Only when
+                                        the engine returns it (`SamplingSpec.return_routing`); `prepare`
+                                        drops it (the update never reads it)
+    replay_routing  int32 [B, S, L, k]  MoE routing replay: the experts the θ forward of the update uses
+                                        (R2: θ_old's own routing, R3: the engine's), filled by `prepare`
 
 The optional fields are None when absent; a pytree with None fields has no leaves there, so jit sees a
 fixed structure per run. The fields without a default are what the rollout produces: multi-host
-broadcast sends exactly those (`ROLLOUT_FIELDS`), every process then computes the rest itself.
+broadcast sends exactly those (`ROLLOUT_FIELDS`), plus `routing` when the run collects it
+(`rollout_fields(with_routing=True)`; on the wire it travels flattened to `[B, S·L·k]`, `to_wire` /
+`from_wire`, since the broadcast moves 2-d arrays). Every process then computes the rest itself.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ class RolloutBatch:
     old_logp: Float[Array, "b t"] | None = None
     ref_logp: Float[Array, "b t"] | None = None
     token_weight: Float[Array, "b t"] | None = None
+    routing: Int[Array, "b s layers k"] | None = None
+    replay_routing: Int[Array, "b s layers k"] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -59,11 +69,50 @@ ROLLOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Rollo
                                         if f.default is dataclasses.MISSING)
 
 
+def rollout_fields(*, with_routing: bool) -> tuple[str, ...]:
+    """The fields the rollout produces and multi-host broadcast sends: `ROLLOUT_FIELDS` (+ `routing`)."""
+    return ROLLOUT_FIELDS + (("routing",) if with_routing else ())
+
+
+def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The rollout arrays as 2-d int32/float32 (`routing` `[B, S, L, k]` flattened to `[B, S·L·k]`)."""
+    out = dict(arrays)
+    if out.get("routing") is not None:
+        r = np.asarray(out["routing"], np.int32)
+        out["routing"] = r.reshape(r.shape[0], -1)
+    return out
+
+
+def from_wire(arrays: dict[str, np.ndarray], *, routing_shape: tuple[int, int] | None) -> RolloutBatch:
+    """Inverse of `to_wire`: `routing_shape` = (sparse layers, k) of the policy, None without routing."""
+    arrays = dict(arrays)
+    if routing_shape is not None and "routing" in arrays:
+        b, s = arrays["tokens"].shape
+        arrays["routing"] = arrays["routing"].reshape(b, s, *routing_shape)
+    return RolloutBatch(**arrays)
+
+
+def routing_rows(routing: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
+    """`[B, seq_len, L, k]` int32 of per-row `[len(prompt) + len(completion), L, k]` routings, right-padded
+    with 0 like `tokens` (`data.batching.pad_rows` puts prompt + completion at the start of each row)."""
+    shapes = {tuple(r.shape[1:]) for r in routing}
+    if len(shapes) != 1 or any(r.ndim != 3 for r in routing):
+        raise ValueError(f"routing: every completion needs a [tokens, layers, k] array of one shape, got {sorted(shapes)}")
+    out = np.zeros((len(routing), seq_len, *shapes.pop()), np.int32)
+    for i, r in enumerate(routing):
+        if r.shape[0] > seq_len:
+            raise ValueError(f"routing: row {i} has {r.shape[0]} tokens > the batch's {seq_len}")
+        out[i, : r.shape[0]] = r
+    return out
+
+
 def from_completions(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                      rollout_logp: Sequence[Sequence[float]], seq_advantages: np.ndarray, *,
-                     pad_id: int) -> RolloutBatch:
-    """Host batch of one row per completion; `seq_advantages[i]` is broadcast over row i's response tokens."""
+                     pad_id: int, routing: Sequence[np.ndarray] | None = None) -> RolloutBatch:
+    """Host batch of one row per completion; `seq_advantages[i]` is broadcast over row i's response tokens;
+    `routing` (MoE, `Completion.routing` of every row) becomes the `routing` field."""
     rows = pad_rows(prompt_ids, completion_ids, rollout_logp, pad_id=pad_id)
     adv = np.asarray(seq_advantages, np.float32)[:, None] * rows.response_mask
     return RolloutBatch(tokens=rows.tokens, attention_mask=rows.attention_mask, response_mask=rows.response_mask,
-                        advantages=adv.astype(np.float32), rollout_logp=rows.rollout_logp)
+                        advantages=adv.astype(np.float32), rollout_logp=rows.rollout_logp,
+                        routing=None if routing is None else routing_rows(routing, rows.tokens.shape[1]))

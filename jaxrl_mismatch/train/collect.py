@@ -103,9 +103,12 @@ def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[
 
 
 def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.ndarray, int], np.ndarray], *,
-             pad_id: int) -> RolloutBatch:
-    """Rows in group order; `advantages_fn(rewards [B], group_ids [B], num_groups) -> [B]`."""
-    prompts, comps, logps, rewards, gids = [], [], [], [], []
+             pad_id: int, with_routing: bool = False) -> RolloutBatch:
+    """Rows in group order; `advantages_fn(rewards [B], group_ids [B], num_groups) -> [B]`.
+
+    `with_routing` (a MoE policy sampled with `SamplingSpec.return_routing`): every completion's
+    `Completion.routing` goes into the batch's `routing` field, aligned with `tokens`."""
+    prompts, comps, logps, rewards, gids, routing = [], [], [], [], [], []
     for gi, g in enumerate(groups):
         for c, r in zip(g.completions, g.rewards):
             prompts.append(g.prompt_ids)
@@ -113,8 +116,13 @@ def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.nd
             logps.append(c.logprobs)
             rewards.append(r)
             gids.append(gi)
+            if with_routing:
+                if c.routing is None:
+                    raise ValueError(f"routing: a completion of group {gi} came back without routing "
+                                     "(the request asked for return_routing)")
+                routing.append(c.routing)
     adv = advantages_fn(np.asarray(rewards, np.float32), np.asarray(gids, np.int32), len(groups))
-    return from_completions(prompts, comps, logps, adv, pad_id=pad_id)
+    return from_completions(prompts, comps, logps, adv, pad_id=pad_id, routing=routing if with_routing else None)
 
 
 def evaluate(session: RolloutSession, prompt_ids: Sequence[list[int]], answers: Sequence[str], reward_fn, *,

@@ -26,8 +26,9 @@ class ConfigError(UsageError):
     """A config field has a bad value; the message starts with the field's dotted path."""
 
 
-# Sections whose keys are free (passed on as keyword arguments / file maps) rather than a fixed schema.
-OPEN_SECTIONS = ("controller.kwargs", "optim.schedule_kwargs", "objective.overrides", "task.files")
+# Sections whose keys are free (passed on as keyword arguments / file maps / mesh axes, checked by `validate`)
+# rather than a fixed schema. `trainer.mesh` may name the optional `expert` axis (MoE expert parallelism).
+OPEN_SECTIONS = ("controller.kwargs", "optim.schedule_kwargs", "objective.overrides", "task.files", "trainer.mesh")
 # Fields a resumed run may change without changing what it trains (length, logging, plumbing, memory knobs).
 RESUME_MAY_CHANGE = (
     "steps", "resume", "run_dir", "log", "checkpoint", "eval.every", "distributed", "model.warmstart_if_missing",
@@ -97,6 +98,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.trainer.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
     c.trainer.chunk_size = 256  # sequence chunk of the log-prob computation (memory vs speed)
     c.trainer.remat = False  # recompute each block in the backward pass (activation memory vs ~1/3 more FLOPs)
+    # MoE routing replay (docs/models.md): "off" = every forward routes freely; "R2" = the update's θ forwards
+    # replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the engine's routing (jax engine only:
+    # vLLM does not return routing). MoE policies only.
+    c.trainer.routing_replay = "off"
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # schedules.OPTIMIZERS
@@ -119,6 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.overrides = ml_collections.ConfigDict()  # ObjectiveConfig fields, e.g. correction="token_tis"
     c.objective.kl_coef = 0.0  # k3 KL to the initial policy (0 = no reference forward)
     c.objective.entropy_coef = 0.0
+    c.objective.router_aux_coef = 0.0  # MoE: Switch load-balancing loss weight (HF router_aux_loss_coef); 0 = off
 
     c.diagnostics = ml_collections.ConfigDict()
     c.diagnostics.weight_distortion_delta = -1.0  # φ: objective-hacking eq. 18 (< 0 = off)
@@ -150,6 +156,7 @@ _CHOICES = {
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "trainer.precision": precision.PRESETS,
     "distributed.initialize": ("auto", "always", "never"),
+    "trainer.routing_replay": ("off", "R2", "R3"),
 }
 _POSITIVE_INTS = (
     "steps", "rollout.group_size", "rollout.max_tokens", "batch.prompts_per_step", "batch.ppo_epochs",
@@ -159,7 +166,7 @@ _POSITIVE_INTS = (
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
     "rollout.max_model_len", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
-    "diagnostics.variance_sigma", "rollout.logit_noise_std",
+    "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
 )
 
 
@@ -247,6 +254,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
         field = "rollout.exact" if c.rollout.exact else "rollout.logit_noise_std"
         raise ConfigError(f"config.{field}: needs the built-in jax engine (rollout.engine = 'jax'), got "
                           f"{c.rollout.engine!r}")
+    if c.trainer.routing_replay == "R3":
+        if c.rollout.engine != "jax":
+            raise ConfigError(f"config.trainer.routing_replay: 'R3' replays the experts the rollout engine chose, and "
+                              f"the {c.rollout.engine} engine does not return them (vLLM's API exposes no per-token "
+                              "routing); use rollout.engine = 'jax', or 'R2' (θ_old's own routing)")
+        if c.rollout.exact:
+            raise ConfigError("config.trainer.routing_replay: 'R3' needs the normal sampler; exact mode returns no "
+                              "routing (it already gives μ = π(θ_old))")
     if c.rollout.exact:
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.trainer.precision]
         if c.rollout.dtype != dtype:
@@ -272,8 +287,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"minibatches × microbatches = {split}"
         )
     for axis, size in c.trainer.mesh.items():
-        if axis not in ("data", "fsdp", "tensor"):
-            raise ConfigError(f"config.trainer.mesh: unknown axis {axis!r}; valid: data, fsdp, tensor")
+        if axis not in ("data", "fsdp", "expert", "tensor"):
+            raise ConfigError(f"config.trainer.mesh: unknown axis {axis!r}; valid: data, fsdp, expert, tensor")
         if not isinstance(size, int) or (size < 1 and size != -1):
             raise ConfigError(f"config.trainer.mesh.{axis}: must be a positive integer or -1, got {size!r}")
     # Names resolved by their registries (each raises listing the valid names).
@@ -330,6 +345,18 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
             for p in [path] if isinstance(path, str) else list(path):
                 if not os.path.isfile(p):
                     raise ConfigError(f"config.task.files.{split}: {p} does not exist")
+
+
+def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
+    """The options that need a mixture-of-experts policy are off for a dense one; ConfigError naming the field."""
+    if model_cfg.is_moe:
+        return
+    if c.trainer.routing_replay != "off":
+        raise ConfigError(f"config.trainer.routing_replay: {c.trainer.routing_replay!r} replays expert routing, but "
+                          f"{c.model.path} is a dense {model_cfg.architecture}; set it to 'off'")
+    if c.objective.router_aux_coef:
+        raise ConfigError(f"config.objective.router_aux_coef: {c.objective.router_aux_coef!r} weights the MoE "
+                          f"load-balancing loss, but {c.model.path} is a dense {model_cfg.architecture}; set it to 0")
 
 
 def check_mesh(c: ml_collections.ConfigDict):
@@ -475,12 +502,15 @@ def apply_override(c: ml_collections.ConfigDict, dotted: str, text: str) -> None
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """`field: old → new` for every field that differs and changes what a resumed run trains."""
-    old, new = _flatten(saved), _flatten(current)
+    """`field: old → new` for every field that differs and changes what a resumed run trains. A field the saved
+    config lacks (added to the schema after the run started) counts only when it is not at its default."""
+    old, new, base = _flatten(saved), _flatten(current), _flatten(base_config())
     out = []
     for path in sorted(set(old) | set(new)):
         if any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE):
             continue
+        if path not in old and path in base and new.get(path) == base[path]:
+            continue  # a field added after the run started, at its default: the run trains as before
         a, b = old.get(path, "<unset>"), new.get(path, "<unset>")
         if a != b:
             out.append(f"{path}: {a!r} → {b!r}")

@@ -22,7 +22,7 @@ from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.checkpoint import abstract_state_of
-from jaxrl_mismatch.train.config import build_optimizer, build_schedule, check_mesh
+from jaxrl_mismatch.train.config import build_optimizer, build_schedule, check_mesh, check_model
 from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
 from jaxrl_mismatch.train.state import TrainState, init_state, split_model
 from jaxrl_mismatch.train.step import (
@@ -44,6 +44,7 @@ def build_objective(c: ml_collections.ConfigDict) -> PolicyObjective:
                                  phi_pi_low=d.weight_distortion_pi_low if on else None)
     return PolicyObjective(
         cfg=obj_cfg, metrics_cfg=metrics_cfg, kl_coef=c.objective.kl_coef, entropy_coef=c.objective.entropy_coef,
+        router_aux_coef=c.objective.router_aux_coef,
         diagnostics=Diagnostics(weight_distortion_delta=d.weight_distortion_delta,
                                 weight_distortion_pi_low=d.weight_distortion_pi_low, variance_sigma=d.variance_sigma))
 
@@ -54,6 +55,7 @@ class Learner:
         self.mesh = check_mesh(c)
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
         self.model_cfg, model = load_hf(c.model.path, policy=policy, mesh=self.mesh)
+        check_model(c, self.model_cfg)
         model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
         self._exact_graphdef = split_model(model)[0]
         model.remat = bool(c.trainer.remat)
@@ -66,18 +68,30 @@ class Learner:
         self._update_fn = make_update_fn(graphdef, opt, self.objective, num_microbatches=c.batch.microbatches,
                                          max_grad_norm=c.optim.max_grad_norm, **kw)
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
-        self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, **kw), self.mesh)
+        moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
+        self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=c.trainer.routing_replay,
+                                                    moe_layers=moe_layers, **kw), self.mesh)
         self.state: TrainState = place_state(
             init_state(params, opt, precision.loss_scale_for(policy), seed=c.seed), self.mesh)
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if c.objective.kl_coef else None
         self.minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        """(sparse layers, k) of a MoE policy's routing arrays; None for a dense policy."""
+        cfg = self.model_cfg
+        return (len(cfg.sparse_layers), cfg.num_experts_per_tok) if cfg.is_moe else None
 
     # -- a step ----------------------------------------------------------------------------------------
     def prepare(self, batch: RolloutBatch, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
         """π(θ_old) (+ π_ref) and the diagnostics' weights filled in; the step's θ-independent metrics.
 
         In exact mode π(θ_old) comes from the batch-invariant scorer the engine sampled with
-        (`models.exact.score_exact`), so it equals μ bit for bit when no mismatch is injected."""
+        (`models.exact.score_exact`), so it equals μ bit for bit when no mismatch is injected.
+        A MoE batch's `routing` (the engine's experts) is checked here: the model clips ids into range, so an
+        id it cannot have chosen must fail loudly rather than be replayed as another expert."""
+        if batch.routing is not None:
+            self._check_routing(np.asarray(batch.routing))
         if self.c.rollout.exact:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
@@ -85,6 +99,15 @@ class Learner:
         key = jax.random.key_data(jax.random.key(seed))
         out, metrics = self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
         return jax.tree.map(distributed.to_host, out), {k: float(v) for k, v in metrics.items()}
+
+    def _check_routing(self, routing: np.ndarray) -> None:
+        shape, experts = self.routing_shape, self.model_cfg.num_experts
+        if shape is None or routing.shape[2:] != shape:
+            raise ValueError(f"routing: the engine's routing has shape {routing.shape}, the policy needs "
+                             f"[B, S, {shape[0] if shape else 0}, {shape[1] if shape else 0}] (sparse layers, top-k)")
+        if routing.size and (routing.min() < 0 or routing.max() >= experts):
+            raise ValueError(f"routing: expert ids in [{routing.min()}, {routing.max()}] outside [0, {experts}) "
+                             "of the policy (does the server run another model?)")
 
     def optimize(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         """`batch.ppo_epochs` passes of `minibatches` optimizer steps; statistics over all of them."""

@@ -24,7 +24,7 @@ from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutError, Samplin
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.train import distributed
-from jaxrl_mismatch.train.batch import ROLLOUT_FIELDS, RolloutBatch
+from jaxrl_mismatch.train.batch import from_wire, rollout_fields, to_wire
 from jaxrl_mismatch.train.checkpoint import Checkpointer
 from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError, build_controller, check_paths, config_changes, validate
@@ -47,6 +47,10 @@ class Trainer:
         self.is_lead = jax.process_index() == 0
         os.makedirs(c.run_dir, exist_ok=True)
         self.learner = Learner(c)
+        # A MoE policy sampled by the built-in engine brings the engine's routing into the batch (routing
+        # replay R3, and the moe/router_disagree_* metrics for any replay mode); vLLM does not return it.
+        self.collect_routing = (self.learner.routing_shape is not None and c.rollout.engine == "jax"
+                                and not c.rollout.exact)
         self.data = TaskData(c, self.learner.model_cfg.vocab_size)
         self.controller = build_controller(c.controller)
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), max_to_keep=c.checkpoint.keep)
@@ -114,8 +118,9 @@ class Trainer:
         """One RL step on the weights pushed at its start; returns its metrics record."""
         t0 = time.perf_counter()
         self._push()
-        arrays, stats = distributed.lead_computes(self.is_lead, self._rollout, ROLLOUT_FIELDS, STAT_KEYS)
-        batch = RolloutBatch(**arrays)
+        arrays, stats = distributed.lead_computes(self.is_lead, self._rollout,
+                                                  rollout_fields(with_routing=self.collect_routing), STAT_KEYS)
+        batch = from_wire(arrays, routing_shape=self.learner.routing_shape if self.collect_routing else None)
         t_rollout = time.perf_counter() - t0
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
         metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
@@ -161,14 +166,16 @@ class Trainer:
         def advantages(rewards, group_ids, num_groups):
             return np.asarray(compute_advantages(kind, rewards, group_ids, num_groups))
 
-        return to_batch(collected.groups, advantages, pad_id=self.data.pad_id).arrays(), collected.stats
+        batch = to_batch(collected.groups, advantages, pad_id=self.data.pad_id, with_routing=self.collect_routing)
+        return to_wire(batch.arrays()), collected.stats
 
     def _spec(self, seed: int) -> SamplingSpec:
         """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
         not to validation, which measures the policy itself)."""
         r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std)
+                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std,
+                            return_routing=self.collect_routing)
 
     def _evaluate(self) -> dict[str, float]:
         return distributed.on_lead(self.is_lead, self._evaluate_on_lead, VAL_KEYS)
@@ -200,6 +207,11 @@ class Trainer:
             cfg = self.learner.model_cfg
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=self.data.tok.vocab_size)
+            info = session.info()
+            if self.collect_routing and "routing" not in info.options:
+                raise ConfigError(f"config.rollout.engine: 'jax' with a MoE policy needs the server's 'routing' "
+                                  f"option, but {session.describe()} ({info.engine} engine) does not offer it; set "
+                                  "rollout.engine to the server's engine (routing_replay 'R3' needs the jax engine)")
         except BaseException:
             session.close()
             raise

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_mismatch.metrics import MetricsConfig, step_metrics, update_stats
+from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
 from jaxrl_mismatch.objectives import (
     Normalizers,
     ObjectiveConfig,
@@ -41,7 +42,8 @@ class Diagnostics:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyObjective:
-    """loss = policy_loss + kl_coef · KL_k3(π‖π_ref) − entropy_coef · H(π), token-averaged over the batch.
+    """loss = policy_loss + kl_coef · KL_k3(π‖π_ref) − entropy_coef · H(π), token-averaged over the batch
+    (+ router_aux_coef · load-balancing loss for mixture-of-experts policies, `router_loss`).
 
     The KL term uses the k3 estimator exp(q) − q − 1 with q = log π_ref − log π (Schulman's k3, as in
     GRPO eq. 4); it needs `ref_logp` in the batch. Per-token weights of the diagnostics arrive as
@@ -53,6 +55,7 @@ class PolicyObjective:
     diagnostics: Diagnostics = Diagnostics()
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    router_aux_coef: float = 0.0  # MoE: Qwen3-MoE's `router_aux_loss_coef` (HF default 0.001; 0 = off)
 
     def normaliser(self, batch: RolloutBatch) -> Normalizers:
         return normalizers(self.cfg, batch.response_mask, batch.old_logp, batch.rollout_logp)
@@ -70,6 +73,20 @@ class PolicyObjective:
             ent = jnp.sum(jnp.where(maskb, entropy, 0.0)) / norm.tokens
             loss = loss - self.entropy_coef * ent
         return loss, aux
+
+    def router_loss(self, router: RouterOutput, input_tokens: jax.Array) -> tuple[jax.Array, dict]:
+        """router_aux_coef × the Switch load-balancing loss (Fedus et al. 2021 eqs. 4–6, `moe.load_balancing_loss`:
+        E · Σ_e f_e P_e over the sparse layers) of one microbatch's θ forward, and ``moe/aux_loss``.
+
+        f_e (a share of hard assignments) and P_e are both means over the tokens, so the loss is not a sum of
+        per-token terms and the whole-minibatch value cannot be split exactly over microbatches. As Megatron-Core
+        and HF's gradient accumulation do, each microbatch computes it over its own tokens; here it is weighted
+        by the microbatch's share of the minibatch's valid input tokens (`input_tokens`), so the scan's sum is
+        their token-weighted mean — exactly the minibatch's loss with one microbatch. Logged even at coef 0.
+        """
+        lb = router.num_tokens / jnp.maximum(input_tokens, 1.0) * load_balancing_loss(router)
+        extra = self.router_aux_coef * lb if self.router_aux_coef else jnp.zeros((), jnp.float32)
+        return extra, {"moe/aux_loss": lb}
 
     def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None:
         """φ × ξ of the configured diagnostics over the whole batch (drawn once, never per microbatch)."""

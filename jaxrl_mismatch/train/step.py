@@ -6,6 +6,13 @@ rollout batch: it fills `old_logp` (and `ref_logp`), applies the objective-hacki
 `token_weight`, and computes every θ-independent metric (mismatch, corrections, lengths, surrogate J)
 over all of the step's tokens — statistics of the step, not means of per-minibatch statistics.
 
+Mixture-of-experts policies (`models/moe.py`): the θ_old forward also returns what the routers did, which
+gives the `moe/*` step metrics (`metrics/moe.py`: agreement with the engine's routing, entropy, load, ρ std
+split by agreement). Routing replay (`routing_replay`): with "R3" the θ_old forward replays the engine's
+routing (`batch.routing`; Ma et al. 2025 rollout routing replay), so in fp32 π(θ_old) = μ; with "R2" it routes
+freely and records its own choice. Either way the experts it used go into `batch.replay_routing`, which the
+θ forwards of the update replay; without replay they route freely.
+
 `update(state, batch) -> (state, stats)` is jitted once with explicit NamedShardings and a donated state.
 Inside it: gradient accumulation over microbatches with `lax.scan` (the objective divides by normalisers
 computed once over the whole minibatch, so the accumulated gradient equals the whole-minibatch gradient),
@@ -29,11 +36,14 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
+from jaxrl_mismatch.metrics.moe import moe_step_metrics
 from jaxrl_mismatch.models import sharding as shd
-from jaxrl_mismatch.models.logprobs import token_logprobs
+from jaxrl_mismatch.models.logprobs import logprobs_from_hidden
+from jaxrl_mismatch.models.model import positions_from_mask
+from jaxrl_mismatch.models.moe import RouterOutput
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.state import TrainState, state_shardings
 
@@ -45,6 +55,8 @@ class Objective(Protocol):
 
     def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, normaliser: Any) -> tuple[jax.Array, dict]: ...
 
+    def router_loss(self, router: RouterOutput, input_tokens: jax.Array) -> tuple[jax.Array, dict]: ...
+
     def update_stats(self, logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]: ...
 
     def step_metrics(self, batch: RolloutBatch) -> dict[str, jax.Array]: ...
@@ -52,12 +64,34 @@ class Objective(Protocol):
     def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None: ...
 
 
+REPLAY_MODES = ("off", "R2", "R3")
+
+
 def forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,
                      temperature: float = 1.0) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
     """(log π(y_t), entropy) of every target `tokens[:, 1:]`, scored at the rollout temperature."""
+    return forward_routed_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)[:2]
+
+
+def forward_routed_logprobs(
+    graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int, temperature: float = 1.0,
+    routing: Int[Array, "b s layers k"] | None = None,
+) -> tuple[Float[Array, "b t"], Float[Array, "b t"], RouterOutput | None]:
+    """`forward_logprobs` plus what the MoE routers did over the inputs `tokens[:, :-1]` (None for dense models).
+
+    `routing` (aligned with `tokens`, like `RolloutBatch.routing`) replays those experts for the inputs."""
     model = nnx.merge(graphdef, params)
-    return token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=chunk_size,
-                          temperature=temperature)
+    ids, mask = tokens[:, :-1], attention_mask[:, :-1]
+    hidden, router = model.forward_routed(ids, positions_from_mask(mask), mask,
+                                          routing=None if routing is None else routing[:, :-1])
+    logp, entropy = logprobs_from_hidden(model, hidden, tokens[:, 1:], mask, chunk_size=chunk_size,
+                                         temperature=temperature)
+    return logp, entropy, router
+
+
+def _align_with_tokens(ids: Int[Array, "b t layers k"]) -> Int[Array, "b s layers k"]:
+    """Expert ids of the inputs `tokens[:, :-1]` → aligned with `tokens` (the last position, never an input, 0)."""
+    return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, 1), (0, 0), (0, 0)))
 
 
 def _split_microbatches(batch: RolloutBatch, n: int) -> RolloutBatch:
@@ -107,17 +141,25 @@ def make_update_fn(
 
     `temperature` is the rollout sampling temperature: π is scored as softmax(logits / T), the
     distribution μ sampled from, so ρ = π/μ compares like with like.
+
+    MoE policies: a batch with `replay_routing` (routing replay R2/R3, filled by `prepare`) has the θ forward
+    use those experts; the router's load-balancing term (`objective.router_loss`) joins the loss.
     """
 
-    def microbatch_loss(params, mb, normaliser, scale_state):
-        logp, entropy = forward_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size, temperature)
+    def microbatch_loss(params, mb, normaliser, input_tokens, scale_state):
+        logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size,
+                                                        temperature, routing=mb.replay_routing)
         loss, aux = objective.loss(logp, entropy, mb, normaliser)
+        if router is not None:
+            extra, router_aux = objective.router_loss(router, input_tokens)
+            loss, aux = loss + extra, {**aux, **router_aux}
         return precision.scale_loss(scale_state, loss), (loss, aux, logp, entropy)
 
     grad_fn = jax.grad(microbatch_loss, has_aux=True)
 
     def update(state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         normaliser = objective.normaliser(batch)
+        input_tokens = jnp.sum(batch.attention_mask[:, :-1]).astype(jnp.float32)  # the routers' valid tokens
         mbs = _split_microbatches(batch, num_microbatches)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
 
@@ -126,11 +168,11 @@ def make_update_fn(
         aux_zeros = jax.tree_util.tree_map(
             lambda x: jnp.zeros(x.shape, jnp.float32),
             jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], mbs),
-                                           normaliser, state.loss_scale)[1][1]),
+                                           normaliser, input_tokens, state.loss_scale)[1][1]),
         )
 
         def body(acc, mb):
-            grads, (loss, aux, logp, entropy) = grad_fn(state.params, mb, normaliser, state.loss_scale)
+            grads, (loss, aux, logp, entropy) = grad_fn(state.params, mb, normaliser, input_tokens, state.loss_scale)
             acc_grads, acc_loss, acc_aux, acc_sq = acc
             acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
             acc_aux = jax.tree_util.tree_map(jnp.add, acc_aux, aux)
@@ -189,26 +231,46 @@ def make_update_fn(
 
 
 def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size: int = 256,
-                    temperature: float = 1.0) -> Callable:
+                    temperature: float = 1.0, routing_replay: str = "off",
+                    moe_layers: tuple[int, ...] = ()) -> Callable:
     """`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)`; see the module docstring.
 
     `ref_params` None means no reference policy (no KL term). `seed` (uint32 key data) drives the
     diagnostics' random weights ξ, drawn once for the whole batch. A batch that already carries
-    `old_logp` (exact mode scores it row by row on the host side) is not scored again.
+    `old_logp` (exact mode scores it row by row on the host side) is not scored again (a MoE policy still
+    runs the routed forward, for its metrics and R2). `moe_layers`: the model's sparse layer indices
+    (`ModelConfig.sparse_layers`; empty for a dense model). `routing_replay`: "off" | "R2" | "R3".
+    The returned batch has no `routing` (the update never reads it; R3 carries it on as `replay_routing`).
     """
+    if routing_replay not in REPLAY_MODES:
+        raise ValueError(f"routing_replay must be one of {REPLAY_MODES}, got {routing_replay!r}")
+    if routing_replay != "off" and not moe_layers:
+        raise ValueError(f"routing_replay={routing_replay!r} needs a mixture-of-experts model")
 
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask
-        if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
-            old_logp, _ = forward_logprobs(graphdef, params, batch.tokens, batch.attention_mask, chunk_size,
-                                           temperature)
-            batch = batch.replace(old_logp=old_logp * mask)
+        router = None
+        if batch.old_logp is None or moe_layers:
+            if routing_replay == "R3" and batch.routing is None:
+                raise ValueError("routing_replay='R3' needs the engine's routing in the batch (batch.routing)")
+            forced = batch.routing if routing_replay == "R3" else None
+            old_logp, _, router = forward_routed_logprobs(graphdef, params, batch.tokens, batch.attention_mask,
+                                                          chunk_size, temperature, routing=forced)
+            if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
+                batch = batch.replace(old_logp=old_logp * mask)
+            if routing_replay != "off":  # R3: the engine's ids (as forced); R2: θ_old's own choice
+                batch = batch.replace(replay_routing=_align_with_tokens(router.expert_ids))
         if ref_params is not None:
             ref_logp, _ = forward_logprobs(graphdef, ref_params, batch.tokens, batch.attention_mask, chunk_size,
                                            temperature)
             batch = batch.replace(ref_logp=ref_logp * mask)
         batch = batch.replace(token_weight=objective.token_weight(batch, seed))
-        return batch, objective.step_metrics(batch)
+        metrics = objective.step_metrics(batch)
+        if router is not None:
+            metrics.update(moe_step_metrics(
+                router.router_ids, router.entropy, router.load, batch.old_logp, batch.rollout_logp, mask,
+                layer_ids=moe_layers, rollout_ids=None if batch.routing is None else batch.routing[:, :-1]))
+        return batch.replace(routing=None), metrics
 
     return prepare
 

@@ -1,0 +1,262 @@
+"""MoE in the jitted step (issue 11): routing replay in `prepare` and the update, the load-balancing term, and the
+`moe/*` metrics against a NumPy reference.
+
+A tiny random Qwen3-MoE `Transformer` (2 sparse layers, 8 experts, top-2, router at its 0.02 init so top-k
+choices are near ties and move when θ moves). The update uses SGD with lr 1 and no clipping, so
+θ_old − θ_new is the gradient itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.metrics import metrics_config, moe_metric_names, moe_step_metrics
+from jaxrl_mismatch.models import Transformer, positions_from_mask
+from jaxrl_mismatch.models.moe import load_balancing_loss
+from jaxrl_mismatch.models.sharding import make_mesh
+from jaxrl_mismatch.objectives import objective_config
+from jaxrl_mismatch.schedules import make_optimizer
+from jaxrl_mismatch.train.batch import RolloutBatch
+from jaxrl_mismatch.train.objective import PolicyObjective
+from jaxrl_mismatch.train.state import init_state, split_model
+from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn, make_update_fn, place_batch
+from tests.train.tiny_policy import synthetic_batch, tiny_config
+
+LAYERS, K, EXPERTS = (0, 1), 2, 8
+
+
+def moe_config():
+    return tiny_config(architecture="Qwen3MoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=K,
+                       moe_intermediate_size=16, norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model = Transformer(moe_config(), precision.policy("fp32", param_dtype="float32"), rngs=nnx.Rngs(0))
+    graphdef, params = split_model(model)
+    return graphdef, params
+
+
+@pytest.fixture(scope="module")
+def host_batch():
+    b = synthetic_batch(batch=8, seq=16, seed=3)
+    rng = np.random.default_rng(7)
+    b["rollout_logp"] = (-rng.uniform(0.5, 3.0, size=b["response_mask"].shape) * b["response_mask"]).astype(np.float32)
+    return b
+
+
+def _objective(aux: float = 0.0) -> PolicyObjective:
+    cfg = objective_config("grpo")
+    return PolicyObjective(cfg=cfg, metrics_cfg=metrics_config(cfg), router_aux_coef=aux)
+
+
+_JITTED: dict = {}  # one jitted function per (kind, option): jit then reuses its trace per batch structure
+_OPT = make_optimizer("sgd", learning_rate=1.0, max_grad_norm=None)
+
+
+def _prepare(graphdef, params, batch: RolloutBatch, replay: str):
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    key = ("prepare", replay)
+    if key not in _JITTED:
+        _JITTED[key] = jit_prepare(make_prepare_fn(graphdef, _objective(), chunk_size=8, routing_replay=replay,
+                                                   moe_layers=LAYERS), mesh)
+    out, metrics = _JITTED[key](params, None, place_batch(batch, mesh), jax.random.key_data(jax.random.key(0)))
+    return jax.tree.map(np.asarray, out), {k: float(v) for k, v in metrics.items()}
+
+
+def _grad(graphdef, params, batch: RolloutBatch, aux: float = 0.0, microbatches: int = 1):
+    """(gradient, stats) of one update: SGD at lr 1 without clipping, so θ − θ' is the gradient."""
+    state = init_state(params, _OPT, precision.loss_scale_for(precision.policy("fp32")), seed=0)
+    key = ("update", aux, microbatches)
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(make_update_fn(graphdef, _OPT, _objective(aux), num_microbatches=microbatches,
+                                              max_grad_norm=None, chunk_size=8))
+    new, stats = _JITTED[key](state, batch)
+    grad = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new.params)
+    return grad, {k: float(v) for k, v in stats.items()}
+
+
+def _own_routing(graphdef, params, batch):
+    model = nnx.merge(graphdef, params)
+    ids, mask = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
+    _, router = model.forward_routed(ids, positions_from_mask(mask), mask)
+    return np.asarray(router.expert_ids)
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _router_kernels(tree):
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    out = [np.asarray(x) for path, x in leaves if "router" in jax.tree_util.keystr(path)]
+    assert len(out) == len(LAYERS)
+    return out
+
+
+def _sets_differ(a, b, valid):
+    return np.any(np.sort(a, -1) != np.sort(b, -1), axis=(-2, -1))[valid]
+
+
+def test_r3_prepare_replays_the_engine_routing_and_the_update_follows_it(policy, host_batch):
+    graphdef, params = policy
+    rng = np.random.default_rng(1)
+    b, s = host_batch["tokens"].shape
+    # An "engine" routing: k distinct random experts per token and layer, 0 on padding.
+    engine = np.argsort(rng.random((b, s, len(LAYERS), EXPERTS)), axis=-1)[..., :K].astype(np.int32)
+    engine *= host_batch["attention_mask"][:, :, None, None]
+    batch = RolloutBatch(**host_batch, routing=engine)
+    r3, m3 = _prepare(graphdef, params, batch, "R3")
+    off, m_off = _prepare(graphdef, params, batch, "off")
+    valid = host_batch["attention_mask"][:, :-1].astype(bool)
+    assert r3.routing is None and off.routing is None and off.replay_routing is None  # the update never reads it
+    np.testing.assert_array_equal(r3.replay_routing[:, :-1][valid], engine[:, :-1][valid])
+    # π(θ_old) under the engine's routing is the routed forward's, not the free one's.
+    model = nnx.merge(graphdef, params)
+    from jaxrl_mismatch.models import logprobs_from_hidden
+
+    ids, m = host_batch["tokens"][:, :-1], host_batch["attention_mask"][:, :-1]
+    hidden = model(ids, positions_from_mask(m), m, routing=engine[:, :-1])
+    want = np.asarray(logprobs_from_hidden(model, hidden, host_batch["tokens"][:, 1:], m, chunk_size=8)[0])
+    want = want * host_batch["response_mask"]
+    assert np.max(np.abs(r3.old_logp - want)) <= 1e-6
+    assert np.max(np.abs(r3.old_logp - off.old_logp)) > 1e-3
+    # The trainer's own router disagrees with random ids almost everywhere (1 − 1/28 per layer by chance).
+    assert m3["moe/router_disagree_frac"] > 0.8 and m_off["moe/router_disagree_frac"] > 0.8
+    assert set(moe_metric_names(LAYERS, with_rollout=True)) <= set(m3)
+    # The θ forward of the update replays it too: another gradient than routing freely.
+    g_r3, _ = _grad(graphdef, params, r3)
+    g_off, _ = _grad(graphdef, params, off.replace(old_logp=r3.old_logp))
+    assert _max_diff(g_r3, g_off) > 1e-4
+
+
+def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch):
+    graphdef, params = policy
+    batch = RolloutBatch(**host_batch)
+    r2, metrics = _prepare(graphdef, params, batch, "R2")
+    off, _ = _prepare(graphdef, params, batch, "off")
+    valid = host_batch["attention_mask"][:, :-1].astype(bool)
+    own = _own_routing(graphdef, params, batch)
+    np.testing.assert_array_equal(r2.replay_routing[:, :-1][valid], own[valid])
+    assert "moe/router_disagree_frac" not in metrics and metrics["moe/router_entropy"] > 0  # no engine routing
+    np.testing.assert_allclose(r2.old_logp, off.old_logp, atol=1e-6)  # R2's θ_old forward routes freely
+    # At θ = θ_old, replaying θ_old's routing is routing freely: the same gradient.
+    g_r2, _ = _grad(graphdef, params, r2)
+    g_off, _ = _grad(graphdef, params, off)
+    assert _max_diff(g_r2, g_off) <= 1e-5
+    # After a large step θ routes some tokens elsewhere; R2 then keeps θ_old's experts and the gradient changes.
+    theta = jax.tree.map(lambda p, g: p - 30.0 * g, params, g_off)
+    moved = _sets_differ(_own_routing(graphdef, theta, batch), own, valid)
+    assert 0 < moved.mean() < 1, moved.mean()
+    g_r2, _ = _grad(graphdef, theta, r2)
+    g_off, _ = _grad(graphdef, theta, off)
+    assert _max_diff(g_r2, g_off) > 1e-4
+
+
+def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch):
+    graphdef, params = policy
+    batch, _ = _prepare(graphdef, params, RolloutBatch(**host_batch), "off")
+    coef = 0.5
+    g0, s0 = _grad(graphdef, params, batch)
+    g1, s1 = _grad(graphdef, params, batch, aux=coef)
+
+    def lb(p):
+        model = nnx.merge(graphdef, p)
+        ids, m = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
+        return load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1])
+
+    value, g_lb = jax.value_and_grad(lb)(params)
+    assert s0["mean:moe/aux_loss"] == pytest.approx(float(value), rel=1e-5)  # logged also at coef 0
+    assert s1["mean:moe/aux_loss"] == pytest.approx(float(value), rel=1e-5)
+    assert s1["mean:loss/total"] == pytest.approx(s0["mean:loss/total"] + coef * float(value), rel=1e-5, abs=1e-6)
+    for k0, k1, klb in zip(_router_kernels(g0), _router_kernels(g1), _router_kernels(g_lb)):
+        assert np.max(np.abs(k1 - k0)) > 1e-4
+        np.testing.assert_allclose(k1 - k0, coef * klb, atol=1e-5)
+    # Two microbatches: each computes it over its own tokens, weighted by its share of the valid tokens.
+    _, s2 = _grad(graphdef, params, batch, aux=coef, microbatches=2)
+    n_all = float(np.sum(batch.attention_mask[:, :-1]))
+    halves = [float(np.sum(part.attention_mask[:, :-1])) / n_all * _lb_of(graphdef, params, part)
+              for part in (jax.tree.map(lambda x: x[:4], batch), jax.tree.map(lambda x: x[4:], batch))]
+    assert s2["mean:moe/aux_loss"] == pytest.approx(sum(halves), rel=1e-5)
+
+
+def _lb_of(graphdef, params, batch) -> float:
+    model = nnx.merge(graphdef, params)
+    ids, m = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
+    return float(load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1]))
+
+
+# -- moe_step_metrics against NumPy -------------------------------------------------------------------------
+def _reference(router_ids, entropy, load, old_logp, rollout_logp, mask, rollout_ids):
+    m = mask.astype(bool)
+    out = {"moe/router_entropy": entropy[m].mean()}
+    mom = load.max(-1) / load.mean(-1)
+    out["moe/load_max_over_mean"], out["moe/load_max_over_mean_max"] = mom.mean(), mom.max()
+    out["moe/load_cv"] = (load.std(-1) / load.mean(-1)).mean()
+    b, t, layers, _ = router_ids.shape
+    differs = np.zeros((b, t, layers), bool)
+    for i in range(b):
+        for j in range(t):
+            for l in range(layers):
+                differs[i, j, l] = set(router_ids[i, j, l]) != set(rollout_ids[i, j, l])
+    fracs = [differs[..., l][m].mean() for l in range(layers)]
+    out["moe/router_disagree_frac"] = np.mean(fracs)
+    for l, f in zip((3, 5, 9), fracs):
+        out[f"moe/router_disagree_frac_layer{l}"] = f
+    anyd = differs.any(-1)
+    out["moe/router_disagree_token_frac"] = anyd[m].mean()
+    r = np.exp(old_logp - rollout_logp)
+    out["moe/rho_std_routing_agreed"] = r[m & ~anyd].std()
+    out["moe/rho_std_routing_disagreed"] = r[m & anyd].std()
+    return out
+
+
+def _random_inputs(seed=0, b=4, t=7, layers=3, k=2, experts=6):
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((b, t, layers, experts)), -1)[..., :k].astype(np.int32)
+    other = ids.copy()
+    flip = rng.random((b, t, layers)) < 0.3
+    other[flip] = np.argsort(rng.random((int(flip.sum()), experts)), -1)[:, :k]
+    other[..., ::-1] = other.copy()  # same sets in another slot order must count as agreement
+    entropy = rng.uniform(0.1, 1.5, (b, t, layers)).astype(np.float32)
+    load = rng.integers(1, 20, (layers, experts)).astype(np.float32)
+    old = -rng.uniform(0.1, 3.0, (b, t)).astype(np.float32)
+    roll = (old + rng.normal(0, 0.2, (b, t))).astype(np.float32)
+    mask = (rng.random((b, t)) < 0.7).astype(np.float32)
+    return ids, entropy, load, old, roll, mask, other
+
+
+def test_moe_metrics_match_numpy_and_ignore_padding():
+    ids, entropy, load, old, roll, mask, other = _random_inputs()
+    got = moe_step_metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
+                           jnp.asarray(roll), jnp.asarray(mask), layer_ids=(3, 5, 9), rollout_ids=jnp.asarray(other))
+    want = _reference(ids, entropy, load, old, roll, mask, other)
+    assert list(got) == moe_metric_names((3, 5, 9), with_rollout=True)
+    for k, v in want.items():
+        assert float(got[k]) == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
+    assert 0 < float(got["moe/router_disagree_frac"]) < 1
+    # Padding positions with garbage change nothing.
+    pad = lambda x, fill: np.concatenate([x, np.full((x.shape[0], 3) + x.shape[2:], fill, x.dtype)], axis=1)  # noqa: E731
+    padded = moe_step_metrics(jnp.asarray(pad(ids, 1)), jnp.asarray(pad(entropy, 9.0)), jnp.asarray(load),
+                              jnp.asarray(pad(old, -7.0)), jnp.asarray(pad(roll, 0.0)), jnp.asarray(pad(mask, 0.0)),
+                              layer_ids=(3, 5, 9), rollout_ids=jnp.asarray(pad(other, 4)))
+    for k in want:
+        assert float(padded[k]) == pytest.approx(float(got[k]), rel=1e-6, abs=1e-7), k
+
+
+def test_moe_metrics_empty_sets_are_zero_not_nan():
+    ids, entropy, load, old, roll, mask, _ = _random_inputs(seed=2)
+    got = moe_step_metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.zeros_like(jnp.asarray(load)),
+                           jnp.asarray(old), jnp.asarray(roll), jnp.asarray(mask), layer_ids=(0, 1, 2),
+                           rollout_ids=jnp.asarray(ids[..., ::-1]))
+    assert float(got["moe/router_disagree_frac"]) == 0.0 and float(got["moe/rho_std_routing_disagreed"]) == 0.0
+    assert float(got["moe/rho_std_routing_agreed"]) > 0 and float(got["moe/load_cv"]) == 0.0
+    assert all(np.isfinite(float(v)) for v in got.values())
+    with pytest.raises(ValueError, match="layer_ids has 2 entries for 3 sparse layers"):
+        moe_step_metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
+                         jnp.asarray(roll), jnp.asarray(mask), layer_ids=(0, 1))
