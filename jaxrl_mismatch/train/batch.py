@@ -16,6 +16,9 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
                                         drops it (the update never reads it)
     replay_routing  int32 [B, S, L, k]  MoE routing replay: the experts the θ forward of the update uses
                                         (R2: θ_old's own routing, R3: the engine's), filled by `prepare`
+    packed          PackedRows          sequence packing of this minibatch for the update's θ forward
+                                        (`trainer.packing`; `train/packing.py`); its `[P, L]` arrays have
+                                        their own leading dim P, split into the same number of microbatches
 
 The optional fields are None when absent; a pytree with None fields has no leaves there, so jit sees a
 fixed structure per run. The fields without a default are what the rollout produces: multi-host
@@ -32,11 +35,23 @@ from typing import Any, Sequence
 import flax.struct
 import jax
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch.data.batching import pad_rows
 
 Rows = Any  # numpy index / slice of rows
+
+
+@flax.struct.dataclass
+class PackedRows:
+    """The update step's packed layout of a minibatch (`train.packing.pack_batch`): `P` rows of `L` tokens
+    holding whole sequences, and where each unpacked target `[B, S-1]` sits among the packed ones."""
+
+    tokens: Int[Array, "p l"]
+    segment_ids: Int[Array, "p l"]
+    positions: Int[Array, "p l"]
+    unpack_index: Int[Array, "b t"]
+    unpack_valid: Bool[Array, "b t"]
 
 
 @flax.struct.dataclass
@@ -51,14 +66,15 @@ class RolloutBatch:
     token_weight: Float[Array, "b t"] | None = None
     routing: Int[Array, "b s layers k"] | None = None
     replay_routing: Int[Array, "b s layers k"] | None = None
+    packed: PackedRows | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
     def rows(self, idx: Rows) -> RolloutBatch:
-        """The batch restricted to rows `idx` (host arrays)."""
-        return jax.tree.map(lambda x: x[idx], self)
+        """The batch restricted to rows `idx` (host arrays); a packing describes whole batches, so it is dropped."""
+        return jax.tree.map(lambda x: x[idx], self.replace(packed=None))
 
     def arrays(self) -> dict[str, Any]:
         """The present fields by name."""

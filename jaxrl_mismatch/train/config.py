@@ -34,7 +34,7 @@ RESUME_MAY_CHANGE = (
     "steps", "resume", "run_dir", "log", "checkpoint", "eval.every", "distributed", "model.warmstart_if_missing",
     "model.warmstart_args", "rollout.address", "rollout.token_file", "rollout.startup_timeout_s",
     "rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.restart_on_failure", "trainer.mesh",
-    "trainer.chunk_size", "trainer.remat",
+    "trainer.chunk_size", "trainer.remat", "trainer.remat_policy", "trainer.attention_impl", "trainer.packing",
 )
 
 
@@ -98,6 +98,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.trainer.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
     c.trainer.chunk_size = 256  # sequence chunk of the log-prob computation (memory vs speed)
     c.trainer.remat = False  # recompute each block in the backward pass (activation memory vs ~1/3 more FLOPs)
+    # With remat: what each block keeps for the backward pass (docs/models.md): "full" (keep nothing),
+    # "save_dots" (keep the weight-matmul outputs), "offload" (park them in pinned host memory; GPU/TPU).
+    c.trainer.remat_policy = "full"
+    c.trainer.scan_layers = False  # layers under lax.scan: compile time and program size flat in depth
+    # auto | xla | cudnn | chunked (docs/models.md): auto = cuDNN flash on GPU in bf16/fp16, else chunked
+    # query blocks from 1024 positions on (memory linear in the length), else XLA's S×S attention.
+    c.trainer.attention_impl = "auto"
+    # Sequence packing in the update step: whole sequences share rows (segment-aware attention), so the
+    # θ forward/backward skips most padding of uneven RL batches; the update is the same (dense policies).
+    c.trainer.packing = False
     # MoE routing replay (docs/models.md): "off" = every forward routes freely; "R2" = the update's θ forwards
     # replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the engine's routing (jax engine only:
     # vLLM does not return routing). MoE policies only.
@@ -157,6 +167,8 @@ _CHOICES = {
     "trainer.precision": precision.PRESETS,
     "distributed.initialize": ("auto", "always", "never"),
     "trainer.routing_replay": ("off", "R2", "R3"),
+    "trainer.remat_policy": ("full", "save_dots", "offload"),
+    "trainer.attention_impl": ("auto", "xla", "cudnn", "chunked"),
 }
 _POSITIVE_INTS = (
     "steps", "rollout.group_size", "rollout.max_tokens", "batch.prompts_per_step", "batch.ppo_epochs",
@@ -270,6 +282,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
                               f"{c.rollout.dtype!r}")
         if c.trainer.fp32_lm_head:
             raise ConfigError("config.rollout.exact: trainer.fp32_lm_head must be False (the engine has no fp32 head)")
+        if c.trainer.scan_layers:
+            raise ConfigError("config.trainer.scan_layers: must be False with rollout.exact (the exact scorer "
+                              "repeats the engine's unrolled layer program)")
         split = {k: v for k, v in c.trainer.mesh.items() if k != "data" and v != 1}
         if split:
             raise ConfigError(f"config.rollout.exact: needs a single-device or data-parallel trainer mesh (FSDP and "
@@ -350,6 +365,9 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
 def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
     """The options that need a mixture-of-experts policy are off for a dense one; ConfigError naming the field."""
     if model_cfg.is_moe:
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: not available for the mixture-of-experts {c.model.path} "
+                              "(packed rows do not carry routing); set it to False")
         return
     if c.trainer.routing_replay != "off":
         raise ConfigError(f"config.trainer.routing_replay: {c.trainer.routing_replay!r} replays expert routing, but "

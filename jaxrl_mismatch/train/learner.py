@@ -24,6 +24,7 @@ from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.checkpoint import abstract_state_of
 from jaxrl_mismatch.train.config import build_optimizer, build_schedule, check_mesh, check_model
 from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
+from jaxrl_mismatch.train.packing import pack_batch
 from jaxrl_mismatch.train.state import TrainState, init_state, split_model
 from jaxrl_mismatch.train.step import (
     jit_prepare,
@@ -54,11 +55,12 @@ class Learner:
         self.c = c
         self.mesh = check_mesh(c)
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
-        self.model_cfg, model = load_hf(c.model.path, policy=policy, mesh=self.mesh)
+        self.model_cfg, model = load_hf(c.model.path, policy=policy, mesh=self.mesh,
+                                        scan_layers=c.trainer.scan_layers, attention_impl=c.trainer.attention_impl)
         check_model(c, self.model_cfg)
         model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
         self._exact_graphdef = split_model(model)[0]
-        model.remat = bool(c.trainer.remat)
+        model.remat = c.trainer.remat_policy if c.trainer.remat else "none"
         graphdef, params = split_model(model)
         self._graphdef = graphdef
         opt = build_optimizer(c.optim)
@@ -75,6 +77,7 @@ class Learner:
             init_state(params, opt, precision.loss_scale_for(policy), seed=c.seed), self.mesh)
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if c.objective.kl_coef else None
         self.minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
+        self._batch_shards = int(self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1))
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -116,7 +119,10 @@ class Learner:
             order = (np.random.default_rng([seed, epoch]).permutation(batch.num_rows)
                      if c.batch.minibatches > 1 else np.arange(batch.num_rows))
             for m in range(c.batch.minibatches):
-                mb = place_batch(batch.rows(order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows]), self.mesh)
+                mb = batch.rows(order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows])
+                if c.trainer.packing:  # one group per microbatch; the packed rows split evenly over the batch shards
+                    mb = pack_batch(mb, num_groups=c.batch.microbatches, shards=self._batch_shards)
+                mb = place_batch(mb, self.mesh)
                 if self._update is None:
                     self._update = jit_update(self._update_fn, self.state, mb, self.mesh)
                 self.state, stats = self._update(self.state, mb)

@@ -8,7 +8,9 @@ within its sequence. The model attends only within a segment (`models.attention`
 same segment and j ≤ i) and rotates by those positions, so a packed sequence's log-probs equal its
 unpacked ones (`tests/train/test_packing.py`, fp32, ≤ 1e-5).
 
-Wiring it into the step (host side, then inside jit):
+The trainer packs when `trainer.packing = True`: `Learner.optimize` calls `pack_batch` on each minibatch
+(groups = microbatches) and the update's θ forward (`train.step.forward_packed_logprobs`) does what this
+sketch shows (host side, then inside jit):
 
     packed = pack_rows(batch.tokens, batch.attention_mask, num_groups=microbatches)   # numpy, host
     # in the jitted update/prepare, per microbatch (or with num_groups for the whole batch):
@@ -37,9 +39,12 @@ produces. Placement is first-fit decreasing (Johnson 1973), at most 11/9·OPT + 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,3 +211,18 @@ def _namespace(x):
     import jax.numpy as jnp
 
     return jnp
+
+
+def pack_batch(batch: RolloutBatch, *, num_groups: int, shards: int = 1) -> RolloutBatch:
+    """`batch` (a host `RolloutBatch`) with `packed` set: its rows packed in `num_groups` groups (one per
+    microbatch of the update, so each microbatch's sequences and packed rows split together), with a
+    packed row count that `shards` (the batch's data × fsdp devices) divides.
+
+    The update's θ forward then runs on the packed rows and unpacks log π and entropy to `[B, S-1]`
+    (`train.step`); everything else in the batch keeps its unpacked layout."""
+    rows_multiple = shards // math.gcd(num_groups, shards)  # num_groups · rows must be a multiple of shards
+    p = pack_rows(np.asarray(batch.tokens), np.asarray(batch.attention_mask), num_groups=num_groups,
+                  rows_multiple=rows_multiple)
+    return batch.replace(packed=PackedRows(tokens=p.tokens.astype(np.int32), segment_ids=p.segment_ids,
+                                           positions=p.positions, unpack_index=p.unpack_index,
+                                           unpack_valid=p.unpack_valid))

@@ -41,10 +41,11 @@ from jaxtyping import Array, Float, Int
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics.moe import moe_step_metrics
 from jaxrl_mismatch.models import sharding as shd
-from jaxrl_mismatch.models.logprobs import logprobs_from_hidden
+from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
 from jaxrl_mismatch.models.moe import RouterOutput
-from jaxrl_mismatch.train.batch import RolloutBatch
+from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
+from jaxrl_mismatch.train.packing import unpack_targets
 from jaxrl_mismatch.train.state import TrainState, state_shardings
 
 
@@ -87,6 +88,18 @@ def forward_routed_logprobs(
     logp, entropy = logprobs_from_hidden(model, hidden, tokens[:, 1:], mask, chunk_size=chunk_size,
                                          temperature=temperature)
     return logp, entropy, router
+
+
+def forward_packed_logprobs(graphdef: nnx.GraphDef, params: Any, packed: PackedRows, chunk_size: int,
+                            temperature: float = 1.0) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+    """`forward_logprobs` computed on the packed rows (segment-aware attention, per-sequence positions) and
+    unpacked to the batch's `[B, S-1]` layout: the same values, on fewer token slots (`train/packing.py`)."""
+    model = nnx.merge(graphdef, params)
+    t, seg = packed.tokens, packed.segment_ids
+    logp, entropy = token_logprobs(model, t[:, :-1], t[:, 1:], None, chunk_size=chunk_size, temperature=temperature,
+                                   segment_ids=seg[:, :-1], positions=packed.positions[:, :-1])
+    return (unpack_targets(logp, packed.unpack_index, packed.unpack_valid),
+            unpack_targets(entropy, packed.unpack_index, packed.unpack_valid))
 
 
 def _align_with_tokens(ids: Int[Array, "b t layers k"]) -> Int[Array, "b s layers k"]:
@@ -144,11 +157,20 @@ def make_update_fn(
 
     MoE policies: a batch with `replay_routing` (routing replay R2/R3, filled by `prepare`) has the θ forward
     use those experts; the router's load-balancing term (`objective.router_loss`) joins the loss.
+
+    A batch with `packed` (`trainer.packing`, `train.packing.pack_batch` with one group per microbatch) runs
+    the θ forward on the packed rows and unpacks log π and entropy; the objective sees the same `[B, S-1]`
+    values, so the update equals the unpacked one (`tests/train/test_packed_update.py`).
     """
 
     def microbatch_loss(params, mb, normaliser, input_tokens, scale_state):
-        logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size,
-                                                        temperature, routing=mb.replay_routing)
+        if mb.packed is not None:  # sequence packing: only the transformer runs packed
+            if mb.replay_routing is not None:
+                raise ValueError("sequence packing does not carry MoE routing replay; use one or the other")
+            (logp, entropy), router = forward_packed_logprobs(graphdef, params, mb.packed, chunk_size, temperature), None
+        else:
+            logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size,
+                                                            temperature, routing=mb.replay_routing)
         loss, aux = objective.loss(logp, entropy, mb, normaliser)
         if router is not None:
             extra, router_aux = objective.router_loss(router, input_tokens)

@@ -49,7 +49,7 @@ def synthetic_batch(batch: int = 8, seq: int = 16, prompt_len: int = 5, seed: in
 
 
 def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=1, lr=1e-2, seed=0,
-          objective=None, max_grad_norm=1.0, remat=False):
+          objective=None, max_grad_norm=1.0, remat=False, optimizer="adamw"):
     """(mesh, graphdef, state, update, old_logprobs) on the requested mesh."""
     import jax
 
@@ -59,7 +59,7 @@ def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=
     model = Transformer(tiny_config(), pol, rngs=nnx.Rngs(seed))
     model.remat = remat
     graphdef, params = split_model(model)
-    opt = make_optimizer("adamw", learning_rate=lr, max_grad_norm=max_grad_norm)
+    opt = make_optimizer(optimizer, learning_rate=lr, max_grad_norm=max_grad_norm)
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol), seed=seed), mesh)
     objective = objective or PolicyObjective(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
     update_fn = make_update_fn(graphdef, opt, objective, num_microbatches=num_microbatches,
