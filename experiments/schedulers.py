@@ -28,6 +28,11 @@ def get_spec():
             "mismatch_triggered": {"controller.name": "metric_triggered",
                                    "controller.kwargs.metric": "mismatch/log_ppl_abs_diff",
                                    "controller.kwargs.threshold": 0.5, "controller.kwargs.decay_period": 10},
+            # Control: constant LR at the floor the mismatch-triggered run reaches (0.1 × 7e-4 by step 30), to tell
+            # the trigger's timing from the smaller LR itself.
+            "constant_low": {"optim.lr": 7e-5},
+            # Reference: constant LR without injected mismatch (what the task reaches when μ = π up to fp32 rounding).
+            "no_mismatch": {"rollout.logit_noise_std": 0.0},
         },
         "seeds": [0, 1, 2],
         "out": "runs/compare/schedulers",
