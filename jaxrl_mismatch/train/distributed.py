@@ -90,7 +90,7 @@ def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], d
                   keys: tuple[str, ...], stat_keys: tuple[str, ...]):
     """Run `fn` (the rollout) on process 0 and broadcast its (arrays, scalars) result to every process.
 
-    `keys` / `stat_keys` fix the order on every process (the trainer passes `batch.ROLLOUT_FIELDS`). Shapes change from step to step (bucketed
+    `keys` / `stat_keys` fix the order on every process (the trainer passes `batch.rollout_fields(...)`). Shapes change from step to step (bucketed
     lengths), so a header of shapes and dtypes is broadcast first; `broadcast_one_to_all` needs
     identically shaped inputs on all processes. A failure on process 0 reaches every process.
     """
