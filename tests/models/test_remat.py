@@ -38,7 +38,8 @@ def _loss_and_grad(model: Transformer):
 def test_remat_gives_identical_loss_and_gradients():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 33)), jnp.int32)
     (l0, g0), (l1, g1) = [(lambda f, p: f(p, tokens))(*_loss_and_grad(_model(r, layers=2))) for r in (False, True)]
-    assert float(l0) == float(l1)
+    # Not bitwise: XLA fuses the checkpointed forward differently (measured 1 ulp of the loss, 4.8e-7).
+    assert abs(float(l0) - float(l1)) <= 2e-6 * abs(float(l0))
     diff = jax.tree_util.tree_map(lambda a, b: float(jnp.max(jnp.abs(a - b))), g0, g1)
     assert max(jax.tree_util.tree_leaves(diff)) < 1e-6
 
