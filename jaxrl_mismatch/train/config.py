@@ -166,10 +166,20 @@ _CHOICES = {
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "trainer.precision": precision.PRESETS,
     "distributed.initialize": ("auto", "always", "never"),
-    "trainer.routing_replay": ("off", "R2", "R3"),
-    "trainer.remat_policy": ("full", "save_dots", "offload"),
-    "trainer.attention_impl": ("auto", "xla", "cudnn", "chunked"),
 }
+
+
+def _model_choices() -> dict[str, tuple[str, ...]]:
+    """The trainer's model options, from the registries that implement them (imported here, not at module
+    load, so that reading a config does not import Flax)."""
+    from jaxrl_mismatch.models import ATTENTION_IMPLS, REMAT_POLICIES
+    from jaxrl_mismatch.train.step import REPLAY_MODES
+
+    return {
+        "trainer.routing_replay": REPLAY_MODES,
+        "trainer.remat_policy": tuple(p for p in REMAT_POLICIES if p != "none"),  # "none" is trainer.remat = False
+        "trainer.attention_impl": ATTENTION_IMPLS,
+    }
 _POSITIVE_INTS = (
     "steps", "rollout.group_size", "rollout.max_tokens", "batch.prompts_per_step", "batch.ppo_epochs",
     "batch.minibatches", "batch.microbatches", "trainer.chunk_size", "task.num_val", "eval.k",
@@ -220,7 +230,7 @@ def check_schema(c: ml_collections.ConfigDict) -> None:
 def validate(c: ml_collections.ConfigDict) -> None:
     """Check every field that can be checked without loading anything; raise ConfigError naming it."""
     check_schema(c)
-    for path, choices in _CHOICES.items():
+    for path, choices in {**_CHOICES, **_model_choices()}.items():
         v = _get(c, path)
         if v not in choices:
             raise ConfigError(f"config.{path}: {v!r} is not one of {list(choices)}")

@@ -8,6 +8,8 @@ statistics combined over all of them), `set_lr_scale` (the controller's multipli
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -17,6 +19,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import StatsAccumulator, metrics_config
 from jaxrl_mismatch.models import load_hf, params_to_hf
 from jaxrl_mismatch.models.exact import score_exact
+from jaxrl_mismatch.models.sharding import batch_axes
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
@@ -77,7 +80,7 @@ class Learner:
             init_state(params, opt, precision.loss_scale_for(policy), seed=c.seed), self.mesh)
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if c.objective.kl_coef else None
         self.minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
-        self._batch_shards = int(self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1))
+        self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:

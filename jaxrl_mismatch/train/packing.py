@@ -216,7 +216,7 @@ def _namespace(x):
 def pack_batch(batch: RolloutBatch, *, num_groups: int, shards: int = 1) -> RolloutBatch:
     """`batch` (a host `RolloutBatch`) with `packed` set: its rows packed in `num_groups` groups (one per
     microbatch of the update, so each microbatch's sequences and packed rows split together), with a
-    packed row count that `shards` (the batch's data × fsdp devices) divides.
+    packed row count that `shards` (the devices the batch is split over, `models.sharding.batch_axes`) divides.
 
     The update's θ forward then runs on the packed rows and unpacks log π and entropy to `[B, S-1]`
     (`train.step`); everything else in the batch keeps its unpacked layout."""

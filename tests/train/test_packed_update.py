@@ -9,12 +9,15 @@ the lengths the configs name.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl_mismatch.models.sharding import batch_axes
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.config import ConfigError, base_config, check_model, validate
 from jaxrl_mismatch.train.packing import pack_batch
@@ -39,7 +42,7 @@ def _run(mesh_axes, devices, *, packed: bool, num_microbatches: int):
     theta0 = jax.tree.map(np.asarray, state.params)
     host = _host_batch(mesh, old_lp, state.params)
     if packed:
-        shards = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+        shards = math.prod(mesh.shape[a] for a in batch_axes(mesh))
         host = pack_batch(host, num_groups=num_microbatches, shards=shards)
     batch = place_batch(host, mesh)
     state, stats = jit_update(update_fn, state, batch, mesh)(state, batch)
