@@ -35,6 +35,9 @@ def get_config():
 
     c.trainer.precision = "fp32"
     c.trainer.chunk_size = 64
+    # Sequence packing: the demo's rows are ~54 % padding; packed, a step's learner side runs 1.9x faster
+    # (benchmarks/packing.py) and computes the same update.
+    c.trainer.packing = True
 
     # Measured: 1e-3 collapses within 10 steps and 3e-4 × 4 minibatches drifts down; 1e-4 climbs steadily.
     c.optim.lr = 1e-4

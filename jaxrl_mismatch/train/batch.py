@@ -16,9 +16,10 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
                                         drops it (the update never reads it)
     replay_routing  int32 [B, S, L, k]  MoE routing replay: the experts the θ forward of the update uses
                                         (R2: θ_old's own routing, R3: the engine's), filled by `prepare`
-    packed          PackedRows          sequence packing of this minibatch for the update's θ forward
-                                        (`trainer.packing`; `train/packing.py`); its `[P, L]` arrays have
-                                        their own leading dim P, split into the same number of microbatches
+    packed          PackedRows          sequence packing (`trainer.packing`; `train/packing.py`) for the
+                                        θ_old / reference forwards of `prepare` (the whole batch) and the
+                                        update's θ forward (a minibatch); its `[P, L]` arrays have their own
+                                        leading dim P, split like B (devices, microbatches)
 
 The optional fields are None when absent; a pytree with None fields has no leaves there, so jit sees a
 fixed structure per run. The fields without a default are what the rollout produces: multi-host
@@ -44,14 +45,19 @@ Rows = Any  # numpy index / slice of rows
 
 @flax.struct.dataclass
 class PackedRows:
-    """The update step's packed layout of a minibatch (`train.packing.pack_batch`): `P` rows of `L` tokens
-    holding whole sequences, and where each unpacked target `[B, S-1]` sits among the packed ones."""
+    """The packed layout of a batch (`train.packing.pack_batch`): `P` rows of `L` tokens holding whole
+    sequences, and where each unpacked target `[B, S-1]` sits among the packed ones.
+
+    `num_groups` G (static): rows [g·B/G, (g+1)·B/G) are packed into packed rows [g·P/G, (g+1)·P/G) and
+    `unpack_index` counts within the group, so splitting every array into G (or a divisor of G) leading
+    blocks keeps each block self-contained (microbatches; one block per device)."""
 
     tokens: Int[Array, "p l"]
     segment_ids: Int[Array, "p l"]
     positions: Int[Array, "p l"]
     unpack_index: Int[Array, "b t"]
     unpack_valid: Bool[Array, "b t"]
+    num_groups: int = flax.struct.field(pytree_node=False, default=1)
 
 
 @flax.struct.dataclass

@@ -105,8 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
     # auto | xla | cudnn | chunked (docs/models.md): auto = cuDNN flash on GPU in bf16/fp16, else chunked
     # query blocks from 1024 positions on (memory linear in the length), else XLA's S×S attention.
     c.trainer.attention_impl = "auto"
-    # Sequence packing in the update step: whole sequences share rows (segment-aware attention), so the
-    # θ forward/backward skips most padding of uneven RL batches; the update is the same (dense policies).
+    # Sequence packing: whole sequences share rows (segment-aware attention), so the θ_old / reference
+    # forwards of prepare and the update's θ forward/backward skip most padding of uneven RL batches; the
+    # step computes the same values (dense policies; benchmarks/packing.py measures what it saves).
     c.trainer.packing = False
     # MoE routing replay (docs/models.md): "off" = every forward routes freely; "R2" = the update's θ forwards
     # replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the engine's routing (jax engine only:

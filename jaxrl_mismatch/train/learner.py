@@ -102,6 +102,9 @@ class Learner:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
                 batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature))
+        if self.c.trainer.packing and (batch.old_logp is None or self.ref_params is not None):
+            # θ_old / reference forwards on packed rows: one group per batch shard keeps each device's rows local.
+            batch = pack_batch(batch, num_groups=self._batch_shards, shards=self._batch_shards)
         key = jax.random.key_data(jax.random.key(seed))
         out, metrics = self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
         return jax.tree.map(distributed.to_host, out), {k: float(v) for k, v in metrics.items()}

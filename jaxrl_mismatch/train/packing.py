@@ -28,9 +28,12 @@ aggregations all as before). Only the transformer runs packed.
 microbatch `unpack_targets(..., num_groups=1)` is right. For the whole batch at once pass `num_groups=G`.
 With data parallelism, G = microbatches × data-parallel devices keeps every gather on its device.
 
-**Fixed shapes.** The packed row length is the unpacked one unless `length` is given; the row count per
-group is the most any group needs, rounded up to `rows_multiple` (or exactly `rows_per_group`, raising if
-the sequences do not fit), so a run compiles a few shapes. Empty rows are all padding (segment id 0).
+**Few shapes.** The packed row length is the unpacked one unless `length` is given; the row count per
+group is the most any group needs, rounded up to `rows_multiple` and to one of `row_buckets` steps of the
+group's unpacked row count (or exactly `rows_per_group`, raising if the sequences do not fit). First-fit
+decreasing never needs more rows than sequences, so a run compiles at most `row_buckets` packed shapes per
+bucketed length (the trainer's default 8 wastes at most 1/8 of the unpacked slots to rounding; without
+buckets nearly every batch would be a new shape and a new compilation). Empty rows are all padding.
 
 Each input row must hold one contiguous sequence (right-, left- or un-padded), as `data.batching.pad_rows`
 produces. Placement is first-fit decreasing (Johnson 1973), at most 11/9·OPT + 1 rows per group.
@@ -114,10 +117,16 @@ def pack_rows(
     length: int | None = None,
     num_groups: int = 1,
     rows_multiple: int = 1,
+    row_buckets: int | None = None,
     rows_per_group: int | None = None,
     pad_id: int = 0,
 ) -> PackedBatch:
     """Pack the sequences of a padded batch into rows of `length` tokens (default: the batch's own length).
+
+    Rows per group: what first-fit decreasing needs, rounded up to a multiple of `rows_multiple` and, with
+    `row_buckets` = k, of ⌈(B/G) / k⌉ — at most k row counts per batch shape, so a jitted consumer compiles
+    at most k programs per bucketed length instead of one for nearly every batch; exactly `rows_per_group`
+    when given.
 
     Raises:
         ValueError: naming the row, if a row's real tokens are not contiguous or longer than `length`; if
@@ -141,7 +150,8 @@ def pack_rows(
     bg = b // num_groups
     placements = [_first_fit_decreasing(n[g * bg:(g + 1) * bg], length) for g in range(num_groups)]
     need = max(p[2] for p in placements)
-    rows = -(-max(need, 1) // rows_multiple) * rows_multiple
+    quantum = math.lcm(rows_multiple, -(-bg // row_buckets)) if row_buckets else rows_multiple
+    rows = -(-max(need, 1) // quantum) * quantum
     if rows_per_group is not None:
         if need > rows_per_group:
             raise ValueError(f"pack_rows: the sequences need {need} rows per group, rows_per_group={rows_per_group}")
@@ -213,16 +223,19 @@ def _namespace(x):
     return jnp
 
 
-def pack_batch(batch: RolloutBatch, *, num_groups: int, shards: int = 1) -> RolloutBatch:
-    """`batch` (a host `RolloutBatch`) with `packed` set: its rows packed in `num_groups` groups (one per
-    microbatch of the update, so each microbatch's sequences and packed rows split together), with a
-    packed row count that `shards` (the devices the batch is split over, `models.sharding.batch_axes`) divides.
+def pack_batch(batch: RolloutBatch, *, num_groups: int, shards: int = 1, row_buckets: int | None = 8) -> RolloutBatch:
+    """`batch` (a host `RolloutBatch`) with `packed` set: its rows packed in `num_groups` groups, with a
+    packed row count that `shards` (the devices the batch is split over, `models.sharding.batch_axes`) divides
+    and that takes one of `row_buckets` values per batch shape (`pack_rows`): every new packed shape is a new
+    compilation of the step, and the number of rows a batch needs changes from batch to batch.
 
-    The update's θ forward then runs on the packed rows and unpacks log π and entropy to `[B, S-1]`
-    (`train.step`); everything else in the batch keeps its unpacked layout."""
+    For the update, one group per microbatch (each microbatch's sequences and packed rows split together);
+    for `prepare`'s whole batch, one group per shard (each device's rows pack among themselves, so the
+    unpacking gather stays on the device). The θ forwards then run on the packed rows and unpack log π
+    and entropy to `[B, S-1]` (`train.step`); everything else in the batch keeps its unpacked layout."""
     rows_multiple = shards // math.gcd(num_groups, shards)  # num_groups · rows must be a multiple of shards
     p = pack_rows(np.asarray(batch.tokens), np.asarray(batch.attention_mask), num_groups=num_groups,
-                  rows_multiple=rows_multiple)
+                  rows_multiple=rows_multiple, row_buckets=row_buckets)
     return batch.replace(packed=PackedRows(tokens=p.tokens.astype(np.int32), segment_ids=p.segment_ids,
                                            positions=p.positions, unpack_index=p.unpack_index,
-                                           unpack_valid=p.unpack_valid))
+                                           unpack_valid=p.unpack_valid, num_groups=num_groups))

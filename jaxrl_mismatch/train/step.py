@@ -98,8 +98,9 @@ def forward_packed_logprobs(graphdef: nnx.GraphDef, params: Any, packed: PackedR
     t, seg = packed.tokens, packed.segment_ids
     logp, entropy = token_logprobs(model, t[:, :-1], t[:, 1:], None, chunk_size=chunk_size, temperature=temperature,
                                    segment_ids=seg[:, :-1], positions=packed.positions[:, :-1])
-    return (unpack_targets(logp, packed.unpack_index, packed.unpack_valid),
-            unpack_targets(entropy, packed.unpack_index, packed.unpack_valid))
+    g = packed.num_groups
+    return (unpack_targets(logp, packed.unpack_index, packed.unpack_valid, num_groups=g),
+            unpack_targets(entropy, packed.unpack_index, packed.unpack_valid, num_groups=g))
 
 
 def _align_with_tokens(ids: Int[Array, "b t layers k"]) -> Int[Array, "b s layers k"]:
@@ -108,11 +109,18 @@ def _align_with_tokens(ids: Int[Array, "b t layers k"]) -> Int[Array, "b s layer
 
 
 def _split_microbatches(batch: RolloutBatch, n: int) -> RolloutBatch:
+    """`[n, rows / n, ...]` leaves; a packing's G groups become G / n groups per microbatch."""
     def split(x):
         if x.shape[0] % n:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by num_microbatches={n}")
         return x.reshape((n, x.shape[0] // n) + x.shape[1:])
 
+    if batch.packed is not None:
+        g = batch.packed.num_groups
+        if g % n:
+            raise ValueError(f"a batch packed in {g} groups does not split into num_microbatches={n} "
+                             "(pack one group per microbatch: train.packing.pack_batch)")
+        batch = batch.replace(packed=batch.packed.replace(num_groups=g // n))
     return jax.tree.map(split, batch)
 
 
@@ -263,16 +271,27 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
     runs the routed forward, for its metrics and R2). `moe_layers`: the model's sparse layer indices
     (`ModelConfig.sparse_layers`; empty for a dense model). `routing_replay`: "off" | "R2" | "R3".
     The returned batch has no `routing` (the update never reads it; R3 carries it on as `replay_routing`).
+    A batch with `packed` (`trainer.packing`: `train.packing.pack_batch`, one group per batch shard) has its
+    θ_old and reference forwards run on the packed rows (dense policies); the returned batch drops the
+    packing (the update packs each minibatch anew).
     """
     if routing_replay not in REPLAY_MODES:
         raise ValueError(f"routing_replay must be one of {REPLAY_MODES}, got {routing_replay!r}")
     if routing_replay != "off" and not moe_layers:
         raise ValueError(f"routing_replay={routing_replay!r} needs a mixture-of-experts model")
 
+    def score(p, batch: RolloutBatch) -> Float[Array, "b t"]:
+        """log π of the batch's targets under `p`: on the packed rows when the batch carries a packing."""
+        if batch.packed is not None:
+            return forward_packed_logprobs(graphdef, p, batch.packed, chunk_size, temperature)[0]
+        return forward_logprobs(graphdef, p, batch.tokens, batch.attention_mask, chunk_size, temperature)[0]
+
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask
         router = None
-        if batch.old_logp is None or moe_layers:
+        if moe_layers:
+            if batch.packed is not None:
+                raise ValueError("sequence packing does not carry MoE routing; MoE policies run unpacked")
             if routing_replay == "R3" and batch.routing is None:
                 raise ValueError("routing_replay='R3' needs the engine's routing in the batch (batch.routing)")
             forced = batch.routing if routing_replay == "R3" else None
@@ -282,17 +301,17 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
                 batch = batch.replace(old_logp=old_logp * mask)
             if routing_replay != "off":  # R3: the engine's ids (as forced); R2: θ_old's own choice
                 batch = batch.replace(replay_routing=_align_with_tokens(router.expert_ids))
+        elif batch.old_logp is None:
+            batch = batch.replace(old_logp=score(params, batch) * mask)
         if ref_params is not None:
-            ref_logp, _ = forward_logprobs(graphdef, ref_params, batch.tokens, batch.attention_mask, chunk_size,
-                                           temperature)
-            batch = batch.replace(ref_logp=ref_logp * mask)
+            batch = batch.replace(ref_logp=score(ref_params, batch) * mask)
         batch = batch.replace(token_weight=objective.token_weight(batch, seed))
         metrics = objective.step_metrics(batch)
         if router is not None:
             metrics.update(moe_step_metrics(
                 router.router_ids, router.entropy, router.load, batch.old_logp, batch.rollout_logp, mask,
                 layer_ids=moe_layers, rollout_ids=None if batch.routing is None else batch.routing[:, :-1]))
-        return batch.replace(routing=None), metrics
+        return batch.replace(routing=None, packed=None), metrics
 
     return prepare
 

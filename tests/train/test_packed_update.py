@@ -2,6 +2,7 @@
 the lengths the configs name.
 
 - The jitted update on a packed minibatch equals the unpacked update (the gradient, every statistic), with microbatches and on a data × fsdp mesh; the packing really uses fewer token slots.
+- `prepare`'s θ_old and reference forwards on a packed batch (one group per shard) equal the unpacked ones.
 - Through `Learner` (the loop's path): `trainer.packing = True` gives the same policy as False.
 - XLA's compiled temp memory of the whole update step (forward, backward, AdamW) grows ~linearly in the
   sequence length up to 8192 tokens with the default (`auto`: chunked) attention.
@@ -17,9 +18,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxrl_mismatch.metrics import metrics_config
 from jaxrl_mismatch.models.sharding import batch_axes
+from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.config import ConfigError, base_config, check_model, validate
+from jaxrl_mismatch.train.objective import PolicyObjective
 from jaxrl_mismatch.train.packing import pack_batch
 from jaxrl_mismatch.train.step import jit_update, place_batch
 from tests.train.tiny_policy import build, synthetic_batch
@@ -85,6 +89,55 @@ def test_a_wrong_unpacking_changes_the_update():
     assert abs(float(good["mean:loss/total"]) - float(bad["mean:loss/total"])) > 1e-4
 
 
+def _prepare(mesh_axes, ndev, *, packed: bool, scramble: bool = False):
+    """`prepare` (θ_old + reference forwards, diagnostics, step metrics) on a batch packed one group per shard."""
+    from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn
+
+    mesh, graphdef, state, _, _, _ = build(mesh_axes, jax.devices()[:ndev])
+    objective = PolicyObjective(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
+    prepare = jit_prepare(make_prepare_fn(graphdef, objective, chunk_size=8), mesh)
+    b = synthetic_batch(batch=32, seq=40, prompt_len=5, seed=4)
+    host = RolloutBatch(**b, rollout_logp=-np.abs(np.random.default_rng(0).normal(size=b["response_mask"].shape))
+                        .astype(np.float32) * b["response_mask"])
+    if packed:
+        shards = math.prod(mesh.shape[a] for a in batch_axes(mesh))
+        host = pack_batch(host, num_groups=shards, shards=shards)
+        assert host.packed.tokens.size < 0.9 * host.tokens.size  # fewer token slots (the group needing most rows sets P)
+        if scramble:
+            host = host.replace(packed=host.packed.replace(unpack_index=np.roll(host.packed.unpack_index, 1, axis=1)))
+    ref = jax.tree.map(lambda x: x * 1.01, state.params)  # a reference policy unlike θ_old
+    out, metrics = prepare(state.params, ref, place_batch(host, mesh), jax.random.key_data(jax.random.key(0)))
+    assert out.packed is None
+    return out, {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize("mesh_axes,ndev", [({"data": 1}, 1), ({"data": 2, "fsdp": 2}, 4)])
+def test_packed_prepare_equals_unpacked(mesh_axes, ndev):
+    """θ_old and reference log-probs (and every step metric) from packed rows equal the unpacked forward."""
+    plain, m_plain = _prepare(mesh_axes, ndev, packed=False)
+    packed, m_packed = _prepare(mesh_axes, ndev, packed=True)
+    for name in ("old_logp", "ref_logp"):
+        a, b = np.asarray(getattr(plain, name)), np.asarray(getattr(packed, name))
+        assert np.abs(a).max() > 1.0 and np.abs(a - b).max() <= 1e-5, name
+    assert set(m_plain) == set(m_packed)
+    for k in m_plain:
+        assert m_packed[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-6), k
+
+
+def test_a_wrong_unpacking_changes_prepare():
+    """The packed forward is the one `prepare` scores with: scrambling the unpacking changes π(θ_old)."""
+    good, _ = _prepare({"data": 1}, 1, packed=True)
+    bad, _ = _prepare({"data": 1}, 1, packed=True, scramble=True)
+    assert np.abs(np.asarray(good.old_logp) - np.asarray(bad.old_logp)).max() > 0.1
+
+
+def test_a_packing_must_split_into_the_microbatches():
+    mesh, _, state, update_fn, old_lp, _ = build({"data": 1}, jax.devices()[:1], num_microbatches=2)
+    host = pack_batch(_host_batch(mesh, old_lp, state.params), num_groups=1)
+    with pytest.raises(ValueError, match="packed in 1 groups does not split into num_microbatches=2"):
+        jit_update(update_fn, state, place_batch(host, mesh), mesh)(state, place_batch(host, mesh))
+
+
 @pytest.fixture(scope="module")
 def base_ckpt(tmp_path_factory):
     from tests.rollout.conftest import make_tiny_qwen3
@@ -93,7 +146,8 @@ def base_ckpt(tmp_path_factory):
 
 
 def _learner_step(base_ckpt, run_dir, **trainer):
-    """A Learner on the tiny checkpoint after prepare + optimize (2 minibatches × 2 microbatches, SGD lr 1)."""
+    """A Learner on the tiny checkpoint after prepare + optimize (2 minibatches × 2 microbatches, SGD lr 1,
+    a KL penalty: θ_old and reference forwards)."""
     from jaxrl_mismatch.train.learner import Learner
 
     c = base_config()
@@ -101,22 +155,37 @@ def _learner_step(base_ckpt, run_dir, **trainer):
     c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 4, 4, 8
     c.batch.minibatches, c.batch.microbatches = 2, 2
     c.optim.name, c.optim.lr, c.optim.max_grad_norm = "sgd", 1.0, 1e9
+    c.objective.kl_coef = 0.05  # a reference forward in prepare too
     for k, v in trainer.items():
         c.trainer[k] = v
     learner = Learner(c)
+    learner.theta0 = jax.tree.map(np.array, learner.state.params)  # a host copy: the update donates the state
     b = synthetic_batch(batch=16, seq=30, prompt_len=4, seed=7)
     batch, _ = learner.prepare(RolloutBatch(**b, rollout_logp=np.zeros_like(b["response_mask"])), seed=1)
     assert np.isfinite(learner.optimize(batch, seed=1)["loss/total"])
     return learner
 
 
-def test_learner_with_packing_trains_the_same_policy(base_ckpt, tmp_path):
+def test_learner_with_packing_trains_the_same_policy(base_ckpt, tmp_path, monkeypatch):
+    from jaxrl_mismatch.train import learner as learner_mod
+
     plain = _learner_step(base_ckpt, tmp_path / "plain")
+    packings = []  # (rows, groups) of every packing Learner asks for: prepare's whole batch, then each minibatch
+
+    def spy(batch, **kw):
+        packings.append((batch.num_rows, kw["num_groups"]))
+        return pack_batch(batch, **kw)
+
+    monkeypatch.setattr(learner_mod, "pack_batch", spy)
     packed = _learner_step(base_ckpt, tmp_path / "packed", packing=True)
+    assert packings == [(16, packed._batch_shards), (8, 2), (8, 2)]  # prepare: a group per shard
     moved = _max_diff(jax.tree.map(np.asarray, plain.state.params),
                       jax.tree.map(np.asarray, _learner_step(base_ckpt, tmp_path / "p0").state.params))
     assert moved == 0.0  # deterministic: the comparison below is packing's doing alone
-    assert _max_diff(jax.tree.map(np.asarray, plain.state.params), jax.tree.map(np.asarray, packed.state.params)) <= 1e-6
+    step = _max_diff(jax.tree.map(np.asarray, plain.state.params), plain.theta0)
+    diff = _max_diff(jax.tree.map(np.asarray, plain.state.params), jax.tree.map(np.asarray, packed.state.params))
+    print({"max |Δθ| of the two steps": step, "max |θ_packed − θ_plain|": diff})
+    assert step > 1e-2 and diff <= 1e-4 * step  # float rounding of the summation order only
 
 
 def test_learner_model_options_reach_the_model(base_ckpt, tmp_path):

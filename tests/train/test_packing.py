@@ -160,3 +160,22 @@ def test_bad_input_is_named():
         pack_rows(tokens, mask, num_groups=4)
     with pytest.raises(ValueError, match=r"rows_per_group=1"):
         pack_rows(np.ones((4, 24), np.int32), np.ones((4, 24), np.int32), rows_per_group=1)
+
+
+def test_row_buckets_bound_the_packed_shapes():
+    """Every new packed shape is a new compilation: with row_buckets = k a group's row count is a multiple of
+    ⌈(B/G)/k⌉ and never more than B/G, so 200 batches of random lengths give at most k shapes (else ~one per
+    distinct need), and each still holds all its sequences."""
+    rng = np.random.default_rng(0)
+    shapes, exact = set(), set()
+    for _ in range(200):
+        n = rng.integers(4, 60, 64)
+        mask = (np.arange(64)[None, :] < n[:, None]).astype(np.int32)
+        tokens = rng.integers(1, VOCAB, (64, 64)).astype(np.int32) * mask
+        packed = pack_rows(tokens, mask, num_groups=2, row_buckets=8)
+        per_group = packed.tokens.shape[0] // 2
+        assert per_group % 4 == 0 and per_group <= 32  # ⌈32 / 8⌉ = 4
+        assert int((packed.segment_ids > 0).sum()) == int(mask.sum())
+        shapes.add(packed.tokens.shape)
+        exact.add(pack_rows(tokens, mask, num_groups=2).tokens.shape)
+    assert len(shapes) <= 8 and len(exact) > len(shapes), (shapes, exact)
