@@ -12,17 +12,17 @@ Shapes (RL batches are uneven: every row is padded to the batch's bucketed lengt
 - `demo`: the demo's batch, 32 prompts × 8 samples, prompt 25–35 tokens, responses 10–48 (`max_tokens`),
   uniform; bucketed by `data.batching.pad_rows` as the loop does.
 - `long`: 4 prompts × 8 samples, prompt 128 tokens, responses 64–2048 uniform — the unevenness of
-  long-response RL (the configs name up to 8,192) at a size a 2-core CPU steps through in seconds.
+  long-response RL (the configs name up to 8,192) at a size a 2-core CPU steps through in about a minute.
 
 The two learners start from the same weights and step on the same batches — a new batch every step, so
 lengths and the packed row count change as in a run — interleaved (one packed step, one unpacked, …) so
 background load hits both alike. The first step of each pays the compilations and is not timed; later
 steps compile when a new packed shape comes (`pack_batch`'s row buckets bound how often), and those
-compilations are counted and timed in "all steps". The first step (same θ) must give the same loss and gradient norm (≤ 1e-4 relative) and both
-must end at the same policy (max |Δθ| ≤ 5 % of how far θ moved: Adam's 1/√v magnifies rounding of
-near-zero gradients) or the script fails.
-Reports the padding share before/after, token slots saved, median and fastest step time and the
-speed-up. Writes benchmarks/results/packing.json.
+compilations are counted and timed in "all steps". The first step (same θ) must give the same loss and
+gradient norm (≤ 1e-4 relative), and both learners must end at the same policy (max |Δθ| ≤ 5 % of how
+far θ moved: Adam's 1/√v magnifies rounding of near-zero gradients), or the script fails.
+Reports the padding share before and after packing, the median step time, the total over all steps
+(compilations included), the speed-ups and the extra compilations. Writes benchmarks/results/packing.json.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def main() -> int:
             print_table({name: results[name]})
     print_table(results)
     out = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "platform": platform.platform(),
-           "model": dataclasses.asdict(DEMO_MODEL), "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32)",
+           "model": dataclasses.asdict(DEMO_MODEL),
+           "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32)",
            "repeats": {n: a.repeats or REPEATS[n] for n in names}, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -439,9 +439,9 @@ def part_packing(args, work: Path) -> dict:
 
     programs = {}
     for name, fn, fargs in (
-        ("unpacked", loss_unpacked, (tokens, padded.attention_mask, packed.unpack_valid)),
-        ("packed", loss_packed, (packed.tokens, packed.segment_ids, packed.positions, packed.unpack_index,
-                                 packed.unpack_valid)),
+        ("unpacked", loss_unpacked, (tokens, padded.attention_mask, packed.rows.unpack_valid)),
+        ("packed", loss_packed, (packed.rows.tokens, packed.rows.segment_ids, packed.rows.positions,
+                                 packed.rows.unpack_index, packed.rows.unpack_valid)),
     ):
         g = jax.jit(jax.value_and_grad(fn))
         fargs = tuple(jnp.asarray(a) for a in fargs)

@@ -45,10 +45,16 @@ Rows = Any  # numpy index / slice of rows
 
 @flax.struct.dataclass
 class PackedRows:
-    """The packed layout of a batch (`train.packing.pack_batch`): `P` rows of `L` tokens holding whole
-    sequences, and where each unpacked target `[B, S-1]` sits among the packed ones.
+    """The packed layout of a batch (`train.packing.pack_rows` / `pack_batch`): `P` rows of `L` tokens holding
+    whole sequences, and where each unpacked target `[B, S-1]` sits among the packed ones.
 
-    `num_groups` G (static): rows [g·B/G, (g+1)·B/G) are packed into packed rows [g·P/G, (g+1)·P/G) and
+    tokens, segment_ids, positions: `[P, L]` int32 packed rows; segment ids 1, 2, … per sequence in a row,
+        0 on padding; positions counted from 0 within each sequence.
+    unpack_index: `[B, S-1]` for original row b and target t (predicting tokens[b, t+1]), the index of the
+        same target in its group's flattened packed per-target array `[P/G · (L-1)]`.
+    unpack_valid: `[B, S-1]` False where (b, t) has no packed counterpart: padding, and a sequence's last
+        token (its unpacked target is padding; packed, it is the next sequence's first token).
+    num_groups G (static): rows [g·B/G, (g+1)·B/G) are packed into packed rows [g·P/G, (g+1)·P/G) and
     `unpack_index` counts within the group, so splitting every array into G (or a divisor of G) leading
     blocks keeps each block self-contained (microbatches; one block per device)."""
 

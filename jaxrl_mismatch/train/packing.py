@@ -12,7 +12,7 @@ The trainer packs when `trainer.packing = True`: `Learner.optimize` calls `pack_
 (groups = microbatches) and the update's θ forward (`train.step.forward_packed_logprobs`) does what this
 sketch shows (host side, then inside jit):
 
-    packed = pack_rows(batch.tokens, batch.attention_mask, num_groups=microbatches)   # numpy, host
+    packed = pack_rows(batch.tokens, batch.attention_mask, num_groups=microbatches).rows  # numpy, host
     # in the jitted update/prepare, per microbatch (or with num_groups for the whole batch):
     logp_p, ent_p = token_logprobs(model, packed.tokens[:, :-1], packed.tokens[:, 1:], None,
                                    segment_ids=packed.segment_ids[:, :-1], positions=packed.positions[:, :-1])
@@ -52,37 +52,28 @@ from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """Packed rows and how to map per-target values back.
+    """`pack_rows`'s result: the packed layout and where each original row's sequence went.
 
-    tokens, segment_ids, positions: `[P, L]` int32 packed rows.
-    unpack_index: `[B, S-1]` int32, for original row b and target t (predicting tokens[b, t+1]), the index
-        of the same target in its group's flattened packed per-target array `[P/G · (L-1)]`.
-    unpack_valid: `[B, S-1]` bool, False where (b, t) has no packed counterpart: padding, and a sequence's
-        last token (its unpacked target is padding; packed, it is the next sequence's first token).
-    row, offset, length: `[B]` where each original row's sequence went (group-local packed row, slot) and
-        its length in tokens (0: an empty row, not placed).
-    num_groups: G (see the module docstring).
+    rows: the layout the θ forwards consume (`train.batch.PackedRows`, what `pack_batch` puts in
+        `RolloutBatch.packed`): `[P, L]` tokens / segment ids / positions and the `[B, S-1]` unpack index.
+    row, offset, length: `[B]` host bookkeeping — the group-local packed row and slot of each original row's
+        sequence and its length in tokens (0: an empty row, not placed).
     """
 
-    tokens: np.ndarray
-    segment_ids: np.ndarray
-    positions: np.ndarray
-    unpack_index: np.ndarray
-    unpack_valid: np.ndarray
+    rows: PackedRows
     row: np.ndarray
     offset: np.ndarray
     length: np.ndarray
-    num_groups: int
 
     @property
     def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.rows.tokens.shape[0])
 
     def padding_stats(self, unpacked_shape: tuple[int, int]) -> dict[str, float]:
         """Token slots before and after packing, and the share of padding in each."""
         real = int(self.length.sum())
         before = int(unpacked_shape[0] * unpacked_shape[1])
-        after = int(self.tokens.size)
+        after = int(self.rows.tokens.size)
         return {
             "real_tokens": real, "slots_unpacked": before, "slots_packed": after,
             "padding_unpacked": 1.0 - real / before, "padding_packed": 1.0 - real / after,
@@ -179,8 +170,9 @@ def pack_rows(
         t = np.arange(st, st + k - 1)
         index[i, t] = row[i] * (length - 1) + o + (t - st)
         valid[i, t] = True
-    return PackedBatch(tokens=out_tokens, segment_ids=seg, positions=pos, unpack_index=index, unpack_valid=valid,
-                       row=row, offset=offset, length=n.astype(np.int32), num_groups=num_groups)
+    layout = PackedRows(tokens=out_tokens, segment_ids=seg, positions=pos, unpack_index=index, unpack_valid=valid,
+                        num_groups=num_groups)
+    return PackedBatch(rows=layout, row=row, offset=offset, length=n.astype(np.int32))
 
 
 def unpack_targets(
@@ -200,7 +192,7 @@ def unpack_targets(
     return xp.where(unpack_valid, out, xp.zeros((), out.dtype))
 
 
-def pack_targets(values: Float[np.ndarray, "batch seq_minus_1"], packed: PackedBatch) -> np.ndarray:
+def pack_targets(values: Float[np.ndarray, "batch seq_minus_1"], packed: PackedRows) -> np.ndarray:
     """The inverse of `unpack_targets` on the host: an unpacked per-target array (response mask, advantages,
     μ, …) in the packed `[P, L-1]` layout, 0 where no unpacked target maps (padding, sequence ends)."""
     values = np.asarray(values)
@@ -236,6 +228,4 @@ def pack_batch(batch: RolloutBatch, *, num_groups: int, shards: int = 1, row_buc
     rows_multiple = shards // math.gcd(num_groups, shards)  # num_groups · rows must be a multiple of shards
     p = pack_rows(np.asarray(batch.tokens), np.asarray(batch.attention_mask), num_groups=num_groups,
                   rows_multiple=rows_multiple, row_buckets=row_buckets)
-    return batch.replace(packed=PackedRows(tokens=p.tokens.astype(np.int32), segment_ids=p.segment_ids,
-                                           positions=p.positions, unpack_index=p.unpack_index,
-                                           unpack_valid=p.unpack_valid, num_groups=num_groups))
+    return batch.replace(packed=p.rows.replace(tokens=p.rows.tokens.astype(np.int32)))

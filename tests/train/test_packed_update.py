@@ -102,7 +102,8 @@ def _prepare(mesh_axes, ndev, *, packed: bool, scramble: bool = False):
     if packed:
         shards = math.prod(mesh.shape[a] for a in batch_axes(mesh))
         host = pack_batch(host, num_groups=shards, shards=shards)
-        assert host.packed.tokens.size < 0.9 * host.tokens.size  # fewer token slots (the group needing most rows sets P)
+        # Fewer token slots (the group that needs the most rows sets P).
+        assert host.packed.tokens.size < 0.9 * host.tokens.size
         if scramble:
             host = host.replace(packed=host.packed.replace(unpack_index=np.roll(host.packed.unpack_index, 1, axis=1)))
     ref = jax.tree.map(lambda x: x * 1.01, state.params)  # a reference policy unlike θ_old

@@ -53,7 +53,7 @@ def _unpacked(model, tokens, mask):
 
 def _packed(model, packed, *, merge_segments=False):
     graphdef, params = nnx.split(model, nnx.Param)
-    ptok, seg, pos = (jnp.asarray(x) for x in (packed.tokens, packed.segment_ids, packed.positions))
+    ptok, seg, pos = (jnp.asarray(x) for x in (packed.rows.tokens, packed.rows.segment_ids, packed.rows.positions))
     if merge_segments:  # the probe: one segment per packed row, so sequences would see their neighbours
         seg = (seg > 0).astype(jnp.int32)
 
@@ -61,8 +61,8 @@ def _packed(model, packed, *, merge_segments=False):
     def f(p):
         logp, ent = token_logprobs(nnx.merge(graphdef, p), ptok[:, :-1], ptok[:, 1:], None, chunk_size=8,
                                    segment_ids=seg[:, :-1], positions=pos[:, :-1])
-        unpack = lambda x: unpack_targets(x, packed.unpack_index, packed.unpack_valid, num_groups=packed.num_groups)  # noqa: E731
-        return unpack(logp), unpack(ent)
+        r = packed.rows
+        return tuple(unpack_targets(x, r.unpack_index, r.unpack_valid, num_groups=r.num_groups) for x in (logp, ent))
 
     return f, params
 
@@ -76,7 +76,7 @@ def test_packed_logprobs_equal_unpacked_per_token(impl):
     (f_u, params), (f_p, _) = _unpacked(model, tokens, mask), _packed(model, packed)
     lp_u, ent_u = (np.asarray(x) for x in f_u(params))
     lp_p, ent_p = (np.asarray(x) for x in f_p(params))
-    valid = packed.unpack_valid
+    valid = packed.rows.unpack_valid
     # Every real (input, target) pair of every sequence is covered, nothing else.
     np.testing.assert_array_equal(valid, (mask[:, :-1] == 1) & (mask[:, 1:] == 1))
     np.testing.assert_allclose(lp_p[valid], lp_u[valid], atol=1e-5, rtol=0)
@@ -93,7 +93,7 @@ def test_packed_gradient_equals_unpacked():
     tokens, mask, response, adv = _rl_batch(seed=1)
     packed = pack_rows(tokens, mask, num_groups=1)
     graphdef, params = nnx.split(model, nnx.Param)
-    ptok, seg, pos = (jnp.asarray(x) for x in (packed.tokens, packed.segment_ids, packed.positions))
+    ptok, seg, pos = (jnp.asarray(x) for x in (packed.rows.tokens, packed.rows.segment_ids, packed.rows.positions))
 
     def loss_unpacked(p):
         lp, _ = token_logprobs(nnx.merge(graphdef, p), tokens[:, :-1], tokens[:, 1:], mask[:, :-1], chunk_size=8)
@@ -102,7 +102,7 @@ def test_packed_gradient_equals_unpacked():
     def loss_packed(p):
         lp, _ = token_logprobs(nnx.merge(graphdef, p), ptok[:, :-1], ptok[:, 1:], None, chunk_size=8,
                                segment_ids=seg[:, :-1], positions=pos[:, :-1])
-        lp = unpack_targets(lp, packed.unpack_index, packed.unpack_valid)
+        lp = unpack_targets(lp, packed.rows.unpack_index, packed.rows.unpack_valid)
         return -jnp.sum(adv * lp * response) / jnp.sum(response)
 
     (l_u, g_u), (l_p, g_p) = (jax.jit(jax.value_and_grad(f))(params) for f in (loss_unpacked, loss_packed))
@@ -119,7 +119,7 @@ def test_layout_groups_positions_and_round_trip():
     mask[3, 6:15] = 1  # a left- and right-padded row is one contiguous sequence too
     tokens = tokens * 0 + np.arange(1, 21)[None, :] * mask
     packed = pack_rows(tokens, mask, num_groups=3, rows_multiple=2)
-    p, length = packed.tokens.shape
+    p, length = packed.rows.tokens.shape
     assert length == 20 and p % 3 == 0 and (p // 3) % 2 == 0
     rows = p // 3
     for i in range(12):
@@ -129,20 +129,20 @@ def test_layout_groups_positions_and_round_trip():
         g = i // 4
         r = g * rows + packed.row[i]  # group-local row inside the group's block of rows
         o = packed.offset[i]
-        np.testing.assert_array_equal(packed.tokens[r, o:o + k], tokens[i][mask[i] == 1])
-        np.testing.assert_array_equal(packed.positions[r, o:o + k], np.arange(k))
-        seg = packed.segment_ids[r, o]
-        assert seg >= 1 and np.all(packed.segment_ids[r, o:o + k] == seg)
+        np.testing.assert_array_equal(packed.rows.tokens[r, o:o + k], tokens[i][mask[i] == 1])
+        np.testing.assert_array_equal(packed.rows.positions[r, o:o + k], np.arange(k))
+        seg = packed.rows.segment_ids[r, o]
+        assert seg >= 1 and np.all(packed.rows.segment_ids[r, o:o + k] == seg)
     # Slots hold each real token exactly once; segment ids increase along every row.
-    assert int((packed.segment_ids > 0).sum()) == int(mask.sum())
-    for row in packed.segment_ids:
+    assert int((packed.rows.segment_ids > 0).sum()) == int(mask.sum())
+    for row in packed.rows.segment_ids:
         ids = row[row > 0]
         assert np.all(np.diff(ids) >= 0)
     # pack_targets and unpack_targets are inverse on every valid target.
-    packed_resp = pack_targets(response * adv, packed)
+    packed_resp = pack_targets(response * adv, packed.rows)
     assert packed_resp.shape == (p, length - 1)
-    back = unpack_targets(packed_resp, packed.unpack_index, packed.unpack_valid, num_groups=3)
-    np.testing.assert_array_equal(back, np.where(packed.unpack_valid, response * adv, 0))
+    back = unpack_targets(packed_resp, packed.rows.unpack_index, packed.rows.unpack_valid, num_groups=3)
+    np.testing.assert_array_equal(back, np.where(packed.rows.unpack_valid, response * adv, 0))
     stats = packed.padding_stats(tokens.shape)
     assert stats["real_tokens"] == int(mask.sum()) and stats["padding_packed"] < stats["padding_unpacked"]
 
@@ -173,9 +173,9 @@ def test_row_buckets_bound_the_packed_shapes():
         mask = (np.arange(64)[None, :] < n[:, None]).astype(np.int32)
         tokens = rng.integers(1, VOCAB, (64, 64)).astype(np.int32) * mask
         packed = pack_rows(tokens, mask, num_groups=2, row_buckets=8)
-        per_group = packed.tokens.shape[0] // 2
+        per_group = packed.rows.tokens.shape[0] // 2
         assert per_group % 4 == 0 and per_group <= 32  # ⌈32 / 8⌉ = 4
-        assert int((packed.segment_ids > 0).sum()) == int(mask.sum())
-        shapes.add(packed.tokens.shape)
-        exact.add(pack_rows(tokens, mask, num_groups=2).tokens.shape)
+        assert int((packed.rows.segment_ids > 0).sum()) == int(mask.sum())
+        shapes.add(packed.rows.tokens.shape)
+        exact.add(pack_rows(tokens, mask, num_groups=2).rows.tokens.shape)
     assert len(shapes) <= 8 and len(exact) > len(shapes), (shapes, exact)
