@@ -307,13 +307,8 @@ def test_summarize_leaves_out_runs_that_did_not_finish():
 
 # -- end to end: a real grid of train subprocesses -------------------------------------------------------
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
-    from jaxrl_mismatch.jobs import warmstart
-
-    out = tmp_path_factory.mktemp("base") / "ckpt"
-    assert warmstart.main(["--out", str(out), "--steps", "40", "--num-eval", "0", "--hidden", "32", "--heads", "2",
-                           "--kv-heads", "1", "--intermediate", "64", "--layers", "1", "--num-train", "500"]) == 0
-    return out
+def base_model(tiny_base_model) -> Path:
+    return tiny_base_model
 
 
 def _finite(v) -> bool:
