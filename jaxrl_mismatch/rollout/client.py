@@ -261,6 +261,7 @@ class RolloutClient:
             weight_version=r.weight_version,
             max_model_len=r.max_model_len,
             options=tuple(r.options),
+            quantize=r.quantize or "none",
         )
 
     def request_limits(self) -> Limits:
@@ -380,6 +381,7 @@ class RolloutClient:
             exact=spec.exact,
             logit_noise_std=spec.logit_noise_std,
             return_routing=spec.return_routing,
+            quantize_strength=spec.quantize_strength if spec.quantize_strength != 1.0 else None,
         )
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:

@@ -33,7 +33,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.models import hf_io, kv_cache
+from jaxrl_mismatch.models import hf_io, kv_cache, quantize as quant
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
 from jaxrl_mismatch.rollout.engine import (
@@ -71,12 +71,18 @@ class JaxEngine(Engine):
         not exceed it (`engine.resolve_max_model_len`, the rule the vLLM engine follows too).
       max_batch_rows: rows (prompts x n) per jitted program; larger requests run in several programs,
         bounding the KV cache's memory.
+      quantize: "none" | "int8" | "fp8": serve fake-quantized decoder linear weights (models/quantize.py).
+        Loaded and pushed weights are quantized on arrival; the full-precision copy is kept too (twice the
+        weight memory) so a request's `quantize_strength` can blend the two (mid-run onset).
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch_rows: int = 256):
+                 max_batch_rows: int = 256, quantize: str = "none"):
         if dtype not in _POLICY:
             raise ValueError(f"dtype must be one of {', '.join(_POLICY)}, got {dtype!r}")
+        if quantize not in quant.METHODS:
+            raise ValueError(f"quantize must be one of {', '.join(quant.METHODS)}, got {quantize!r}")
+        self._quantize = quantize
         self._dtype = dtype
         self._policy = precision.policy(_POLICY[dtype])
         cfg, model = hf_io.load_hf(model_dir, policy=self._policy)
@@ -87,16 +93,17 @@ class JaxEngine(Engine):
         self._max_model_len = resolve_max_model_len(max_model_len, cfg.max_position_embeddings)
         self._max_batch_rows = max_batch_rows
         self._lock = threading.Lock()  # guards the (params, version) pair, nothing else
-        self._params, self._version = params, 0
+        self._params, self._quantized, self._version = params, self._quantized_of(params), 0
 
     # -- Engine interface --------------------------------------------------------------------------
     def info(self) -> EngineInfo:
         with self._lock:
             version = self._version
-        options = ("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
+        options = (("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
+                   + (("quantize_strength",) if self._quantize != "none" else ()))
         return EngineInfo(architecture=self.cfg.architecture, vocab_size=self.cfg.vocab_size, dtype=self._dtype,
                           engine="jax", weight_version=version, max_model_len=self._max_model_len,
-                          options=options)
+                          options=options, quantize=self._quantize)
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
@@ -111,13 +118,30 @@ class JaxEngine(Engine):
         meanwhile finishes on the old tree and the next one starts on the new one — never a mix.
         """
         new_params = hf_io.hf_to_params(tensors, self.cfg, self._abstract)  # casts, places on device
-        jax.block_until_ready(new_params)
+        new_quantized = self._quantized_of(new_params)  # quantized on arrival, server side
+        jax.block_until_ready((new_params, new_quantized))
         with self._lock:
-            self._params, self._version = new_params, version
+            self._params, self._quantized, self._version = new_params, new_quantized, version
+
+    def _quantized_of(self, params):
+        """The fake-quantized weights served (the same tree when not quantizing)."""
+        return params if self._quantize == "none" else _quantize_program(params, method=self._quantize)
+
+    def served_params(self, strength: float = 1.0):
+        """The weights a request with `quantize_strength` = strength computes with: W, Q(W) or a blend."""
+        with self._lock:
+            params, quantized = self._params, self._quantized
+        return self._pick(params, quantized, strength)
+
+    def _pick(self, params, quantized, strength: float):
+        if self._quantize == "none" or strength <= 0.0:
+            return params
+        return quantized if strength >= 1.0 else _blend_program(params, quantized, np.float32(strength))
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
         with self._lock:
-            params, version = self._params, self._version
+            params, quantized, version = self._params, self._quantized, self._version
+        params = self._pick(params, quantized, spec.quantize_strength)
         rows = [(i, j) for i in range(len(prompts)) for j in range(spec.n)]
         tokens = np.zeros((len(rows), spec.max_tokens), np.int32)
         logps = np.zeros((len(rows), spec.max_tokens), np.float32)
@@ -184,6 +208,10 @@ class JaxEngine(Engine):
             routes = [np.concatenate([prompt_routes[r, prompt_len - len(prompts[i]):], new_routes[r, : int(lengths[r])]])
                       for r, (i, _) in enumerate(rows)]
         return tokens[:k, : spec.max_tokens], logps[:k, : spec.max_tokens], lengths[:k], stopped[:k], routes
+
+
+_quantize_program = jax.jit(quant.quantize_params, static_argnames=("method",))
+_blend_program = jax.jit(quant.blend)
 
 
 def seed_key_data(seed: int) -> np.ndarray:

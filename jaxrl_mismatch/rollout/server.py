@@ -215,6 +215,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             max_request_prompt_tokens=self._limits.max_request_prompt_tokens,
             max_request_completion_tokens=self._limits.max_request_completion_tokens,
             options=list(info.options),
+            quantize=info.quantize,
         )
         if request.include_weight_specs:
             for name, spec in sorted(engine.weight_specs().items()):
@@ -270,16 +271,17 @@ class RolloutServer:
             engine.close()
 
 
-def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None) -> Engine:
+def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None, quantize: str = "none") -> Engine:
     """Import the engine lazily: vLLM (torch, ~GBs) must not load unless asked for."""
     if name == "jax":
         from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 
-        return JaxEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
+        return JaxEngine(model_dir, dtype=dtype, max_model_len=max_model_len, quantize=quantize)
     if name == "vllm":
-        from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
+        from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine, check_quantize
 
-        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len)
+        check_quantize(quantize)  # before vLLM starts: a refused method is a usage error, not a bad model
+        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len, quantize=quantize)
     raise ValueError(f"unknown engine {name!r}")
 
 
@@ -332,6 +334,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--engine", choices=("jax", "vllm"), default="jax")
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
+                   help="serve weight-quantized linear layers (models/quantize.py; vllm: fp8 only); pushes are "
+                        "quantized on arrival")
     p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
     p.add_argument("--port", type=port, default=50051, help="0-65535; 0 picks a free port (printed in the ready line)")
     p.add_argument("--token-file", default=None, help=f"file holding the shared token (else ${TOKEN_ENV})")
@@ -371,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     base = {"host": args.host, "port": server.port, "pid": os.getpid(), "engine": args.engine}
     _announce(LISTENING_PREFIX, base, None)
     try:
-        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len)
+        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len, args.quantize)
+    except UsageError:
+        server.stop(0)
+        raise
     except Exception as e:  # noqa: BLE001 - any load failure is reported as a bad --model, one line
         server.stop(0)
         raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: {e}") from None

@@ -83,6 +83,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Controlled mismatch: the engine samples from softmax((logits + σ·ε) / T), ε ~ N(0, 1), and returns
     # that distribution's log-probs as μ, so the tokens come from μ ≠ π (jax engine). 0 = off.
     c.rollout.logit_noise_std = 0.0
+    # Realistic mismatch (FlashRL / TIS setting, models/quantize.py): the engine serves quantize-then-
+    # dequantized weights of every decoder linear layer: none | int8 (weight-only, per-output-channel absmax) |
+    # fp8 (e4m3, per-output-channel scale). Pushed weights are quantized on arrival, server side.
+    c.rollout.quantize = "none"
+    # Mismatch that starts mid-run (rollout/mismatch_schedule.py): logit_noise_std and quantize act from this
+    # step on, their strength ramping linearly to 1 over mismatch_ramp_steps steps (0 = full at once).
+    c.rollout.mismatch_onset_step, c.rollout.mismatch_ramp_steps = 0, 0
 
     c.batch = ml_collections.ConfigDict()
     c.batch.prompts_per_step = 16  # groups in one training batch (batch rows = prompts × group_size)
@@ -165,6 +172,7 @@ def base_config() -> ml_collections.ConfigDict:
 _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.quantize": ("none", "int8", "fp8"),
     "trainer.precision": precision.PRESETS,
     "distributed.initialize": ("auto", "always", "never"),
 }
@@ -190,6 +198,7 @@ _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
     "rollout.max_model_len", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
     "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
+    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps",
 )
 
 
@@ -226,6 +235,21 @@ def check_schema(c: ml_collections.ConfigDict) -> None:
     for path in _flatten(c):
         if path not in known:
             raise _unknown_field(path, list(known))
+
+
+def _check_mismatch_sources(c: ml_collections.ConfigDict) -> None:
+    """rollout.quantize and the mismatch onset: what each engine can serve (docs/rollout.md)."""
+    for path in ("rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps"):
+        if not isinstance(_get(c, path), int) or isinstance(_get(c, path), bool):
+            raise ConfigError(f"config.{path}: must be an integer >= 0 (a step count), got {_get(c, path)!r}")
+    if c.rollout.engine == "vllm" and c.rollout.quantize == "int8":
+        raise ConfigError("config.rollout.quantize: 'int8' is not available with the vllm engine (vLLM's online "
+                          "'int8_per_channel_weight_only' quantizes MoE experts only, no linear layer); use "
+                          "rollout.engine = 'jax' or rollout.quantize = 'fp8'")
+    ramped = c.rollout.mismatch_onset_step > 0 or c.rollout.mismatch_ramp_steps > 0
+    if c.rollout.engine == "vllm" and c.rollout.quantize != "none" and ramped:
+        raise ConfigError("config.rollout.mismatch_onset_step: a quantization onset/ramp blends the full-precision "
+                          "and quantized weights per request, which only the built-in jax engine can do")
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -277,6 +301,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         field = "rollout.exact" if c.rollout.exact else "rollout.logit_noise_std"
         raise ConfigError(f"config.{field}: needs the built-in jax engine (rollout.engine = 'jax'), got "
                           f"{c.rollout.engine!r}")
+    _check_mismatch_sources(c)
     if c.trainer.routing_replay == "R3":
         if c.rollout.engine != "jax":
             raise ConfigError(f"config.trainer.routing_replay: 'R3' replays the experts the rollout engine chose, and "
