@@ -21,12 +21,14 @@ The spec file is a Python file whose `get_spec()` returns a dict:
                 "cosine": {"optim.schedule": "cosine", "optim.schedule_kwargs.decay_steps": 600},
             },
             "seeds": [0, 1, 2],                      # required: distinct integers >= 0 (config.seed)
+            "baseline": "constant",                  # optional: the variant the others are paired against
+                                                     # (default: the first variant)
             "out": "runs/compare/schedulers",        # optional; default runs/compare/NAME
             "metrics": ["reward/mean", "val/accuracy",          # optional: the figure's panels, each a
                         {"metric": ["grad/norm_clipped_per_token", "grad/norm"],  # metric name or a dict
                          "title": "grad norm / token", "scale": "log"}],       # (default: report.PANELS)
-            "collapse": {"metric": "reward/mean", "frac": 0.5,  # optional: the collapse rule
-                         "window": 10, "patience": 10},         # (report.summary.CollapseRule)
+            "collapse": {"metric": "reward/mean", "frac": 0.5,  # optional: the collapse rule (trailing
+                         "window": 10, "patience": 10},         # median; report.summary.CollapseRule)
         }
 
 Relative paths (config, out, and the paths inside the config) are relative to the current directory,
@@ -54,9 +56,12 @@ each run is pinned to its own share of the cores (`taskset`, inherited by its ro
 XLA thread pools of parallel runs stay within a budget. docs/experiments.md has the measurements.
 
 Outputs (also from `--table-only`, which runs nothing): `OUT/table.md`, `OUT/table.json` (per variant:
-mean ± sample std over finished seeds of final/peak validation accuracy, steps to collapse, mismatch,
-lengths, LR decays, times — definitions in `report/summary.py`) and `OUT/compare.png` (`report.plot.
-plot_overlay`: one panel per metric, one line per variant = mean over seeds, min–max band).
+mean ± sample std over finished seeds of initial/final/peak validation accuracy, final/peak, steps to
+collapse, mismatch, lengths, LR decays, times — definitions in `report/summary.py`; then each variant
+paired seed by seed against the baseline: wins k/n, mean difference and its 95 % t interval, the per-seed
+differences in the JSON — `report/paired.py`) and `OUT/compare.png` (`report.plot.plot_overlay`: one panel
+per metric, one line per variant = mean over seeds, min–max band). Both are written to a temporary
+sibling and renamed into place.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, call_file_function
 
 PROG = "jaxrl-mismatch compare"
-SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "out", "metrics", "collapse")
+SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "out", "metrics", "collapse")
 HARNESS_FIELDS = ("run_dir", "seed")  # set per run by the harness; a spec may not set them
 HARNESS_DEFAULTS = {"log.progress": False}  # a spec may override these
 LOG_FILE, STATUS_FILE = "compare.log", "compare.json"
@@ -113,6 +118,7 @@ class Spec:
     out: str
     panels: tuple | None
     collapse: CollapseRule
+    baseline: str
     jobs: list[Job] = dataclasses.field(default_factory=list)  # filled by `validate_spec`
     warmstarts: dict[str, str] = dataclasses.field(default_factory=dict)  # model.path -> warmstart args
 
@@ -176,6 +182,9 @@ def load_spec(path: str) -> Spec:
     if (not isinstance(seeds, (list, tuple)) or not seeds or len(set(seeds)) != len(seeds)
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
         raise _error(path, "seeds", f"must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+    baseline = d.get("baseline", next(iter(variants)))
+    if not isinstance(baseline, str) or baseline not in variants:
+        raise _error(path, "baseline", f"{baseline!r} is not a variant; variants: {', '.join(map(str, variants))}")
     out = d.get("out", os.path.join("runs", "compare", name))
     if not isinstance(out, str) or not out:
         raise _error(path, "out", f"must be a directory path, got {out!r}")
@@ -193,7 +202,7 @@ def load_spec(path: str) -> Spec:
         raise UsageError(f"spec {path}: {e}") from None
     return Spec(path=path, name=name, config=config, overrides=_overrides(path, "overrides", d.get("overrides")),
                 variants={v: _overrides(path, f"variants.{v}", o) for v, o in variants.items()},
-                seeds=list(seeds), out=out, panels=panels, collapse=collapse)
+                seeds=list(seeds), out=out, panels=panels, collapse=collapse, baseline=baseline)
 
 
 def _plain(v: Any) -> Any:
@@ -439,7 +448,8 @@ def write_outputs(spec: Spec) -> tuple[str, bool]:
     table = summarize(results, spec.collapse)
     md = write_table(table, spec.collapse, os.path.join(spec.out, "table.md"), os.path.join(spec.out, "table.json"),
                      extra={"name": spec.name, "spec": spec.path, "config": spec.config, "overrides": spec.overrides,
-                            "variants_overrides": spec.variants, "seeds": spec.seeds})
+                            "variants_overrides": spec.variants, "seeds": spec.seeds},
+                     baseline=spec.baseline)
     groups = {v: [r.records for r in runs if r.records] for v, runs in results.items()}
     groups = {v: runs for v, runs in groups.items() if runs}
     if groups:
