@@ -1,6 +1,6 @@
 """`jaxrl-mismatch compare SPEC`: run a grid of config variants × seeds as train processes; table + overlay figure.
 
-Usage: `jaxrl-mismatch compare SPEC [--jobs N] [--dry-run] [--table-only]`. Each run of the grid is a real
+Usage: `jaxrl-mismatch compare SPEC[:ARG] [--jobs N] [--dry-run] [--table-only]`. Each run of the grid is a real
 `jaxrl-mismatch train` process; then a table (Markdown + JSON) and an overlay figure summarise the grid.
 
 Why subprocesses of the train command rather than `Trainer` objects in one process: every override goes
@@ -8,11 +8,12 @@ through the train command line, so everything `train` validates is validated the
 its own rollout server, its own JAX runtime and its own log; a run that crashes is one failed row of
 the table, not the end of the grid; and the command in a run's log reproduces that run alone.
 
-The spec file is a Python file whose `get_spec()` returns a dict:
+The spec file is a Python file whose `get_spec()` returns a dict (`FILE:ARG` calls `get_spec(ARG)`, as
+`train --config FILE:ARG` does for configs: one file can hold several grids, e.g. one per mismatch source):
 
     def get_spec():
         return {
-            "name": "schedulers",                    # optional; default: the spec file's name
+            "name": "schedulers",                    # optional; default: the spec file's name (_ARG)
             "config": "configs/arith_length_cpu.py", # required: the train config (FILE or FILE:ARG)
             "overrides": {"steps": 150,              # optional: dotted config fields set in every variant
                           "rollout.logit_noise_std": 2.0},
@@ -155,9 +156,10 @@ def _overrides(path: str, field: str, d: Any) -> dict[str, Any]:
 
 
 def load_spec(path: str) -> Spec:
-    """The spec of the Python file `path` (its `get_spec()`), checked field by field (not yet against the
-    config: `validate_spec`). UsageError naming the field otherwise."""
-    d = call_file_function(path, "get_spec", f"spec {path}")
+    """The spec of the Python file `path` (its `get_spec()`; `FILE:ARG` calls `get_spec(ARG)`), checked field
+    by field (not yet against the config: `validate_spec`). UsageError naming the field otherwise."""
+    file, _, arg = path.partition(":")
+    d = call_file_function(file, "get_spec", f"spec {path}", *([arg] if arg else []))
     if not isinstance(d, Mapping):
         raise UsageError(f"spec {path}: get_spec() returned {type(d).__name__}, not a dict")
     for key in d:
@@ -165,7 +167,7 @@ def load_spec(path: str) -> Spec:
             near = difflib.get_close_matches(str(key), SPEC_FIELDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else f"; valid: {', '.join(SPEC_FIELDS)}"
             raise _error(path, str(key), f"unknown field{hint}")
-    name = d.get("name", os.path.splitext(os.path.basename(path))[0])
+    name = d.get("name", os.path.splitext(os.path.basename(file))[0] + (f"_{arg}" if arg else ""))
     if not isinstance(name, str) or not name.strip():
         raise _error(path, "name", f"must be a non-empty string, got {name!r}")
     config = d.get("config")
@@ -463,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                        epilog="The spec schema is in the module docstring of jaxrl_mismatch/jobs/compare.py and in "
                               "docs/experiments.md.")
-    p.add_argument("spec", help="spec file (Python, defines get_spec())")
+    p.add_argument("spec", help="spec file (Python, defines get_spec()); FILE:ARG calls get_spec(ARG)")
     p.add_argument("--jobs", type=int, default=None,
                    help=f"trainers at a time (default {default_jobs()} on this machine: one per core; with accelerators, "
                         "how many runs the devices hold)")

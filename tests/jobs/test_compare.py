@@ -128,6 +128,25 @@ def test_spec_file_problems_and_the_cli_exit_code(tmp_path, fake_model):
     assert lines[0].startswith("error: spec ") and "seeds:" in lines[0]
 
 
+def test_spec_file_with_an_argument_holds_several_grids(tmp_path, fake_model):
+    """`FILE:ARG` calls get_spec(ARG) (as `train --config FILE:ARG`); the default name carries the argument."""
+    config = str(write_config(tmp_path, fake_model))
+    path = tmp_path / "grids.py"
+    path.write_text(f"""
+LR = {{"low": 1e-4, "high": 1e-3}}
+
+
+def get_spec(grid="low"):
+    return {{"config": {config!r}, "variants": {{"a": {{"optim.lr": LR[grid]}}}}, "seeds": [0]}}
+""")
+    spec = compare.validate_spec(compare.load_spec(f"{path}:high"))
+    assert spec.name == "grids_high" and spec.out == os.path.join("runs", "compare", "grids_high")
+    assert "--config.optim.lr=0.001" in spec.jobs[0].argv
+    assert compare.load_spec(str(path)).name == "grids"
+    with pytest.raises(UsageError, match=r"^spec .*grids.py:mid: cannot load it: KeyError: 'mid'$"):
+        compare.load_spec(f"{path}:mid")
+
+
 def test_dry_run_prints_one_train_command_per_variant_and_seed(tmp_path, fake_model, capsys):
     spec = _spec(tmp_path, fake_model, seeds=[3, 4], overrides={"steps": 7, "optim.schedule_kwargs.decay_steps": 10,
                                                                 "optim.schedule": "cosine"})
