@@ -214,8 +214,10 @@ def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], ou
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    tmp = f"{out}.tmp{os.getpid()}"  # renamed into place: a reader never sees half a figure
+    fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
+    os.replace(tmp, out)
     return out
 
 

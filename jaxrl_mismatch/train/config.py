@@ -41,7 +41,7 @@ RESUME_MAY_CHANGE = (
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/run"  # metrics.jsonl, TensorBoard events, checkpoints, report.png, server log
-    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics
+    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics (not the problems: task.data_seed)
     c.steps = 100  # RL steps (one rollout batch each)
     c.resume = True  # continue from the latest checkpoint in run_dir/checkpoints if there is one
 
@@ -57,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.val_split = "validation"
     c.task.num_train = 20000  # synthetic tasks only: number of generated train problems
     c.task.num_val = 128  # validation prompts used by periodic evaluation
+    # Synthetic tasks: the seed that generates the train and validation problems. Separate from `seed` so that
+    # runs with different seeds are scored on the same held-out prompts (paired comparisons across seeds).
+    c.task.data_seed = 0
     c.task.files = ml_collections.ConfigDict()  # file-backed tasks: split -> JSONL path
     c.task.data_dir = ""  # file-backed tasks: where the TFDS array_record dataset is built
     c.task.max_prompt_len = 1024
@@ -196,7 +199,7 @@ _POSITIVE_INTS = (
 )
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
-    "rollout.max_model_len", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
+    "rollout.max_model_len", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
     "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
     "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps",
 )
