@@ -129,7 +129,7 @@ def step_metrics(old_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask
     tok = Masked(m)
     norm = normalizers(cfg.objective, m, old_logp, rollout_logp)
     w = applied_weights(cfg.objective, old_logp, rollout_logp, m, global_weight_mean=norm.weight_mean,
-                        token_weight=token_weight)
+                        token_weight=token_weight, m2_cut=norm.m2_cut)
     out["correction/weight_mean"] = tok.mean(w, empty=1.0)
     out["correction/zero_weight_frac"] = tok.frac(w == 0)
     seq = Masked(jnp.any(m, axis=-1))

@@ -31,6 +31,7 @@ from jaxrl_mismatch.objectives.corrections import (
     token_tis,
     weight_mean,
 )
+from jaxrl_mismatch.objectives.decoupled import DECOUPLED_PRESETS, PROXIMALS, m2po_cut, m2po_mask, proximal_logp
 from jaxrl_mismatch.objectives.diagnostics import (
     surrogate_j,
     variance_weights,
@@ -76,6 +77,7 @@ REGISTRY = {
 }
 
 __all__ = [
+    "DECOUPLED_PRESETS", "PROXIMALS", "m2po_cut", "m2po_mask", "proximal_logp",
     "ADVANTAGES", "AGGREGATIONS", "CLIP_KINDS", "IS_WEIGHTS", "LOG_RATIO_CLAMP", "LOSSES", "PRESETS", "REGISTRY", "REJECTIONS",
     "SEQ_LEVELS", "Normalizers", "ObjectiveConfig", "aggregate", "applied_weights", "clip_indicators", "batch_normalize", "compute_advantages",
     "correction_weights", "drgrpo_advantages", "global_normalizer", "gmpo_objective", "grpo_advantages",

@@ -38,6 +38,7 @@ from jaxrl_mismatch.objectives.corrections import (
     rejection_mask,
     weight_mean,
 )
+from jaxrl_mismatch.objectives.decoupled import DECOUPLED_PRESETS, PROXIMALS, m2po_cut, m2po_mask, proximal_logp
 from jaxrl_mismatch.objectives.losses import LOSSES
 from jaxrl_mismatch.objectives.ratios import as_bool_mask
 
@@ -63,6 +64,8 @@ class ObjectiveConfig:
     eps_high: float = 0.2                  # PPO/GSPO upper clip range (DAPO clip-higher: 0.28)
     dual_clip: float | None = None         # dual-clip c (> 1) for A < 0, e.g. 3.0 or 10.0; None: off
     gmpo_eps: float = 0.4                  # GMPO log-space clip range
+    proximal: str = "recompute"            # π_prox: recompute (θ_old forward) | bypass (μ; decoupled.py)
+    m2po_threshold: float | None = None    # M2PO τ_M2: mask the largest (log ρ)² until their mean ≤ τ; None: off
 
     def __post_init__(self):
         _check("advantages", self.advantages, ADVANTAGES)
@@ -84,6 +87,9 @@ class ObjectiveConfig:
             raise ValueError(f"need 0 < eps_low < 1 and eps_high > 0, got {self.eps_low!r}, {self.eps_high!r}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip!r}")
+        _check("proximal", self.proximal, PROXIMALS)
+        if self.m2po_threshold is not None and not self.m2po_threshold > 0:
+            raise ValueError(f"m2po_threshold must be > 0 or None, got {self.m2po_threshold!r}")
 
 
 def _check(field: str, value: str, valid) -> None:
@@ -127,6 +133,8 @@ PRESETS: dict[str, dict] = {
     "pg_seq_is": dict(advantages="grpo", loss="pg", correction="seq_sum_is", agg="seq-mean-token-sum"),
     "pg_seq_tis": dict(advantages="grpo", loss="pg", correction="seq_sum_tis", agg="seq-mean-token-sum"),
     "pg_seq_mis": dict(advantages="grpo", loss="pg", correction="seq_sum_mis", agg="seq-mean-token-sum"),
+    # Stale (asynchronous) data: naive PPO, AReaL's decoupled PPO, + TIS, + M2PO (objectives/decoupled.py).
+    **DECOUPLED_PRESETS,
 }
 
 
@@ -147,19 +155,24 @@ class Normalizers(NamedTuple):
     loss: Scalar         # the aggregation normaliser of cfg.agg
     tokens: Scalar       # number of response tokens, ≥ 1 (token means of extra terms: KL, entropy)
     weight_mean: Scalar  # global mean IS weight at θ_old (1 unless cfg.normalize_weights)
+    m2_cut: Scalar | float = float("inf")  # M2PO: the largest (log ρ)² kept (inf unless cfg.m2po_threshold)
 
 
 def normalizers(cfg: ObjectiveConfig, mask: TokenMask, old_logp: TokenFloat | None = None,
                 rollout_logp: TokenFloat | None = None) -> Normalizers:
     """Compute the global normalisers from the *whole* batch (call before splitting into microbatches)."""
-    wm = jnp.float32(1.0)
+    wm, cut = jnp.float32(1.0), jnp.float32(jnp.inf)
+    if cfg.m2po_threshold is not None:
+        if rollout_logp is None:
+            raise ValueError("m2po_threshold needs rollout_logp of the whole batch")
+        cut = m2po_cut(proximal_logp(cfg.proximal, old_logp, rollout_logp), rollout_logp, mask, cfg.m2po_threshold)
     if cfg.normalize_weights:
         if old_logp is None or rollout_logp is None:
             raise ValueError("normalize_weights=True needs old_logp and rollout_logp of the whole batch")
         w = _raw_weights(cfg, old_logp, rollout_logp, mask)
         wm = weight_mean(w, mask)
     return Normalizers(loss=global_normalizer(mask, cfg.agg, max_len=cfg.max_len),
-                       tokens=jnp.maximum(num_tokens(mask), 1.0), weight_mean=wm)
+                       tokens=jnp.maximum(num_tokens(mask), 1.0), weight_mean=wm, m2_cut=cut)
 
 
 def _raw_weights(cfg: ObjectiveConfig, num_logp, rollout_logp, mask) -> TokenFloat:
@@ -230,22 +243,29 @@ def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: Token
     if isinstance(cfg, str):
         cfg = objective_config(cfg)
     m = as_bool_mask(mask)
+    old_logp = proximal_logp(cfg.proximal, old_logp, rollout_logp)  # π_prox (objectives/decoupled.py)
     obj, _ = _objective(cfg, logp, old_logp, advantages, m)
     w = applied_weights(cfg, sg(logp) if cfg.loss == "pg" else old_logp, rollout_logp, m,
-                        global_weight_mean=norm.weight_mean, token_weight=token_weight)
+                        global_weight_mean=norm.weight_mean, token_weight=token_weight, m2_cut=norm.m2_cut)
     loss = -aggregate(w * obj, m, cfg.agg, norm.loss)
     return loss, {"loss/policy": loss}
 
 
 def applied_weights(cfg: ObjectiveConfig, num_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask, *,
-                    global_weight_mean: Scalar | None = None, token_weight: TokenFloat | None = None) -> TokenFloat:
-    """The weight ``policy_loss`` multiplies each token's objective by: ``correction_weights × token_weight``.
+                    global_weight_mean: Scalar | None = None, token_weight: TokenFloat | None = None,
+                    m2_cut: Scalar | None = None) -> TokenFloat:
+    """The weight ``policy_loss`` multiplies each token's objective by: ``correction_weights × token_weight``
+    (× M2PO's mask when ``cfg.m2po_threshold``: ``m2_cut`` is ``Normalizers.m2_cut`` of the whole batch).
 
     ``num_logp`` is the ratio's numerator: ``old_logp`` for the PPO family (ρ = π(θ_old)/μ, FP16 eqs. 9–10),
     ``sg(logp)`` for ``pg`` (π(θ)/μ, FP16 eqs. 5–7). ``global_weight_mean``: ``Normalizers.weight_mean`` of the
     whole batch (needed when ``cfg.normalize_weights``). No gradient; 0 on padding.
     """
     w = correction_weights(cfg, num_logp, rollout_logp, mask, global_weight_mean)
+    if cfg.m2po_threshold is not None:
+        if m2_cut is None:
+            raise ValueError("m2po_threshold needs the batch's cut (Normalizers.m2_cut)")
+        w = w * m2po_mask(num_logp, rollout_logp, mask, m2_cut)
     if token_weight is not None:
         w = w * sg(jnp.where(as_bool_mask(mask), token_weight.astype(jnp.float32), 0.0))
     return w

@@ -98,7 +98,9 @@ class Learner:
         id it cannot have chosen must fail loudly rather than be replayed as another expert."""
         if batch.routing is not None:
             self._check_routing(np.asarray(batch.routing))
-        if self.c.rollout.exact:
+        if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)
+            batch = batch.replace(old_logp=batch.rollout_logp)
+        elif self.c.rollout.exact:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
                 batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature))

@@ -1,0 +1,127 @@
+"""Decoupled PPO, the bypass proximal policy and M2PO's mask (objectives/decoupled.py) against NumPy written here."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.objectives import PRESETS, m2po_cut, normalizers, objective_config, policy_loss
+from jaxrl_mismatch.objectives.decoupled import DECOUPLED_PRESETS
+
+B, T = 5, 9
+
+
+def _batch(seed, stale=0.5):
+    rng = np.random.default_rng(seed)
+    prox = -rng.exponential(1.0, size=(B, T))
+    mu = np.minimum(prox + stale * rng.normal(size=(B, T)), 0.0)  # a stale, noisier behaviour policy
+    logp = prox + 0.2 * rng.normal(size=(B, T))
+    lengths = rng.integers(2, T + 1, size=B)
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    adv = np.repeat(rng.normal(size=(B, 1)), T, 1) * mask
+    f = lambda x: np.where(mask, x, 0.0).astype(np.float32)  # noqa: E731
+    return f(logp), f(prox), f(mu), adv.astype(np.float32), mask
+
+
+def np_decoupled(logp, prox, mu, adv, mask, eps=0.2, keep=None):
+    """AReaL §5.2: −mean_tokens[(π_prox/μ) · min(u A, clip(u, 1−ε, 1+ε) A)], u = π/π_prox."""
+    lp, px, m = logp.astype(np.float64), prox.astype(np.float64), mu.astype(np.float64)
+    u = np.exp(lp - px)
+    w = np.exp(px - m)
+    if keep is not None:
+        w = w * keep
+    obj = np.minimum(u * adv, np.clip(u, 1 - eps, 1 + eps) * adv)
+    return -np.sum(np.where(mask, w * obj, 0)) / mask.sum()
+
+
+def _loss(cfg, logp, prox, mu, adv, mask):
+    norm = normalizers(cfg, jnp.asarray(mask), jnp.asarray(prox), jnp.asarray(mu))
+    return policy_loss(cfg, logp=jnp.asarray(logp), old_logp=jnp.asarray(prox), rollout_logp=jnp.asarray(mu),
+                       advantages=jnp.asarray(adv), mask=jnp.asarray(mask), norm=norm)[0]
+
+
+def test_presets_are_pinned():
+    assert DECOUPLED_PRESETS == {
+        "naive_ppo": dict(advantages="grpo", loss="ppo", proximal="bypass"),
+        "decoupled": dict(advantages="grpo", loss="ppo", correction="token_is"),
+        "decoupled_tis": dict(advantages="grpo", loss="ppo", correction="token_tis"),
+        "decoupled_m2po": dict(advantages="grpo", loss="ppo", correction="token_is", m2po_threshold=0.04),
+    }
+    for name in DECOUPLED_PRESETS:
+        assert name in PRESETS and objective_config(name)  # each validates
+
+
+def test_decoupled_loss_matches_areal_objective():
+    logp, prox, mu, adv, mask = _batch(0)
+    got = float(_loss(objective_config("decoupled"), logp, prox, mu, adv, mask))
+    np.testing.assert_allclose(got, np_decoupled(logp, prox, mu, adv, mask), rtol=1e-5)
+
+
+def test_bypass_clips_on_pi_over_mu_and_ignores_theta_old():
+    logp, prox, mu, adv, mask = _batch(1)
+    cfg = objective_config("naive_ppo")
+    a = float(_loss(cfg, logp, prox, mu, adv, mask))
+    b = float(_loss(cfg, logp, prox + 3.0, mu, adv, mask))  # θ_old is never read
+    assert a == b
+    # = PPO with μ as the old policy and no weight
+    np.testing.assert_allclose(a, np_decoupled(logp, mu, mu, adv, mask), rtol=1e-5)
+    # and differs from the decoupled objective on stale data
+    assert abs(a - float(_loss(objective_config("decoupled"), logp, prox, mu, adv, mask))) > 1e-4
+
+
+def test_decoupled_with_tis_truncates_the_decoupled_weight():
+    logp, prox, mu, adv, mask = _batch(2, stale=1.5)
+    cfg = objective_config("decoupled_tis")
+    lp, px, m = (x.astype(np.float64) for x in (logp, prox, mu))
+    u = np.exp(lp - px)
+    w = np.minimum(np.exp(px - m), 3.0)
+    obj = np.minimum(u * adv, np.clip(u, 0.8, 1.2) * adv)
+    want = -np.sum(np.where(mask, w * obj, 0)) / mask.sum()
+    np.testing.assert_allclose(float(_loss(cfg, logp, prox, mu, adv, mask)), want, rtol=1e-5)
+
+
+def np_m2po_keep(prox, mu, mask, tau):
+    """M2PO §4: drop the largest (log r)² one by one until the kept mean is ≤ τ."""
+    m2 = np.square(prox.astype(np.float64) - mu)
+    keep = mask.copy()
+    while keep.sum() and m2[keep].mean() > tau:
+        vals = np.where(keep, m2, -1)
+        keep[np.unravel_index(np.argmax(vals), vals.shape)] = False
+    return keep
+
+
+@pytest.mark.parametrize("tau", [0.04, 0.1, 100.0])
+def test_m2po_mask_matches_the_iterative_algorithm(tau):
+    logp, prox, mu, adv, mask = _batch(3, stale=0.6)
+    keep = np_m2po_keep(prox, mu, mask, tau)
+    cut = float(m2po_cut(jnp.asarray(prox), jnp.asarray(mu), jnp.asarray(mask), tau))
+    m2 = np.square(prox.astype(np.float64) - mu)
+    np.testing.assert_array_equal(mask & (m2 <= cut), keep)
+    if tau == 100.0:
+        assert cut == np.inf
+    else:
+        assert 0 < keep.sum() < mask.sum()  # the mask really drops tokens at these τ
+    cfg = objective_config("decoupled_m2po", m2po_threshold=tau)
+    np.testing.assert_allclose(float(_loss(cfg, logp, prox, mu, adv, mask)),
+                               np_decoupled(logp, prox, mu, adv, mask, keep=keep), rtol=1e-5)
+
+
+def test_m2po_mask_reaches_the_gradient_and_ignores_padding():
+    logp, prox, mu, adv, mask = _batch(4, stale=0.8)
+    cfg_on, cfg_off = objective_config("decoupled_m2po"), objective_config("decoupled")
+    g = lambda cfg: jax.grad(lambda lp: _loss(cfg, lp, prox, mu, adv, mask))(jnp.asarray(logp))  # noqa: E731
+    g_on, g_off = np.asarray(g(cfg_on)), np.asarray(g(cfg_off))
+    keep = np_m2po_keep(prox, mu, mask, 0.04)
+    assert np.all(g_on[mask & ~keep] == 0) and np.any(g_off[mask & ~keep] != 0)
+    # random padding values beyond the mask change nothing
+    pad = np.where(mask, 0.0, 7.0).astype(np.float32)
+    a = float(_loss(cfg_on, logp, prox, mu, adv, mask))
+    b = float(_loss(cfg_on, logp + pad, prox - pad, mu + pad, adv, mask))
+    assert a == b
+
+
+def test_bad_fields_name_themselves():
+    with pytest.raises(ValueError, match="proximal"):
+        objective_config("grpo", proximal="old")
+    with pytest.raises(ValueError, match="m2po_threshold"):
+        objective_config("grpo", m2po_threshold=0.0)
