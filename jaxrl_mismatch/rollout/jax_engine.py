@@ -36,6 +36,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import hf_io, kv_cache, quantize as quant
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
+from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -74,10 +75,16 @@ class JaxEngine(Engine):
       quantize: "none" | "int8" | "fp8": serve fake-quantized decoder linear weights (models/quantize.py).
         Loaded and pushed weights are quantized on arrival; the full-precision copy is kept too (twice the
         weight memory) so a request's `quantize_strength` can blend the two (mid-run onset).
+      exact_sampler: how exact mode samples — "speculative" (KV-cache draft verified by the exact forward,
+        `spec_exact.py`) or "reference" (a full forward per token, `exact_sampler.py`); same bits either way.
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch_rows: int = 256, quantize: str = "none"):
+                 max_batch_rows: int = 256, quantize: str = "none", exact_sampler: str = "speculative"):
+        if exact_sampler not in ("speculative", "reference"):
+            raise ValueError(f"exact_sampler must be 'speculative' or 'reference', got {exact_sampler!r}")
+        self._exact_sampler = exact_sampler
+        self.exact_stats = SpecStats()  # draft/verify counters of the speculative exact sampler, cumulative
         if dtype not in _POLICY:
             raise ValueError(f"dtype must be one of {', '.join(_POLICY)}, got {dtype!r}")
         if quantize not in quant.METHODS:
@@ -152,11 +159,15 @@ class JaxEngine(Engine):
             raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
         for start in range(0, len(rows), self._max_batch_rows):
             part = rows[start : start + self._max_batch_rows]
-            if spec.exact:  # batch-invariant, trainer-identical log-probs (exact_sampler.py)
-                t, lp, n, s = sample_exact(
-                    self._graphdef, params, self._rest, prompts, part, max_tokens=spec.max_tokens,
-                    temperature=spec.temperature, logit_noise_std=spec.logit_noise_std,
-                    stop_token_ids=spec.stop_token_ids, base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+            if spec.exact:  # batch-invariant, trainer-identical log-probs (spec_exact.py, exact_sampler.py)
+                kw = dict(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                          logit_noise_std=spec.logit_noise_std, stop_token_ids=spec.stop_token_ids,
+                          base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+                if self._exact_sampler == "reference":
+                    t, lp, n, s = sample_exact(self._graphdef, params, self._rest, prompts, part, **kw)
+                else:
+                    t, lp, n, s, st = sample_exact_speculative(self._graphdef, params, self._rest, prompts, part, **kw)
+                    self.exact_stats.add(st)
             else:
                 t, lp, n, s, r = self._generate_rows(params, prompts, part, spec)
                 if r is not None:
