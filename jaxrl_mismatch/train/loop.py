@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxrl_mismatch.objectives import compute_advantages
 from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutError, SamplingSpec
+from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.train import distributed
@@ -125,6 +126,7 @@ class Trainer:
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
         metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
         metrics.update(stats)
+        metrics["rollout/mismatch_scale"] = self._mismatch_scale()
         metrics["lr"] = self.learner.lr
         if self.controller is not None:
             # The controller sees step s's metrics; the scale it returns drives the next step's updates.
@@ -172,10 +174,15 @@ class Trainer:
     def _spec(self, seed: int) -> SamplingSpec:
         """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
         not to validation, which measures the policy itself)."""
-        r = self.c.rollout
+        r, scale = self.c.rollout, self._mismatch_scale()
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std,
-                            return_routing=self.collect_routing)
+                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std * scale,
+                            return_routing=self.collect_routing, quantize_strength=scale)
+
+    def _mismatch_scale(self) -> float:
+        """This step's strength of the configured mismatch (rollout/mismatch_schedule.py)."""
+        r = self.c.rollout
+        return mismatch_scale(self.step, r.mismatch_onset_step, r.mismatch_ramp_steps)
 
     def _evaluate(self) -> dict[str, float]:
         return distributed.on_lead(self.is_lead, self._evaluate_on_lead, VAL_KEYS)
@@ -184,7 +191,8 @@ class Trainer:
         c, d, seed = self.c, self.data, self._seed("eval")
         runs = [("val/accuracy", c.eval.k, c.eval.temperature)] + ([("val/greedy_accuracy", 1, 0.0)] if c.eval.greedy else [])
         return {name: evaluate(self.session, d.val_ids, d.val_answers, d.reward, k=k, temperature=t,
-                               max_tokens=c.rollout.max_tokens, stop_token_ids=(d.eos_id,), seed=seed)
+                               max_tokens=c.rollout.max_tokens, stop_token_ids=(d.eos_id,), seed=seed,
+                               quantize_strength=self._eval_quantize_strength)
                 for name, k, t in runs}
 
     def _seed(self, purpose: str, *extra: int) -> int:
@@ -201,13 +209,18 @@ class Trainer:
             session = RolloutSession.attach(r.address, token=_read_token(r.token_file), **timeouts)
         else:
             session = RolloutSession.launch(work_dir=self.c.run_dir, engine=r.engine, model=self.c.model.path,
-                                            dtype=r.dtype, max_model_len=r.max_model_len,
+                                            dtype=r.dtype, max_model_len=r.max_model_len, quantize=r.quantize,
                                             restart=r.restart_on_failure, **timeouts)
         try:
             cfg = self.learner.model_cfg
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=self.data.tok.vocab_size)
             info = session.info()
+            if info.quantize != r.quantize:
+                raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {session.describe()} serves "
+                                  f"{info.quantize!r} weights (serve --quantize {r.quantize})")
+            # Validation measures the trainer's policy: full-precision weights where the engine can serve them.
+            self._eval_quantize_strength = 0.0 if "quantize_strength" in info.options else 1.0
             if self.collect_routing and "routing" not in info.options:
                 raise ConfigError(f"config.rollout.engine: 'jax' with a MoE policy needs the server's 'routing' "
                                   f"option, but {session.describe()} ({info.engine} engine) does not offer it; set "
