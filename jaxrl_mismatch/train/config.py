@@ -83,6 +83,12 @@ def base_config() -> ml_collections.ConfigDict:
     # Controlled mismatch: the engine samples from softmax((logits + σ·ε) / T), ε ~ N(0, 1), and returns
     # that distribution's log-probs as μ, so the tokens come from μ ≠ π (jax engine). 0 = off.
     c.rollout.logit_noise_std = 0.0
+    # Asynchronous rollouts (train/rollout_producer.py): the next steps' batches are generated while the
+    # current step trains, from weights at most this many versions old; a batch beyond it is dropped and
+    # counted (rollout/dropped_batches). 0 = the synchronous loop. Keeps s copies of the parameters for the
+    # staleness/precision split (metrics/staleness.py).
+    c.rollout.max_staleness = 0
+    c.rollout.fixed_staleness = False  # experiments: every batch (after the first s) exactly s versions old
 
     c.batch = ml_collections.ConfigDict()
     c.batch.prompts_per_step = 16  # groups in one training batch (batch rows = prompts × group_size)
@@ -189,7 +195,7 @@ _POSITIVE_INTS = (
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
     "rollout.max_model_len", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
-    "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
+    "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef", "rollout.max_staleness",
 )
 
 
@@ -245,6 +251,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path}: must be a number >= 0, got {v!r}")
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
+    if c.rollout.max_staleness != int(c.rollout.max_staleness):
+        raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
     if not c.rollout.temperature >= 1e-5:
         raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
                           f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")
