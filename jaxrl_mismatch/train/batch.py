@@ -20,6 +20,11 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
                                         θ_old / reference forwards of `prepare` (the whole batch) and the
                                         update's θ forward (a minibatch); its `[P, L]` arrays have their own
                                         leading dim P, split like B (devices, microbatches)
+    version_lag     int32 [B]       asynchronous rollouts: current weight version − the version the row's
+                                    sample was generated with (`train/rollout_producer.py`); 0 when synchronous
+    behav_logp      f32   [B, S-1]  log π_behav: the trainer's policy at the row's sample version (rows with
+                                    lag > 0; `Learner.prepare`), for the staleness/precision split
+                                    (`metrics/staleness.py`); `prepare` drops both (the update never reads them)
 
 The optional fields are None when absent; a pytree with None fields has no leaves there, so jit sees a
 fixed structure per run. The fields without a default are what the rollout produces: multi-host
@@ -79,6 +84,8 @@ class RolloutBatch:
     routing: Int[Array, "b s layers k"] | None = None
     replay_routing: Int[Array, "b s layers k"] | None = None
     packed: PackedRows | None = None
+    version_lag: Int[Array, "b"] | None = None
+    behav_logp: Float[Array, "b t"] | None = None
 
     @property
     def num_rows(self) -> int:

@@ -93,6 +93,12 @@ def base_config() -> ml_collections.ConfigDict:
     # Mismatch that starts mid-run (rollout/mismatch_schedule.py): logit_noise_std and quantize act from this
     # step on, their strength ramping linearly to 1 over mismatch_ramp_steps steps (0 = full at once).
     c.rollout.mismatch_onset_step, c.rollout.mismatch_ramp_steps = 0, 0
+    # Asynchronous rollouts (train/rollout_producer.py): the next steps' batches are generated while the
+    # current step trains, from weights at most this many versions old; a batch beyond it is dropped and
+    # counted (rollout/dropped_batches). 0 = the synchronous loop. Keeps s copies of the parameters for the
+    # staleness/precision split (metrics/staleness.py).
+    c.rollout.max_staleness = 0
+    c.rollout.fixed_staleness = False  # experiments: every batch (after the first s) exactly s versions old
 
     c.batch = ml_collections.ConfigDict()
     c.batch.prompts_per_step = 16  # groups in one training batch (batch rows = prompts × group_size)
@@ -201,7 +207,7 @@ _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
     "rollout.max_model_len", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
     "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
-    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps",
+    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness",
 )
 
 
@@ -272,6 +278,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path}: must be a number >= 0, got {v!r}")
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
+    if c.rollout.max_staleness != int(c.rollout.max_staleness):
+        raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
     if not c.rollout.temperature >= 1e-5:
         raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
                           f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")

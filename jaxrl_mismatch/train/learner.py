@@ -24,6 +24,7 @@ from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
+from jaxrl_mismatch.train.behaviour import BehaviourScorer
 from jaxrl_mismatch.train.checkpoint import abstract_state_of
 from jaxrl_mismatch.train.config import build_optimizer, build_schedule, check_mesh, check_model
 from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
@@ -32,6 +33,7 @@ from jaxrl_mismatch.train.state import TrainState, init_state, split_model
 from jaxrl_mismatch.train.step import (
     jit_prepare,
     jit_update,
+    make_old_logprobs,
     make_prepare_fn,
     make_update_fn,
     place_batch,
@@ -81,6 +83,9 @@ class Learner:
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if c.objective.kl_coef else None
         self.minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
+        # Asynchronous rollouts: π_behav of stale rows, scored like π(θ_old) (train/behaviour.py).
+        self._forward = make_old_logprobs(graphdef, self.mesh, **kw) if c.rollout.max_staleness else None
+        self.behaviour = BehaviourScorer(c.rollout.max_staleness, self._score)
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -98,6 +103,8 @@ class Learner:
         id it cannot have chosen must fail loudly rather than be replayed as another expert."""
         if batch.routing is not None:
             self._check_routing(np.asarray(batch.routing))
+        if batch.version_lag is not None and (behav := self.behaviour.behav_logp(batch)) is not None:
+            batch = batch.replace(behav_logp=behav)
         if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)
             batch = batch.replace(old_logp=batch.rollout_logp)
         elif self.c.rollout.exact:
@@ -110,6 +117,16 @@ class Learner:
         key = jax.random.key_data(jax.random.key(seed))
         out, metrics = self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
         return jax.tree.map(distributed.to_host, out), {k: float(v) for k, v in metrics.items()}
+
+    def _score(self, params, batch: RolloutBatch) -> np.ndarray:
+        """log π(y_t) of the batch's targets under `params`, masked, on the host: the exact scorer in exact
+        mode, else the teacher-forced forward (what `prepare` computes for π(θ_old))."""
+        if self.c.rollout.exact:
+            return score_exact(self._exact_graphdef, distributed.gather_params(params), batch.tokens,
+                               batch.attention_mask, batch.response_mask, max_tokens=self.c.rollout.max_tokens,
+                               temperature=self.c.rollout.temperature)
+        logp = self._forward(params, np.asarray(batch.tokens), np.asarray(batch.attention_mask))[0]
+        return distributed.to_host(logp) * np.asarray(batch.response_mask)
 
     def _check_routing(self, routing: np.ndarray) -> None:
         shape, experts = self.routing_shape, self.model_cfg.num_experts

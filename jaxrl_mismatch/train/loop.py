@@ -30,10 +30,15 @@ from jaxrl_mismatch.train.checkpoint import Checkpointer
 from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError, build_controller, check_paths, config_changes, validate
 from jaxrl_mismatch.train.learner import Learner
+from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
 from jaxrl_mismatch.train.task_data import TaskData
 
 log = logging.getLogger(__name__)
 VAL_KEYS = ("val/accuracy", "val/greedy_accuracy")
+# Asynchronous rollouts: which batch a step trained on (its index and first prompt's position in the prompt
+# order, epoch × records + index), batches dropped beyond the bound so far, and the two sides' times.
+ASYNC_STAT_KEYS = ("rollout/batch_index", "rollout/prompt_position", "rollout/dropped_batches",
+                   "time/rollout_wait_s", "time/generate_s")
 
 
 class RolloutFailure(RuntimeError):
@@ -58,6 +63,7 @@ class Trainer:
         self.step, self.version = 0, 0
         self._pushed_step: int | None = None  # the step whose weights the server serves
         self.session: RolloutSession | None = None
+        self.producer: RolloutProducer | None = None  # rollout.max_staleness > 0 (process 0 only)
         self.writer: RunWriter | None = None
         self.stop_requested = False  # set by a signal handler; honoured between steps
 
@@ -69,6 +75,11 @@ class Trainer:
         self._restore()
         if self.is_lead:
             self.session = self._open_session()
+            if c.rollout.max_staleness:
+                self.session = LockedSession(self.session)
+                self.producer = RolloutProducer(
+                    self._produce, max_staleness=c.rollout.max_staleness, fixed=c.rollout.fixed_staleness,
+                    start_index=self.step, last_index=c.steps - 1, data_state=lambda: self.data.prompts.state)
             self.writer = RunWriter(c.run_dir, resume_from_step=self.step or None, tensorboard=c.log.tensorboard)
         summary: dict[str, Any] = {"start_step": self.step, "stopped_early": False}
         progress = _Progress(c, self.step)
@@ -81,7 +92,7 @@ class Trainer:
                 self._write(-1, {**summary["initial"], "lr": self.learner.lr})
                 progress.note(-1, summary["initial"])
             while self.step < c.steps and not self.stop_requested:
-                data_start = self.data.prompts.state
+                data_start = self._data_position()
                 metrics = unwritten = self.train_step()
                 data_start = None  # the step is applied: the current data position is its successor's
                 last = self.step == c.steps
@@ -119,9 +130,14 @@ class Trainer:
         """One RL step on the weights pushed at its start; returns its metrics record."""
         t0 = time.perf_counter()
         self._push()
-        arrays, stats = distributed.lead_computes(self.is_lead, self._rollout,
-                                                  rollout_fields(with_routing=self.collect_routing), STAT_KEYS)
+        asynchronous = bool(self.c.rollout.max_staleness)
+        arrays, stats = distributed.lead_computes(
+            self.is_lead, self._take_rollout if asynchronous else self._rollout,
+            rollout_fields(with_routing=self.collect_routing) + ("sample_version",),
+            STAT_KEYS + (ASYNC_STAT_KEYS if asynchronous else ()))
+        versions = arrays.pop("sample_version")[:, 0]
         batch = from_wire(arrays, routing_shape=self.learner.routing_shape if self.collect_routing else None)
+        batch = batch.replace(version_lag=(self.version - versions).astype(np.int32))
         t_rollout = time.perf_counter() - t0
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
         metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
@@ -139,6 +155,8 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         self.ckpt.wait()
         self.ckpt.close()
         if self.writer is not None:
@@ -152,14 +170,46 @@ class Trainer:
         if self._pushed_step == self.step:
             return
         weights = self.learner.hf_weights()  # every process joins the gather (multi-host); process 0 pushes
+        if self.producer is not None:
+            self.producer.before_push()
         self.version = int(distributed.on_lead(self.is_lead, lambda: {"version": float(self.session.push(weights))},
                                                ("version",))["version"])
         self._pushed_step = self.step
+        self.learner.behaviour.remember(self.version, self.learner.state.params)
+        if self.producer is not None:
+            self.producer.pushed()
 
-    def _rollout(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """(the rollout fields of the step's batch, rollout statistics); process 0 only."""
+    def _produce(self, index: int, data_start: dict) -> Produced:
+        """Batch `index` on the producer thread: step `index`'s seeds, the prompts that come next."""
+        arrays, stats = self._rollout(index)
+        return Produced(index=index, arrays=arrays, stats=stats, data_start=data_start, generate_s=0.0)
+
+    def _take_rollout(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The next produced batch within `rollout.max_staleness` of the current version (process 0 only)."""
+        t0 = time.perf_counter()
+        while True:
+            item = self.producer.take()
+            if self.version - item.oldest_version <= self.c.rollout.max_staleness:
+                break
+            self.producer.drop(item, self.version)
+        d = item.data_start
+        return item.arrays, {**item.stats, "rollout/batch_index": float(item.index),
+                             "rollout/prompt_position": float(d["epoch"] * d["num_records"] + d["index"]),
+                             "rollout/dropped_batches": float(self.producer.dropped),
+                             "time/rollout_wait_s": time.perf_counter() - t0, "time/generate_s": item.generate_s}
+
+    def _data_position(self) -> dict:
+        """The prompt position of the next step's batch: with a producer, the oldest batch not yet trained on
+        (a resume regenerates what was in flight)."""
+        return self.producer.resume_state() if self.producer is not None else self.data.prompts.state
+
+    def _rollout(self, index: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """(the rollout fields of step `index`'s batch (default: this step) and each row's weight version as
+        "sample_version" [B, 1], rollout statistics); process 0 only."""
         c = self.c
-        collected = collect(self.session, self.data.next_prompts, lambda rnd: self._spec(self._seed("rollout", rnd)),
+        step = self.step if index is None else index
+        collected = collect(self.session, self.data.next_prompts,
+                            lambda rnd: self._spec(self._seed("rollout", rnd, step=step)),
                             self.data.reward, num_groups=c.batch.prompts_per_step,
                             dynamic_sampling=c.batch.dynamic_sampling, max_oversample_rounds=c.batch.max_oversample_rounds)
 
@@ -169,7 +219,8 @@ class Trainer:
             return np.asarray(compute_advantages(kind, rewards, group_ids, num_groups))
 
         batch = to_batch(collected.groups, advantages, pad_id=self.data.pad_id, with_routing=self.collect_routing)
-        return to_wire(batch.arrays()), collected.stats
+        versions = np.array([[cm.weight_version] for g in collected.groups for cm in g.completions], np.int32)
+        return {**to_wire(batch.arrays()), "sample_version": versions}, collected.stats
 
     def _spec(self, seed: int) -> SamplingSpec:
         """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
@@ -195,10 +246,11 @@ class Trainer:
                                quantize_strength=self._eval_quantize_strength)
                 for name, k, t in runs}
 
-    def _seed(self, purpose: str, *extra: int) -> int:
+    def _seed(self, purpose: str, *extra: int, step: int | None = None) -> int:
         """Independent seeds per purpose and step (rollouts, eval, minibatch order, diagnostics)."""
         tag = int.from_bytes(purpose.encode()[:8].ljust(8, b"\0"), "little")
-        return int(np.random.SeedSequence([self.c.seed, tag, self.step, *extra]).generate_state(1, np.uint64)[0] >> 2)
+        step = self.step if step is None else step
+        return int(np.random.SeedSequence([self.c.seed, tag, step, *extra]).generate_state(1, np.uint64)[0] >> 2)
 
     # -- session, checkpoints, log -------------------------------------------------------------------
     def _open_session(self) -> RolloutSession:
@@ -257,7 +309,7 @@ class Trainer:
     def _save(self, data_state: dict | None = None) -> None:
         meta = {
             "step": self.step,
-            "data": data_state if data_state is not None else self.data.prompts.state,
+            "data": data_state if data_state is not None else self._data_position(),
             "controller": self.controller.state_dict() if self.controller is not None else None,
             "weight_version": self.version,
             "config": self.c.to_dict(),

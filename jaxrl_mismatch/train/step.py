@@ -40,6 +40,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics.moe import moe_step_metrics
+from jaxrl_mismatch.metrics.staleness import staleness_metrics
 from jaxrl_mismatch.models import sharding as shd
 from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
@@ -307,11 +308,14 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
             batch = batch.replace(ref_logp=score(ref_params, batch) * mask)
         batch = batch.replace(token_weight=objective.token_weight(batch, seed))
         metrics = objective.step_metrics(batch)
+        if batch.version_lag is not None:  # staleness/* next to mismatch/* (metrics/staleness.py)
+            metrics.update(staleness_metrics(batch.old_logp, batch.behav_logp, batch.rollout_logp, mask,
+                                             batch.version_lag))
         if router is not None:
             metrics.update(moe_step_metrics(
                 router.router_ids, router.entropy, router.load, batch.old_logp, batch.rollout_logp, mask,
                 layer_ids=moe_layers, rollout_ids=None if batch.routing is None else batch.routing[:, :-1]))
-        return batch.replace(routing=None, packed=None), metrics
+        return batch.replace(routing=None, packed=None, version_lag=None, behav_logp=None), metrics
 
     return prepare
 

@@ -1,0 +1,52 @@
+"""π_behav: the trainer's own log-probs at the weight version a stale sample was generated with.
+
+Asynchronous rollouts (`rollout.max_staleness` = s) train on samples up to s versions old. To split the
+step's mismatch into staleness and precision (`metrics/staleness.py`) the trainer scores each lagged row
+with the weights it had at that row's version, so it keeps the parameters of the last s + 1 pushed versions
+(s extra copies of the policy's parameters, on the devices, sharded like the live ones). Rows are scored
+by the same forward as π_prox: the batch-invariant exact scorer in `rollout.exact` mode (then π_behav equals
+μ bit for bit), else the trainer's teacher-forced forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class BehaviourScorer:
+    """Keeps the parameters of recent weight versions and scores lagged rows with them."""
+
+    def __init__(self, max_staleness: int, score: Callable[[Any, Any], np.ndarray]) -> None:
+        self.s = int(max_staleness)
+        self._score = score  # (params, batch) -> [B, S-1] host log-probs (masked)
+        self._params: dict[int, Any] = {}
+        self.version: int | None = None  # the current (latest pushed) version
+
+    def remember(self, version: int, params: Any) -> None:
+        """The weights now served as `version` (a copy: the update donates the live state)."""
+        self.version = int(version)
+        if self.s > 0 and version not in self._params:
+            self._params[self.version] = jax.tree.map(jnp.copy, params)
+        for v in [v for v in self._params if v < self.version - self.s]:
+            del self._params[v]
+
+    def behav_logp(self, batch) -> np.ndarray | None:
+        """[B, S-1] log π_behav of the rows with `version_lag` > 0 (0 elsewhere); None when no row is lagged.
+
+        A lag with no kept version (cannot happen within the bound) raises naming it."""
+        lag = None if batch.version_lag is None else np.asarray(batch.version_lag)
+        if lag is None or not np.any(lag > 0):
+            return None
+        out = np.zeros(np.shape(batch.rollout_logp), np.float32)
+        for ell in np.unique(lag[lag > 0]):
+            v = self.version - int(ell)
+            if v not in self._params:
+                raise ValueError(f"version_lag: rows {ell} versions behind (version {v}) but only versions "
+                                 f"{sorted(self._params)} are kept (rollout.max_staleness = {self.s})")
+            rows = lag == ell
+            out[rows] = np.asarray(self._score(self._params[v], batch), np.float32)[rows]
+        return out
