@@ -142,7 +142,7 @@ class Trainer:
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
         metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
         metrics.update(stats)
-        metrics["rollout/mismatch_scale"] = self._mismatch_scale()
+        metrics["rollout/mismatch_scale"] = self._mismatch_scale(self.step)
         metrics["lr"] = self.learner.lr
         if self.controller is not None:
             # The controller sees step s's metrics; the scale it returns drives the next step's updates.
@@ -209,7 +209,7 @@ class Trainer:
         c = self.c
         step = self.step if index is None else index
         collected = collect(self.session, self.data.next_prompts,
-                            lambda rnd: self._spec(self._seed("rollout", rnd, step=step)),
+                            lambda rnd: self._spec(self._seed("rollout", rnd, step=step), step),
                             self.data.reward, num_groups=c.batch.prompts_per_step,
                             dynamic_sampling=c.batch.dynamic_sampling, max_oversample_rounds=c.batch.max_oversample_rounds)
 
@@ -222,18 +222,19 @@ class Trainer:
         versions = np.array([[cm.weight_version] for g in collected.groups for cm in g.completions], np.int32)
         return {**to_wire(batch.arrays()), "sample_version": versions}, collected.stats
 
-    def _spec(self, seed: int) -> SamplingSpec:
-        """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
-        not to validation, which measures the policy itself)."""
-        r, scale = self.c.rollout, self._mismatch_scale()
+    def _spec(self, seed: int, step: int) -> SamplingSpec:
+        """Step `step`'s training rollout sampling: the configured exact mode and injected mismatch apply here
+        (and not to validation, which measures the policy itself). The mismatch strength follows the step the
+        batch is made for, which the asynchronous producer runs ahead of the trainer's step."""
+        r, scale = self.c.rollout, self._mismatch_scale(step)
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
                             stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std * scale,
                             return_routing=self.collect_routing, quantize_strength=scale)
 
-    def _mismatch_scale(self) -> float:
-        """This step's strength of the configured mismatch (rollout/mismatch_schedule.py)."""
+    def _mismatch_scale(self, step: int) -> float:
+        """Step `step`'s strength of the configured mismatch (rollout/mismatch_schedule.py)."""
         r = self.c.rollout
-        return mismatch_scale(self.step, r.mismatch_onset_step, r.mismatch_ramp_steps)
+        return mismatch_scale(step, r.mismatch_onset_step, r.mismatch_ramp_steps)
 
     def _evaluate(self) -> dict[str, float]:
         return distributed.on_lead(self.is_lead, self._evaluate_on_lead, VAL_KEYS)
