@@ -83,7 +83,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, call_file_function
+from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function
 
 PROG = "jaxrl-mismatch compare"
 SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "out", "metrics", "collapse")
@@ -312,6 +312,8 @@ def run_result(job: Job) -> RunResult:
     elif last.get("returncode") is None:
         alive = _alive(last.get("pid"), job)
         status = f"{'running (pid ' + str(last['pid']) + ', ' if alive else 'interrupted ('}{done}/{job.steps} steps)"
+    elif last["returncode"] == EXIT_STOPPED:
+        status = f"stopped by SIGTERM ({done}/{job.steps} steps); rerun to resume"
     elif last["returncode"] != 0:
         status = f"failed (exit {last['returncode']}, {done}/{job.steps} steps): {_log_tail(job)}"
     elif done < job.steps:

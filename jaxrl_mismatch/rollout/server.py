@@ -33,6 +33,7 @@ retry can succeed against this process; only a restart (which reloads the checkp
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hmac
 import json
 import logging
@@ -315,6 +316,16 @@ def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
         os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
 
 
+def _check_host(host: str) -> None:
+    """UsageError naming --host if it is neither an IP address nor a name that resolves."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host}: not an IP address or a resolvable host name ({e})") from None
+
+
 def _check_port_free(host: str, port: int) -> None:
     """UsageError naming the port if something already listens there (gRPC would log a C-level error first)."""
     import socket
@@ -326,7 +337,10 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise UsageError(f"--host {host} --port {port}: cannot bind ({e.strerror}); is the port in use?") from None
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"--host {host} --port {port}: cannot bind ({e.strerror}); is the port in use?") from None
+            raise UsageError(f"--host {host}: cannot bind to it ({e.strerror}); use an address of this machine "
+                             "(127.0.0.1, 0.0.0.0 for all interfaces)") from None
 
 
 def build_parser() -> ArgumentParser:
@@ -354,6 +368,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     existing_dir("--model", args.model)
+    _check_host(args.host)
     for flag in ("max_model_len", "max_request_prompt_tokens", "max_request_completion_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:

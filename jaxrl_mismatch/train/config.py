@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.usage import UsageError, call_file_function
+from jaxrl_mismatch.usage import UsageError, call_file_function, host_port
 
 
 class ConfigError(UsageError):
@@ -338,6 +338,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
                               f"tensor parallelism split reductions across devices), got trainer.mesh {split}")
     if c.rollout.group_size < 2:
         raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
+    if c.rollout.address:
+        try:
+            host_port("config.rollout.address:", c.rollout.address)
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
     if not c.model.path:
         raise ConfigError("config.model.path: empty; point it to a local HF checkpoint directory")
 

@@ -31,6 +31,7 @@ from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError, build_controller, check_paths, config_changes, validate
 from jaxrl_mismatch.train.learner import Learner
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
+from jaxrl_mismatch.train.runlock import RunDirLock
 from jaxrl_mismatch.train.task_data import TaskData
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class Trainer:
         self.c, self.accept_config_changes = c, accept_config_changes
         self.is_lead = jax.process_index() == 0
         os.makedirs(c.run_dir, exist_ok=True)
+        # Before anything touches the directory (the checkpointer tidies it): one trainer per run_dir.
+        self.lock = RunDirLock(c.run_dir).acquire() if self.is_lead else None
         self.learner = Learner(c)
         # A MoE policy sampled by the built-in engine brings the engine's routing into the batch (routing
         # replay R3, and the moe/router_disagree_* metrics for any replay mode); vLLM does not return it.
@@ -155,14 +158,17 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-        self.ckpt.wait()
-        self.ckpt.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.session is not None:
-            self.session.close()
+        try:
+            if self.producer is not None:
+                self.producer.close()
+            self.ckpt.close()  # releases orbax's threads even after a failed save (already reported)
+            if self.writer is not None:
+                self.writer.close()
+            if self.session is not None:
+                self.session.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     # -- parts of a step -----------------------------------------------------------------------------
     def _push(self) -> None:
@@ -290,7 +296,20 @@ class Trainer:
         if not self.c.resume:
             raise ConfigError(f"config.resume: False but {self.ckpt.directory} holds checkpoints (latest step "
                               f"{latest}); use a new run_dir or move them aside")
-        meta = self.ckpt.read_meta(latest)
+        # A damaged newest checkpoint is moved aside (one warning) and the next older one restored.
+        _, (state, meta) = self.ckpt.newest_good(self._read_checkpoint)
+        self.learner.load_state(state)
+        self.step, self.version = int(meta["step"]), int(meta["weight_version"])
+        self.data.prompts.restore(meta["data"])
+        if self.controller is not None and meta.get("controller") is not None:
+            self.controller.load_state_dict(meta["controller"])
+        log.info("resumed from step %d (weight version %d)", self.step, self.version)
+        if self.step > self.c.steps:
+            log.warning("config.steps=%d is lower than the %d steps this run has done; nothing to train "
+                        "(raise config.steps to continue)", self.c.steps, self.step)
+
+    def _read_checkpoint(self, step: int) -> tuple[Any, dict]:
+        meta = self.ckpt.read_meta(step)
         changes = config_changes(meta.get("config", {}), self.c.to_dict())
         if changes and not self.accept_config_changes:
             raise ConfigError(
@@ -299,13 +318,7 @@ class Trainer:
                 + ". Pass --accept-config-changes to continue with the new values, or use a new run_dir")
         if changes:
             log.warning("resuming with %d changed config field(s): %s", len(changes), "; ".join(changes))
-        state, meta = self.ckpt.restore(latest, abstract_state=self.learner.abstract_state())
-        self.learner.load_state(state)
-        self.step, self.version = int(meta["step"]), int(meta["weight_version"])
-        self.data.prompts.restore(meta["data"])
-        if self.controller is not None and meta.get("controller") is not None:
-            self.controller.load_state_dict(meta["controller"])
-        log.info("resumed from step %d (weight version %d)", self.step, self.version)
+        return self.ckpt.restore(step, abstract_state=self.learner.abstract_state())
 
     def _save(self, data_state: dict | None = None) -> None:
         meta = {
@@ -316,6 +329,7 @@ class Trainer:
             "config": self.c.to_dict(),
         }
         self.ckpt.save(self.step, self.learner.state, meta, force=True)
+        self.ckpt.wait()  # a failed write stops the run here, before the next step (CheckpointSaveError)
 
     def _write(self, step: int, record: dict[str, float]) -> None:
         if self.writer is not None:
