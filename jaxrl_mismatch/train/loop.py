@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrl_mismatch.objectives import compute_advantages
 from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutError, SamplingSpec
-from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale
+from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.train import distributed
@@ -174,10 +174,10 @@ class Trainer:
     def _spec(self, seed: int) -> SamplingSpec:
         """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
         not to validation, which measures the policy itself)."""
-        r, scale = self.c.rollout, self._mismatch_scale()
+        r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std * scale,
-                            return_routing=self.collect_routing, quantize_strength=scale)
+                            stop_token_ids=(self.data.eos_id,), exact=r.exact, return_routing=self.collect_routing,
+                            **rollout_mismatch(r, self.step))
 
     def _mismatch_scale(self) -> float:
         """This step's strength of the configured mismatch (rollout/mismatch_schedule.py)."""
