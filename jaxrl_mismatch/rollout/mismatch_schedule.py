@@ -24,3 +24,10 @@ def mismatch_scale(step: int, onset_step: int, ramp_steps: int) -> float:
     if ramp_steps <= 0:
         return 1.0
     return min(1.0, (step - onset_step + 1) / ramp_steps)
+
+
+def rollout_mismatch(rollout, step: int) -> dict[str, float]:
+    """The SamplingSpec fields of a training rollout at `step` for a config's `rollout` section: the scaled
+    noise σ·s and the quantization strength s (s of `mismatch_scale`)."""
+    s = mismatch_scale(step, rollout.mismatch_onset_step, rollout.mismatch_ramp_steps)
+    return {"logit_noise_std": rollout.logit_noise_std * s, "quantize_strength": s}

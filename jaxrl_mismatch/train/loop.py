@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxrl_mismatch.objectives import compute_advantages
 from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutError, SamplingSpec
-from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale
+from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.train import distributed
@@ -232,10 +232,10 @@ class Trainer:
         """Step `step`'s training rollout sampling: the configured exact mode and injected mismatch apply here
         (and not to validation, which measures the policy itself). The mismatch strength follows the step the
         batch is made for, which the asynchronous producer runs ahead of the trainer's step."""
-        r, scale = self.c.rollout, self._mismatch_scale(step)
+        r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std * scale,
-                            return_routing=self.collect_routing, quantize_strength=scale)
+                            stop_token_ids=(self.data.eos_id,), exact=r.exact, return_routing=self.collect_routing,
+                            **rollout_mismatch(r, step))
 
     def _mismatch_scale(self, step: int) -> float:
         """Step `step`'s strength of the configured mismatch (rollout/mismatch_schedule.py)."""
