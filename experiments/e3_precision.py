@@ -18,15 +18,16 @@ Algorithms: the paper's eqs. 3–10 as presets (objectives/policy.py). The GRPO 
 form (mean baseline, per-sequence token sum over the constant L = max response length, clip-higher 0.28,
 C = 3, §4.1); PG-seq-* are eqs. 5–7; GSPO its own clip. 4 optimizer steps per rollout batch, as §4.1.
 
-Longer responses (`configs/arith_length_cpu.py:long`: 6–8 operands, full scratchpads) because the
-mismatch of a sequence accumulates over its tokens. Sized for this 2-core machine from a 1-seed smoke run
+Longer responses (`configs/arith_length_cpu.py:long`: 4–6 operands, full scratchpads of ~28 tokens, 57 %
+initial accuracy at T = 1 — the paper's perfectible band) because a sequence's mismatch accumulates over
+its tokens. Sized for this 2-core machine from a 1-seed smoke run
 (module constants below; docs/experiments.md has the numbers): each grid well under an hour two at a time
 when the machine is otherwise idle. Resumable.
 """
 
 LR = 3e-4
 STEPS = 60
-MAX_TOKENS = 128  # configs/arith_length_cpu.py:long; Dr.GRPO's L
+MAX_TOKENS = 64  # configs/arith_length_cpu.py:long (responses ~28 tokens); Dr.GRPO's L
 ALGORITHMS = {
     # FP16 paper eq. 8 (+ footnote 1: Dr.GRPO) with clip-higher 0.28 (§4.1): "GRPO" / PPO without correction.
     "ppo": {"objective.preset": "drgrpo", "objective.overrides.eps_high": 0.28},
