@@ -1,0 +1,187 @@
+"""Asynchronous rollouts (train/rollout_producer.py) through the real loop and a real rollout-server subprocess:
+bounded lags, the staleness/precision split in exact mode, the first step equal to the synchronous loop's,
+dynamic sampling with a server killed mid-run, and kill -9 of the trainer followed by a resume.
+
+The policy moves through an entropy bonus (the tiny warm start rarely earns a reward, so advantages are
+mostly 0): enough for π at version v to differ from π at v − 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxrl_mismatch.runlog import read_jsonl
+from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    from jaxrl_mismatch.jobs import warmstart
+
+    out = tmp_path_factory.mktemp("base") / "ckpt"
+    assert warmstart.main(["--out", str(out), "--steps", "40", "--num-eval", "0", "--hidden", "32", "--heads", "2",
+                           "--kv-heads", "1", "--intermediate", "64", "--layers", "1", "--num-train", "500"]) == 0
+    return out
+
+
+def config(model: Path, run_dir: Path, **rollout):
+    c = base_config()
+    c.run_dir = str(run_dir)
+    c.steps = 4
+    c.model.path = str(model)
+    c.task.num_train = 200
+    c.task.num_val = 4
+    c.rollout.group_size = 4
+    c.rollout.max_tokens = 16
+    c.rollout.update(rollout)
+    c.batch.prompts_per_step = 4
+    c.batch.max_oversample_rounds = 1
+    c.trainer.chunk_size = 16
+    c.optim.lr = 3e-3
+    c.objective.entropy_coef = 0.05
+    c.eval.every = 0
+    c.eval.k = 1
+    c.eval.greedy = False
+    c.checkpoint.every = 0
+    c.log.progress = False
+    c.log.tensorboard = False
+    c.log.report = False
+    return c
+
+
+def _run(c) -> list[dict]:
+    from jaxrl_mismatch.train.loop import Trainer
+
+    t = Trainer(c)
+    try:
+        t.run()
+    finally:
+        t.close()
+    return [r for r in read_jsonl(os.path.join(c.run_dir, "metrics.jsonl")) if r["step"] >= 0]
+
+
+SPLIT = ("staleness/precision_kl_k1", "staleness/precision_kl_k3", "staleness/precision_rho_std")
+
+
+@pytest.mark.slow
+def test_exact_mode_staleness_is_all_that_remains_and_step_0_is_the_synchronous_one(base_model, tmp_path):
+    sync = _run(config(base_model, tmp_path / "sync", exact=True))
+    stale = _run(config(base_model, tmp_path / "stale", exact=True, max_staleness=2, fixed_staleness=True))
+    for r in sync:  # exact, synchronous: nothing to split
+        assert all(v == 0 for k, v in r.items() if k.startswith("staleness/")), r
+        assert r["mismatch/kl_k3"] == 0 and r["mismatch/rho_std"] == 0
+    assert [r["staleness/version_lag_max"] for r in stale] == [0, 1, 2, 2]  # fixed: exactly s after warm-up
+    assert [r["rollout/batch_index"] for r in stale] == [0, 1, 2, 3] and stale[-1]["rollout/dropped_batches"] == 0
+    for r in stale[1:]:
+        assert all(r[k] == 0 for k in SPLIT), r  # the exact engine = the trainer at the sample's version
+        assert r["staleness/kl_k3"] > 0 and r["staleness/rho_std"] > 0
+        assert r["mismatch/kl_k1"] == pytest.approx(r["staleness/kl_k1"], abs=1e-6)  # all of it is staleness
+    # The producer made step 0's batch with step 0's seeds and prompts from version 1, as the loop does.
+    same = [k for k in sync[0] if k.startswith(("reward/", "mismatch/", "loss/", "grad/", "length/"))]
+    assert same and {k: stale[0][k] for k in same} == {k: sync[0][k] for k in same}
+
+
+def test_bad_staleness_names_the_field(base_model, tmp_path):
+    c = config(base_model, tmp_path / "x", max_staleness=-1)
+    with pytest.raises(ConfigError, match=r"config\.rollout\.max_staleness"):
+        validate(c)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_a_server_killed_mid_run(base_model, tmp_path):
+    from jaxrl_mismatch.train.loop import Trainer
+
+    c = config(base_model, tmp_path / "run", max_staleness=1)
+    c.steps = 5
+    c.batch.dynamic_sampling = True
+    t = Trainer(c)
+    killed = threading.Event()
+
+    def kill_after_step_1():
+        while t.step < 2:
+            time.sleep(0.05)
+        os.killpg(t.session.server.proc.pid, signal.SIGKILL)
+        killed.set()
+
+    threading.Thread(target=kill_after_step_1, daemon=True).start()
+    try:
+        t.run()
+        restarts = t.session.restarts
+    finally:
+        t.close()
+    rows = [r for r in read_jsonl(os.path.join(c.run_dir, "metrics.jsonl")) if r["step"] >= 0]
+    assert killed.is_set() and restarts >= 1 and len(rows) == 5
+    assert all(r["staleness/version_lag_max"] <= 1 for r in rows)
+    assert max(r["filter/rounds"] for r in rows) >= 1
+    _check_no_prompt_used_twice(rows, c.batch.prompts_per_step)
+
+
+def _check_no_prompt_used_twice(rows: list[dict], prompts_per_step: int) -> None:
+    """Each step's batch starts where the previous one's prompts (prompts × rounds) end, or later."""
+    for a, b in zip(rows, rows[1:]):
+        assert b["rollout/prompt_position"] >= a["rollout/prompt_position"] + prompts_per_step * a["filter/rounds"]
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_trainer_resumes_without_reusing_a_sample(base_model, tmp_path):
+    run_dir = tmp_path / "run"
+    c = config(base_model, run_dir, max_staleness=2)
+    c.steps = 6
+    c.checkpoint.every = 1
+    cfg = _config_file(tmp_path / "cfg.py", c)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", str(cfg)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and sum(1 for r in read_jsonl(str(metrics)) if r["step"] >= 0) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    proc.send_signal(signal.SIGKILL)  # batches are in flight: the producer runs up to 2 ahead
+    proc.wait()
+    _stop_orphan_server(run_dir)
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = re.search(r"finished steps (\d+) → 6", out.stdout)
+    assert resumed and int(resumed.group(1)) >= 2, out.stdout[-2000:]  # resumed, did not start over
+    rows = [r for r in read_jsonl(str(metrics)) if r["step"] >= 0]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert all(r["staleness/version_lag_max"] <= 2 for r in rows)
+    _check_no_prompt_used_twice(rows, c.batch.prompts_per_step)
+
+
+def _config_file(path: Path, c) -> Path:
+    """A config file whose get_config() rebuilds `c` (every field that differs from base_config)."""
+    from jaxrl_mismatch.train.config import _flatten
+
+    base = _flatten(base_config())
+    lines = ["from jaxrl_mismatch.train.config import base_config", "", "def get_config():", "    c = base_config()"]
+    lines += [f"    c.{k} = {v!r}" for k, v in _flatten(c).items() if base.get(k) != v]
+    path.write_text("\n".join(lines + ["    return c", ""]))
+    return path
+
+
+def _stop_orphan_server(run_dir: Path) -> None:
+    """The managed server runs in its own session and outlives a SIGKILLed trainer: stop the one it started."""
+    import json
+
+    ready = run_dir / "rollout_ready.json"
+    if ready.exists():
+        pid = json.loads(ready.read_text())["pid"]
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
