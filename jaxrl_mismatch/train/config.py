@@ -125,6 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
     # forwards of prepare and the update's θ forward/backward skip most padding of uneven RL batches; the
     # step computes the same values (dense policies; benchmarks/packing.py measures what it saves).
     c.trainer.packing = False
+    # Bit-exact training forward: the update computes log π(θ) with the exact scorer's batch-invariant program
+    # (train/exact_forward.py), and π(θ_old) comes from that scorer too, so at θ = θ_old every PPO ratio is
+    # exactly 1. None = on iff rollout.exact. Unpacked, dense, unrolled layers, data-parallel mesh.
+    c.trainer.exact_forward = None
     # MoE routing replay (docs/models.md): "off" = every forward routes freely; "R2" = the update's θ forwards
     # replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the engine's routing (jax engine only:
     # vLLM does not return routing). MoE policies only.
@@ -336,6 +340,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
         if split:
             raise ConfigError(f"config.rollout.exact: needs a single-device or data-parallel trainer mesh (FSDP and "
                               f"tensor parallelism split reductions across devices), got trainer.mesh {split}")
+    v = c.trainer.exact_forward  # a None-valued field takes literals from the command line: also accept true/false
+    if not (v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in _TRUE + _FALSE)):
+        raise ConfigError(f"config.trainer.exact_forward: must be None, True or False, got {c.trainer.exact_forward!r}")
+    if exact_forward_enabled(c):
+        why = "trainer.exact_forward" + (" (implied by rollout.exact)" if c.trainer.exact_forward is None else "")
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: must be False with {why}: the exact forward scores every row "
+                              "alone at its canonical length (or set trainer.exact_forward = False)")
+        if c.trainer.scan_layers:
+            raise ConfigError(f"config.trainer.scan_layers: must be False with {why} (the exact scorer runs the "
+                              "unrolled layer program)")
+        split = {k: v for k, v in c.trainer.mesh.items() if k != "data" and v != 1}
+        if split:
+            raise ConfigError(f"config.trainer.mesh: {why} needs a single-device or data-parallel mesh, got {split}")
     if c.rollout.group_size < 2:
         raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
     if c.rollout.address:
@@ -414,9 +432,20 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
                     raise ConfigError(f"config.task.files.{split}: {p} does not exist")
 
 
+def exact_forward_enabled(c: ml_collections.ConfigDict) -> bool:
+    """`trainer.exact_forward`, where None follows `rollout.exact` (a string is the command line's true/false)."""
+    v = c.trainer.exact_forward
+    if isinstance(v, str):
+        return v.lower() in _TRUE
+    return bool(c.rollout.exact if v is None else v)
+
+
 def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
     """The options that need a mixture-of-experts policy are off for a dense one; ConfigError naming the field."""
     if model_cfg.is_moe:
+        if exact_forward_enabled(c):
+            raise ConfigError(f"config.trainer.exact_forward: the exact training forward is for dense policies; "
+                              f"{c.model.path} is a mixture of experts (set trainer.exact_forward = False)")
         if c.trainer.packing:
             raise ConfigError(f"config.trainer.packing: not available for the mixture-of-experts {c.model.path} "
                               "(packed rows do not carry routing); set it to False")
