@@ -135,7 +135,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "dtype", "engine", "weight_version", "max_model_len", "server_id", "max_request_prompt_tokens", "max_request_completion_tokens", "weight_specs", "options", "quantize")
+    __slots__ = ("architecture", "vocab_size", "dtype", "engine", "weight_version", "max_model_len", "server_id", "max_request_prompt_tokens", "max_request_completion_tokens", "weight_specs", "options", "quantize", "shm_host_id")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class GetInfoResponse(_message.Message):
     WEIGHT_SPECS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     dtype: str
@@ -160,7 +161,36 @@ class GetInfoResponse(_message.Message):
     weight_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     options: _containers.RepeatedScalarFieldContainer[str]
     quantize: str
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., server_id: _Optional[str] = ..., max_request_prompt_tokens: _Optional[int] = ..., max_request_completion_tokens: _Optional[int] = ..., weight_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Iterable[str]] = ..., quantize: _Optional[str] = ...) -> None: ...
+    shm_host_id: str
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., server_id: _Optional[str] = ..., max_request_prompt_tokens: _Optional[int] = ..., max_request_completion_tokens: _Optional[int] = ..., weight_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Iterable[str]] = ..., quantize: _Optional[str] = ..., shm_host_id: _Optional[str] = ...) -> None: ...
+
+class ShmTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ShmWeights(_message.Message):
+    __slots__ = ("version", "pid", "fd", "size", "checksum", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    pid: int
+    fd: int
+    size: int
+    checksum: int
+    tensors: _containers.RepeatedCompositeFieldContainer[ShmTensor]
+    def __init__(self, version: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

@@ -67,9 +67,11 @@ from jaxrl_mismatch.rollout.protocol import (
     NON_FINITE_DETAIL_KEY,
     READY_PREFIX,
     SERVICE_NAME,
+    SHM_UNREACHABLE,
     TOKEN_ENV,
     WEIGHT_RELOAD_FAILED,
 )
+from jaxrl_mismatch.rollout import shm
 from jaxrl_mismatch.rollout.validation import (
     Limits,
     RequestError,
@@ -130,6 +132,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._engine: Engine | None = None
         self._update_lock = threading.Lock()  # one UpdateWeights at a time keeps versions monotone
         self.server_id = uuid.uuid4().hex
+        self.shm_host_id = shm.host_id()  # "" where same-host shared memory is not offered
+        self._shm_reader = shm.ShmReader()
 
     def attach(self, engine: Engine) -> None:
         self._engine = engine
@@ -202,6 +206,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             weight_version=version, num_tensors=len(tensors), num_bytes=assembler.num_bytes
         )
 
+    def UpdateWeightsShm(self, request: rollout_pb2.ShmWeights, context):
+        """UpdateWeights from the caller's shared-memory buffer (rollout/shm.py); same checks, same atomicity."""
+        self._authenticate(context)
+        engine = self._require_engine(context)
+        if not self.shm_host_id:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not offer shared-memory weight sync")
+        with self._update_lock:
+            try:
+                tensors = self._shm_reader.read(request, engine.weight_specs(), engine.info().weight_version)
+            except RequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except OSError as e:
+                context.set_trailing_metadata(((ERROR_KIND_KEY, SHM_UNREACHABLE),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the trainer's shared memory "
+                              f"(pid {request.pid}, fd {request.fd}): {e.strerror}; push over UpdateWeights")
+            try:
+                engine.update_weights(tensors, request.version)  # copies: the views die with this call
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:
+                self._abort_engine_failure(context, "UpdateWeightsShm", e)
+        return rollout_pb2.UpdateWeightsResponse(weight_version=request.version, num_tensors=len(tensors),
+                                                 num_bytes=sum(t.nbytes for t in tensors.values()))
+
     def GetInfo(self, request, context):
         engine = self._require_engine(context)
         info = engine.info()
@@ -217,6 +245,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             max_request_completion_tokens=self._limits.max_request_completion_tokens,
             options=list(info.options),
             quantize=info.quantize,
+            shm_host_id=self.shm_host_id,
         )
         if request.include_weight_specs:
             for name, spec in sorted(engine.weight_specs().items()):
@@ -267,6 +296,7 @@ class RolloutServer:
     def stop(self, grace_s: float = 5.0) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._grpc.stop(grace_s).wait()
+        self.servicer._shm_reader.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

@@ -79,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.generate_timeout_s = 1800.0
     c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
     c.rollout.restart_on_failure = True  # managed server died: restart it and continue
+    # Weight pushes: auto = shared memory when the server is on this host (rollout/shm.py), else the gRPC
+    # stream | shm = shared memory or fail | grpc = always the stream
+    c.rollout.weight_transport = "auto"
     # Zero mismatch (VeXact review): the built-in engine samples from, and returns, exactly the trainer's
     # π(θ_old) (batch-invariant, bit for bit; models/exact.py). Needs the jax engine, rollout.dtype equal to
     # trainer.precision, no fp32_lm_head, a single-device or data-parallel mesh. Slower sampling.
@@ -186,6 +189,7 @@ _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.quantize": ("none", "int8", "fp8"),
+    "rollout.weight_transport": ("auto", "shm", "grpc"),
     "trainer.precision": precision.PRESETS,
     "distributed.initialize": ("auto", "always", "never"),
 }

@@ -263,7 +263,8 @@ class Trainer:
     def _open_session(self) -> RolloutSession:
         r = self.c.rollout
         timeouts = dict(timeout_s=r.push_timeout_s, generate_timeout_s=r.generate_timeout_s,
-                        ready_timeout_s=r.startup_timeout_s, start_version=self.version)
+                        ready_timeout_s=r.startup_timeout_s, start_version=self.version,
+                        weight_transport=r.weight_transport)
         if r.address:
             session = RolloutSession.attach(r.address, token=_read_token(r.token_file), **timeouts)
         else:
