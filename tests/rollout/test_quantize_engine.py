@@ -50,6 +50,8 @@ def test_quantize_reaches_the_logprobs(tiny_checkpoints):
     first = lambda out: np.array([c.logprobs[0] for g in out for c in g])  # noqa: E731
     diff = np.abs(first(a) - first(b))
     assert diff.max() > 1e-3 and diff.max() < 0.5  # int8 error: visible, but far from noise σ = 3
+    tokens = lambda out: [c.token_ids for g in out for c in g]  # noqa: E731
+    assert tokens(a) != tokens(b)  # the same random draws pick other tokens from the quantized model
     # Strength 0 serves the full-precision weights: identical to the unquantized engine, token for token.
     assert int8.generate(PROMPTS, spec(exact=False, quantize_strength=0.0)) == a
     half = int8.generate(PROMPTS, spec(exact=False, quantize_strength=0.5))
