@@ -16,6 +16,10 @@ program also records the experts each sparse layer chose for every prompt token 
 token (the decode step that consumes it), as uint8/uint16 ids `[tokens, layers, k]` per completion, so the
 trainer can replay them (R3, `train/step.py`).
 
+Quantized rollouts (`quantize` = int8 | fp8, the FlashRL setting): the engine holds the full-precision weights
+W and their fake-quantized copy Q(W) (models/quantize.py), both rebuilt on every push; a request computes with
+Q(W), or with W + s·(Q(W) − W) for its `quantize_strength` s < 1 (mid-run onset), exact mode included.
+
 Sampling randomness is per row: row (prompt i, sample j) at step t uses
 fold_in(fold_in(fold_in(PRNGKey(seed), i), j), t), so a request is reproducible from its seed and a
 row's draws do not depend on how many other rows share the batch.
@@ -134,13 +138,8 @@ class JaxEngine(Engine):
         """The fake-quantized weights served (the same tree when not quantizing)."""
         return params if self._quantize == "none" else _quantize_program(params, method=self._quantize)
 
-    def served_params(self, strength: float = 1.0):
-        """The weights a request with `quantize_strength` = strength computes with: W, Q(W) or a blend."""
-        with self._lock:
-            params, quantized = self._params, self._quantized
-        return self._pick(params, quantized, strength)
-
     def _pick(self, params, quantized, strength: float):
+        """The weights a request with `quantize_strength` = strength computes with: W, Q(W) or a blend."""
         if self._quantize == "none" or strength <= 0.0:
             return params
         return quantized if strength >= 1.0 else _blend_program(params, quantized, np.float32(strength))

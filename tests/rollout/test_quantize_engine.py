@@ -50,6 +50,8 @@ def test_quantize_reaches_the_logprobs(tiny_checkpoints):
     first = lambda out: np.array([c.logprobs[0] for g in out for c in g])  # noqa: E731
     diff = np.abs(first(a) - first(b))
     assert diff.max() > 1e-3 and diff.max() < 0.5  # int8 error: visible, but far from noise σ = 3
+    tokens = lambda out: [c.token_ids for g in out for c in g]  # noqa: E731
+    assert tokens(a) != tokens(b)  # the same random draws pick other tokens from the quantized model
     # Strength 0 serves the full-precision weights: identical to the unquantized engine, token for token.
     assert int8.generate(PROMPTS, spec(exact=False, quantize_strength=0.0)) == a
     half = int8.generate(PROMPTS, spec(exact=False, quantize_strength=0.5))
@@ -110,3 +112,16 @@ def test_vllm_refuses_int8_by_name(tiny_checkpoints, token_file):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --quantize int8: not available with the vllm engine")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_vllm_refuses_fp8_without_amx_by_name(tiny_checkpoints, token_file):
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.stdout.strip() != "False":
+        pytest.skip("this CPU has AMX tiles (or torch is missing): vLLM's fp8 would start rather than be refused")
+    proc = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", "serve", "--engine", "vllm", "--model",
+                           str(tiny_checkpoints["untied"]), "--token-file", str(token_file), "--port", "0",
+                           "--quantize", "fp8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --quantize fp8: vLLM's CPU fp8 kernels need AMX")

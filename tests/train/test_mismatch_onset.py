@@ -60,3 +60,18 @@ def test_config_refuses_what_the_engine_cannot_serve(tmp_path, fields, message):
     with pytest.raises(ConfigError) as e:
         validate(c)
     assert str(e.value).startswith(message)
+
+
+@pytest.mark.slow
+def test_external_server_with_other_quantization_is_refused_by_name(base_model, tmp_path):  # noqa: F811
+    from jaxrl_mismatch.rollout.launcher import ManagedServer
+
+    server = ManagedServer(str(tmp_path / "srv"), engine="jax", model=str(base_model), dtype="float32")
+    server.start()  # serves full-precision weights
+    try:
+        c = tiny_config(base_model, tmp_path / "run", address=server.address, token_file=server.token_file,
+                        quantize="int8")
+        with pytest.raises(ConfigError, match=r"config.rollout.quantize: 'int8', but .* serves 'none' weights"):
+            _run(c)
+    finally:
+        server.stop()
