@@ -1,19 +1,27 @@
 """The experiments' CPU task: arithmetic RL where responses grow because longer reasoning pays.
 
     jaxrl-mismatch train --config configs/arith_length_cpu.py
+    jaxrl-mismatch train --config configs/arith_length_cpu.py:long   # longer responses (experiments/e3_precision.py)
 
 Why: on the demo task responses stay ~18 tokens, so the LR paper's length-triggered decay never fires
-and nothing collapses. Here the warm start teaches the full scratchpad, then for its last 150 steps mostly the bare answer "#42",
-so the initial policy mostly answers at once and is mostly wrong (validation 8 %, ~8 tokens).
-RL discovers that writing the steps is what gets rewarded, and the mean response length rises several-fold
-during the run. The comparison specs in `experiments/` run this config under injected mismatch
-(`rollout.logit_noise_std`) with different LR schedules, corrections and precisions.
+and nothing collapses. Here the warm start teaches the full scratchpad, then for its last 150 steps mostly
+the bare answer "#42", so the initial policy mostly answers at once and is mostly wrong; RL discovers that
+writing the steps is what gets rewarded, and the mean response length rises during the run. The
+comparison specs in `experiments/` run this config under the mismatch sources of the rollout engine
+(`rollout.logit_noise_std`, precisions, `rollout.quantize`) with different LR schedules, corrections and
+precisions; docs/experiments.md has what they measured, with seed counts.
+
+`:long` is the same task with 4–6 operands (one scratchpad step each) and no shortcut phase: every response
+is a full scratchpad, ~28 tokens instead of ~16 (the FP16 paper's point is that mismatch accumulates over a
+response's tokens). Its warm start (1200 steps) answered 57 % of held-out prompts at T = 1 (greedy 71 %)
+— inside the 20–80 % band of the FP16 paper's "perfectible" sanity set.
+(With 6–8 operands and 900 steps it answered 0.8 %: too hard for RL to start.)
 """
 
 from jaxrl_mismatch.train.config import base_config
 
 
-def get_config():
+def get_config(variant: str = ""):
     c = base_config()
     c.run_dir = "runs/arith_length"
     c.steps = 80
@@ -25,6 +33,7 @@ def get_config():
     c.task.name = "arithmetic"
     c.task.num_train = 20000
     c.task.num_val = 128
+    c.task.data_seed = 0  # the same problems and held-out prompts for every seed of a grid
 
     c.rollout.group_size = 8
     c.rollout.max_tokens = 48
@@ -35,8 +44,8 @@ def get_config():
     c.batch.microbatches = 2
 
     c.trainer.chunk_size = 64
-    # Measured (1 seed, 100 steps): 7e-4 learns (validation 0.08 → ~0.28) without injected mismatch and
-    # degrades below its start with rollout.logit_noise_std = 3; 1e-3 collapses even without mismatch.
+    # Measured while tuning (1 seed each, 80-100 steps): 7e-4 learns without injected mismatch and degrades
+    # with rollout.logit_noise_std = 3; 1e-3 collapsed without mismatch; 5e-4 trained at σ = 0 and σ = 2.
     c.optim.lr = 7e-4
     c.optim.max_grad_norm = 1.0
 
@@ -45,4 +54,12 @@ def get_config():
     c.eval.every = 10
     c.eval.k = 2
     c.checkpoint.every = 50
+
+    if variant == "long":
+        c.run_dir = "runs/arith_long"
+        c.model.path = "runs/arith_long_base"
+        c.model.warmstart_args = "--steps 1200 --min-operands 4 --max-operands 6 --max-len 160"
+        c.rollout.max_tokens = 64
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}; valid: '' (default), 'long'")
     return c

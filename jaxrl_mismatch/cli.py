@@ -2,8 +2,9 @@
 
 Subcommands are imported lazily so that `jaxrl-mismatch serve` does not pay for the trainer's imports
 and vice versa. Bad input anywhere (`usage.UsageError`: a flag, a config field, a file, a run directory)
-ends as one line `error: ...` and exit code 2; a failure that is not the user's prints one line too and
-exits 1. `--debug` (before or after the subcommand) shows the traceback instead.
+ends as one line `error: ...` and exit code 2; a failure of the environment (`usage.EnvironmentFailure`:
+storage) prints one line with its own code; anything else prints one line too and exits 1 (`usage.EXIT_CODES`
+lists them all). `--debug` (before or after the subcommand) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
 def _usage() -> str:
     lines = ["usage: jaxrl-mismatch [--debug] COMMAND [ARGS...]   (COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:<12} {doc}" for name, (_, _, doc) in _COMMANDS.items()]
+    from jaxrl_mismatch.usage import EXIT_CODES
+
+    lines += ["", "exit codes:"] + [f"  {code:<4} {what}" for code, what in EXIT_CODES.items()]
     return "\n".join(lines)
 
 
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in _COMMANDS:
         print(f"error: unknown command {name!r}; valid: {', '.join(_COMMANDS)}", file=sys.stderr)
         return 2
-    from jaxrl_mismatch.usage import UsageError
+    from jaxrl_mismatch.usage import EnvironmentFailure, UsageError
 
     module, func, _ = _COMMANDS[name]
     try:
@@ -51,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except EnvironmentFailure as e:
+        if debug:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

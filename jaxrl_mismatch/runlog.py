@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any, Mapping
 
 import numpy as np
@@ -67,28 +68,55 @@ class RunWriter:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Read a run's metrics.jsonl (skipping a torn last line left by a crash)."""
-    records = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    """The JSON objects of a JSONL file such as a run's metrics.jsonl, skipping lines that are not one (a
+    torn last line left by a crash; see `read_jsonl_checked`)."""
+    return read_jsonl_checked(path, require_step=False)[0]
+
+
+def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[dict], list[int]]:
+    """(the records of a metrics.jsonl, the line numbers skipped). A record is a JSON object, with an integer
+    "step" if `require_step`; anything else (a torn line, non-UTF-8 bytes, another JSON value) is skipped."""
+    records, skipped = [], []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                obj = None
+            step = obj.get("step") if isinstance(obj, dict) else None
+            if isinstance(obj, dict) and (not require_step or (isinstance(step, int) and not isinstance(step, bool))):
+                records.append(obj)
+            else:
+                skipped.append(lineno)
+    return records, skipped
 
 
-def read_run(run_dir: str) -> list[dict]:
-    """The step records of a run directory; UsageError naming the directory if it is not one."""
+def _lines(numbers: list[int], shown: int = 5) -> str:
+    text = ", ".join(map(str, numbers[:shown]))
+    return f"line{'s' if len(numbers) > 1 else ''} {text}" + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")
+
+
+def read_run(run_dir: str, *, warn: bool = True) -> list[dict]:
+    """The step records of a run directory; UsageError naming the directory if it is not one, or the file if
+    it holds no step record. Skipped lines are counted and named in one warning line on stderr."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isdir(run_dir):
-        raise UsageError(f"{run_dir}: no such run directory")
+        raise UsageError(f"{run_dir}: " + ("is a file, not a run directory" if os.path.exists(run_dir)
+                                           else "no such run directory"))
     if not os.path.isfile(path):
         raise UsageError(f"{run_dir}: not a run directory (no {METRICS_FILE}; `jaxrl-mismatch train` writes one)")
-    records = read_jsonl(path)
+    try:
+        records, skipped = read_jsonl_checked(path)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
     if not records:
+        if skipped:
+            raise UsageError(f"{path}: no step records; {len(skipped)} line(s) are not JSON objects with an integer "
+                             f"'step' ({_lines(skipped)})")
         raise UsageError(f"{path}: no records yet")
+    if skipped and warn:
+        print(f"warning: {path}: skipped {len(skipped)} line(s) that are not step records ({_lines(skipped)})",
+              file=sys.stderr, flush=True)
     return records

@@ -1,8 +1,10 @@
-"""User-facing errors of the command line: one line naming what is wrong, exit code 2, no traceback.
+"""User-facing errors of the command line: one line naming what is wrong, a documented exit code, no traceback.
 
 Any layer may raise `UsageError` for input a user supplied (a flag, a config field, a file, a run
 directory); `cli.main` prints it as `error: <message>` and exits 2. `ArgumentParser` is argparse with
 its errors routed the same way (argparse itself prints a usage block and exits from inside the parser).
+A failure of the environment rather than of the input (a checkpoint that cannot be written or read back)
+is an `EnvironmentFailure`, printed the same way with its own exit code (`EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,27 @@ from typing import Any, NoReturn
 
 class UsageError(ValueError):
     """Bad input from the user; the message names the flag, field or file at fault."""
+
+
+# The exit codes of every subcommand (docs and `jaxrl-mismatch --help` list them).
+EXIT_CODES = {
+    0: "finished",
+    1: "unexpected failure (a bug or an unforeseen error; --debug shows the traceback)",
+    2: "bad input: a flag, config field, file or directory (nothing was changed)",
+    3: "the rollout server failed for good (a resumable checkpoint was written)",
+    4: "storage failure: a checkpoint could not be written or read back (the previous one is intact)",
+    130: "interrupted (Ctrl-C)",
+    143: "stopped by SIGTERM after checkpointing the current step (rerun to resume)",
+}
+EXIT_STORAGE = 4
+EXIT_STOPPED = 143
+
+
+class EnvironmentFailure(RuntimeError):
+    """Not the user's input: the environment failed (storage, I/O). The message is one line; `exit_code`
+    is one of `EXIT_CODES`."""
+
+    exit_code = EXIT_STORAGE
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -49,6 +72,20 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is outside 0-65535 (0 picks a free port)")
     return value
+
+
+def host_port(flag: str, text: str) -> tuple[str, int]:
+    """(host, port) of a server address `host:port` (`[v6]:port` for IPv6); UsageError naming `flag` for an
+    address without a port, a port outside 1-65535, or an empty host."""
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not port_text.isdigit() or (":" in host and not host.startswith("[")):
+        raise UsageError(f"{flag} {text!r}: needs host:port (e.g. 10.0.0.5:50051, [::1]:50051)")
+    if not host.strip("[]"):
+        raise UsageError(f"{flag} {text!r}: empty host; use host:port")
+    value = int(port_text)
+    if not 1 <= value <= 65535:
+        raise UsageError(f"{flag} {text!r}: port {value} is outside 1-65535")
+    return host.strip("[]"), value
 
 
 def call_file_function(path: str, function: str, label: str, *args: Any) -> Any:

@@ -1,6 +1,6 @@
 """`jaxrl-mismatch compare SPEC`: run a grid of config variants × seeds as train processes; table + overlay figure.
 
-Usage: `jaxrl-mismatch compare SPEC [--jobs N] [--dry-run] [--table-only]`. Each run of the grid is a real
+Usage: `jaxrl-mismatch compare SPEC[:ARG] [--jobs N] [--dry-run] [--table-only]`. Each run of the grid is a real
 `jaxrl-mismatch train` process; then a table (Markdown + JSON) and an overlay figure summarise the grid.
 
 Why subprocesses of the train command rather than `Trainer` objects in one process: every override goes
@@ -8,11 +8,12 @@ through the train command line, so everything `train` validates is validated the
 its own rollout server, its own JAX runtime and its own log; a run that crashes is one failed row of
 the table, not the end of the grid; and the command in a run's log reproduces that run alone.
 
-The spec file is a Python file whose `get_spec()` returns a dict:
+The spec file is a Python file whose `get_spec()` returns a dict (`FILE:ARG` calls `get_spec(ARG)`, as
+`train --config FILE:ARG` does for configs: one file can hold several grids, e.g. one per mismatch source):
 
     def get_spec():
         return {
-            "name": "schedulers",                    # optional; default: the spec file's name
+            "name": "schedulers",                    # optional; default: the spec file's name (_ARG)
             "config": "configs/arith_length_cpu.py", # required: the train config (FILE or FILE:ARG)
             "overrides": {"steps": 150,              # optional: dotted config fields set in every variant
                           "rollout.logit_noise_std": 2.0},
@@ -21,12 +22,14 @@ The spec file is a Python file whose `get_spec()` returns a dict:
                 "cosine": {"optim.schedule": "cosine", "optim.schedule_kwargs.decay_steps": 600},
             },
             "seeds": [0, 1, 2],                      # required: distinct integers >= 0 (config.seed)
+            "baseline": "constant",                  # optional: the variant the others are paired against
+                                                     # (default: the first variant)
             "out": "runs/compare/schedulers",        # optional; default runs/compare/NAME
             "metrics": ["reward/mean", "val/accuracy",          # optional: the figure's panels, each a
                         {"metric": ["grad/norm_clipped_per_token", "grad/norm"],  # metric name or a dict
                          "title": "grad norm / token", "scale": "log"}],       # (default: report.PANELS)
-            "collapse": {"metric": "reward/mean", "frac": 0.5,  # optional: the collapse rule
-                         "window": 10, "patience": 10},         # (report.summary.CollapseRule)
+            "collapse": {"metric": "reward/mean", "frac": 0.5,  # optional: the collapse rule (trailing
+                         "window": 10, "patience": 10},         # median; report.summary.CollapseRule)
         }
 
 Relative paths (config, out, and the paths inside the config) are relative to the current directory,
@@ -54,9 +57,12 @@ each run is pinned to its own share of the cores (`taskset`, inherited by its ro
 XLA thread pools of parallel runs stay within a budget. docs/experiments.md has the measurements.
 
 Outputs (also from `--table-only`, which runs nothing): `OUT/table.md`, `OUT/table.json` (per variant:
-mean ± sample std over finished seeds of final/peak validation accuracy, steps to collapse, mismatch,
-lengths, LR decays, times — definitions in `report/summary.py`) and `OUT/compare.png` (`report.plot.
-plot_overlay`: one panel per metric, one line per variant = mean over seeds, min–max band).
+mean ± sample std over finished seeds of initial/final/peak validation accuracy, final/peak, steps to
+collapse, mismatch, lengths, LR decays, times — definitions in `report/summary.py`; then each variant
+paired seed by seed against the baseline: wins k/n, mean difference and its 95 % t interval, the per-seed
+differences in the JSON — `report/paired.py`) and `OUT/compare.png` (`report.plot.plot_overlay`: one panel
+per metric, one line per variant = mean over seeds, min–max band). Both are written to a temporary
+sibling and renamed into place.
 """
 
 from __future__ import annotations
@@ -77,10 +83,10 @@ from typing import Any, Mapping, Sequence
 
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, call_file_function
+from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function
 
 PROG = "jaxrl-mismatch compare"
-SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "out", "metrics", "collapse")
+SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "out", "metrics", "collapse")
 HARNESS_FIELDS = ("run_dir", "seed")  # set per run by the harness; a spec may not set them
 HARNESS_DEFAULTS = {"log.progress": False}  # a spec may override these
 LOG_FILE, STATUS_FILE = "compare.log", "compare.json"
@@ -113,6 +119,7 @@ class Spec:
     out: str
     panels: tuple | None
     collapse: CollapseRule
+    baseline: str
     jobs: list[Job] = dataclasses.field(default_factory=list)  # filled by `validate_spec`
     warmstarts: dict[str, str] = dataclasses.field(default_factory=dict)  # model.path -> warmstart args
 
@@ -149,9 +156,10 @@ def _overrides(path: str, field: str, d: Any) -> dict[str, Any]:
 
 
 def load_spec(path: str) -> Spec:
-    """The spec of the Python file `path` (its `get_spec()`), checked field by field (not yet against the
-    config: `validate_spec`). UsageError naming the field otherwise."""
-    d = call_file_function(path, "get_spec", f"spec {path}")
+    """The spec of the Python file `path` (its `get_spec()`; `FILE:ARG` calls `get_spec(ARG)`), checked field
+    by field (not yet against the config: `validate_spec`). UsageError naming the field otherwise."""
+    file, _, arg = path.partition(":")
+    d = call_file_function(file, "get_spec", f"spec {path}", *([arg] if arg else []))
     if not isinstance(d, Mapping):
         raise UsageError(f"spec {path}: get_spec() returned {type(d).__name__}, not a dict")
     for key in d:
@@ -159,7 +167,7 @@ def load_spec(path: str) -> Spec:
             near = difflib.get_close_matches(str(key), SPEC_FIELDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else f"; valid: {', '.join(SPEC_FIELDS)}"
             raise _error(path, str(key), f"unknown field{hint}")
-    name = d.get("name", os.path.splitext(os.path.basename(path))[0])
+    name = d.get("name", os.path.splitext(os.path.basename(file))[0] + (f"_{arg}" if arg else ""))
     if not isinstance(name, str) or not name.strip():
         raise _error(path, "name", f"must be a non-empty string, got {name!r}")
     config = d.get("config")
@@ -176,6 +184,9 @@ def load_spec(path: str) -> Spec:
     if (not isinstance(seeds, (list, tuple)) or not seeds or len(set(seeds)) != len(seeds)
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
         raise _error(path, "seeds", f"must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+    baseline = d.get("baseline", next(iter(variants)))
+    if not isinstance(baseline, str) or baseline not in variants:
+        raise _error(path, "baseline", f"{baseline!r} is not a variant; variants: {', '.join(map(str, variants))}")
     out = d.get("out", os.path.join("runs", "compare", name))
     if not isinstance(out, str) or not out:
         raise _error(path, "out", f"must be a directory path, got {out!r}")
@@ -193,7 +204,7 @@ def load_spec(path: str) -> Spec:
         raise UsageError(f"spec {path}: {e}") from None
     return Spec(path=path, name=name, config=config, overrides=_overrides(path, "overrides", d.get("overrides")),
                 variants={v: _overrides(path, f"variants.{v}", o) for v, o in variants.items()},
-                seeds=list(seeds), out=out, panels=panels, collapse=collapse)
+                seeds=list(seeds), out=out, panels=panels, collapse=collapse, baseline=baseline)
 
 
 def _plain(v: Any) -> Any:
@@ -301,6 +312,8 @@ def run_result(job: Job) -> RunResult:
     elif last.get("returncode") is None:
         alive = _alive(last.get("pid"), job)
         status = f"{'running (pid ' + str(last['pid']) + ', ' if alive else 'interrupted ('}{done}/{job.steps} steps)"
+    elif last["returncode"] == EXIT_STOPPED:
+        status = f"stopped by SIGTERM ({done}/{job.steps} steps); rerun to resume"
     elif last["returncode"] != 0:
         status = f"failed (exit {last['returncode']}, {done}/{job.steps} steps): {_log_tail(job)}"
     elif done < job.steps:
@@ -439,7 +452,8 @@ def write_outputs(spec: Spec) -> tuple[str, bool]:
     table = summarize(results, spec.collapse)
     md = write_table(table, spec.collapse, os.path.join(spec.out, "table.md"), os.path.join(spec.out, "table.json"),
                      extra={"name": spec.name, "spec": spec.path, "config": spec.config, "overrides": spec.overrides,
-                            "variants_overrides": spec.variants, "seeds": spec.seeds})
+                            "variants_overrides": spec.variants, "seeds": spec.seeds},
+                     baseline=spec.baseline)
     groups = {v: [r.records for r in runs if r.records] for v, runs in results.items()}
     groups = {v: runs for v, runs in groups.items() if runs}
     if groups:
@@ -453,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                        epilog="The spec schema is in the module docstring of jaxrl_mismatch/jobs/compare.py and in "
                               "docs/experiments.md.")
-    p.add_argument("spec", help="spec file (Python, defines get_spec())")
+    p.add_argument("spec", help="spec file (Python, defines get_spec()); FILE:ARG calls get_spec(ARG)")
     p.add_argument("--jobs", type=int, default=None,
                    help=f"trainers at a time (default {default_jobs()} on this machine: one per core; with accelerators, "
                         "how many runs the devices hold)")

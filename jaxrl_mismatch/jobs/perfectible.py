@@ -12,6 +12,7 @@ arithmetic task is written as `prompts` JSONL for the `arithmetic_prompts` task.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -23,7 +24,8 @@ from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.rollout import SamplingSpec
 from jaxrl_mismatch.rollout.session import RolloutSession
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file
+from jaxrl_mismatch.outputs import check_out_file
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, host_port
 
 PROG = "jaxrl-mismatch perfectible"
 
@@ -46,8 +48,10 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--address", default=None, help="host:port of a running rollout server (else start one)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--out", required=True, help="output JSONL (a new file, or an existing one with --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
+    file_flag = a.file
     c = None
     if a.config:
         from jaxrl_mismatch.train.config import load_config
@@ -73,6 +77,23 @@ def parse_args(argv: Sequence[str]):
             raise UsageError(f"{PROG}: {flag} must be >= {low}, got {value}")
     if not 0.0 <= a.lo <= a.hi <= 1.0:
         raise UsageError(f"{PROG}: need 0 <= --lo <= --hi <= 1, got {a.lo}, {a.hi}")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise UsageError(f"--temperature must be a number >= 0, got {a.temperature}")
+    if a.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {a.seed}")
+    if a.task not in _tasks():
+        raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")
+    if a.task == "arithmetic":
+        if file_flag is not None:
+            raise UsageError(f"--file {file_flag}: task 'arithmetic' generates its prompts and reads no file; pass "
+                             "--task NAME (or --config) for a file-backed task")
+    elif not a.file:
+        raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
+    else:
+        existing_file("--file", a.file)
+    if a.address:
+        host_port("--address", a.address)
+    check_out_file("--out", a.out, ours=lambda _: False, what="an output of this run", force=a.force)
     return a
 
 

@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Sequence
 
-from jaxrl_mismatch.usage import ArgumentParser, UsageError
+from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError
 
 PROG = "jaxrl-mismatch train"
 
@@ -53,7 +53,10 @@ def _warmstart(c) -> None:
     if os.path.exists(os.path.join(c.model.path, "config.json")):
         return
     from jaxrl_mismatch.jobs import warmstart
+    from jaxrl_mismatch.outputs import check_out_dir
 
+    # Only into a new or empty directory (or an earlier warm start's): never over what a user keeps there.
+    check_out_dir("config.model.path", c.model.path, "warmstart", force=False)
     print(f"train: no checkpoint at {c.model.path}; running the warm start first", flush=True)
     rc = warmstart.main(["--out", c.model.path, *shlex.split(c.model.warmstart_args)])
     if rc:
@@ -102,9 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         trainer.close()
     if summary.get("stopped_early"):
-        print(f"train: stopped at step {summary['end_step']} on request; checkpoint written, rerun to resume",
-              flush=True)
-        return 0
+        print(f"train: stopped at step {summary['end_step']} on request; checkpoint written, rerun to resume "
+              f"(exit {EXIT_STOPPED})", flush=True)
+        return EXIT_STOPPED
     print(f"train: finished steps {summary['start_step']} → {summary['end_step']}", flush=True)
     for key in ("initial", "final"):
         if key in summary:

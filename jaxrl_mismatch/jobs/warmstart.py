@@ -11,8 +11,10 @@ clear headroom to show.
 ``tokenizer_config.json`` + ``special_tokens_map.json``, ``generation_config.json``, and
 ``task.json`` (the arithmetic spec the policy was trained on, so RL and evaluation draw prompts from
 the same distribution) plus ``warmstart.json`` (measured loss, accuracies, timings). transformers,
-vLLM and ``models.hf_io.load_hf`` load it. The directory is written under a temporary name and
-renamed at the end, so a killed run never leaves a half-written checkpoint that looks complete.
+vLLM and ``models.hf_io.load_hf`` load it. ``--out`` must be new, empty or an earlier warm start
+(replaced only with ``--force``), checked with every other flag before any training; the directory is
+written under a temporary sibling name and renamed at the end (``outputs.staged_dir``), so a killed or
+failed run never leaves a half-written checkpoint or a temporary behind.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
-import shutil
 import sys
 import time
 
@@ -37,6 +39,7 @@ from jaxrl_mismatch.data import arithmetic
 from jaxrl_mismatch.data.batching import bucket_length, pad_rows
 from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokenizer, save_tokenizer
 from jaxrl_mismatch.models import ModelConfig, Transformer, decode_step, hf_io, init_cache, prefill, token_logprobs
+from jaxrl_mismatch.outputs import check_out_dir, staged_dir
 from jaxrl_mismatch.usage import ArgumentParser, UsageError
 
 
@@ -182,7 +185,7 @@ def write_generation_config(tok: TextTokenizer, out_dir: str, max_new_tokens: in
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = ArgumentParser(prog="jaxrl-mismatch warmstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write (HF format)")
-    ap.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    ap.add_argument("--force", action="store_true", help="replace --out if it holds an earlier warm start (never other files)")
     ap.add_argument("--steps", type=int, default=700, help="SFT steps (fewer: weaker policy, more RL headroom)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay, 5%% warmup)")
@@ -206,7 +209,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--shortcut-steps", type=int, default=None,
                     help="apply --shortcut-prob only in the last N steps (default: all steps)")
     args = ap.parse_args(argv)
-    for name in ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate"):
+    for name in ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate",
+                 "max_len", "min_operands", "max_operands", "max_value", "log_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shortcut_steps is not None and not 0 <= args.shortcut_steps <= args.steps:
@@ -215,13 +219,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--shortcut-prob must be in [0, 1], got {args.shortcut_prob}")
     if args.num_eval < 0:
         raise UsageError(f"--num-eval must be >= 0, got {args.num_eval}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a number > 0, got {args.lr}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be a number >= 0, got {args.weight_decay}")
+    if not 0.0 <= args.mul_prob <= 1.0:
+        raise UsageError(f"--mul-prob must be in [0, 1], got {args.mul_prob}")
+    if args.hidden % args.heads:
+        raise UsageError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.heads % args.kv_heads:
+        raise UsageError(f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}")
+    if (args.hidden // args.heads) % 2:
+        raise UsageError(f"--hidden / --heads = {args.hidden // args.heads} must be even (rotary embeddings)")
+    check_out_dir("--out", args.out, "warmstart", force=args.force)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    if os.path.exists(os.path.join(args.out, "config.json")) and not args.force:
-        raise UsageError(f"--out {args.out}: already holds a checkpoint; pass --force to overwrite")
     try:
         spec = arithmetic.ArithmeticSpec(
             min_operands=args.min_operands, max_operands=args.max_operands, max_value=args.max_value, mul_prob=args.mul_prob
@@ -287,20 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         metrics["validation_sampled_t1"] = evaluate(generate, params, tok, val, temperature=1.0, seed=args.seed + 1)
         metrics["eval_seconds"] = time.perf_counter() - t_eval
 
-    tmp = args.out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf_io.save_hf(nnx.merge(graphdef, params), cfg, tmp)
-    save_tokenizer(tok, tmp, model_max_length=args.max_len)
-    write_generation_config(tok, tmp, max_new)
-    with open(os.path.join(tmp, "task.json"), "w") as f:
-        json.dump({"task": "arithmetic", "spec": dataclasses.asdict(spec), "max_new_tokens": max_new, "seed": args.seed,
-                   "shortcut_prob": args.shortcut_prob, "shortcut_steps": args.shortcut_steps}, f, indent=2)
-    metrics["total_seconds"] = time.perf_counter() - t0
-    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    if os.path.exists(args.out):
-        shutil.rmtree(args.out)
-    os.replace(tmp, args.out)
+    with staged_dir("--out", args.out, "warmstart", force=args.force) as tmp:
+        hf_io.save_hf(nnx.merge(graphdef, params), cfg, tmp)
+        save_tokenizer(tok, tmp, model_max_length=args.max_len)
+        write_generation_config(tok, tmp, max_new)
+        with open(os.path.join(tmp, "task.json"), "w") as f:
+            json.dump({"task": "arithmetic", "spec": dataclasses.asdict(spec), "max_new_tokens": max_new,
+                       "seed": args.seed, "shortcut_prob": args.shortcut_prob, "shortcut_steps": args.shortcut_steps},
+                      f, indent=2)
+        metrics["total_seconds"] = time.perf_counter() - t0
+        with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
 
     if val:
         g, s = metrics["validation_greedy"], metrics["validation_sampled_t1"]

@@ -150,7 +150,10 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_p
             for part, idx in parts:
                 x[idx] = read(part, shape[len(idx):], leaf.dtype)
         sharding = getattr(leaf, "sharding", None)
-        return jax.device_put(np.ascontiguousarray(x), sharding)
+        x = np.ascontiguousarray(x)
+        if not x.flags.writeable:  # device_put aliases read-only host memory (e.g. a trainer's shared memory,
+            x = x.copy()           # rollout/shm.py) instead of copying it; the parameters must own theirs
+        return jax.device_put(x, sharding)
 
     params = jax.tree_util.tree_map_with_path(place, abstract_params)
     allowed = _expected_extras(cfg)

@@ -23,7 +23,37 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from jaxrl_mismatch.report.summary import moving_average, series  # noqa: E402
 from jaxrl_mismatch.runlog import read_run  # noqa: E402
+from jaxrl_mismatch.outputs import check_out_file, staged_file  # noqa: E402
 from jaxrl_mismatch.usage import ArgumentParser, UsageError  # noqa: E402
+
+# File signatures of the figure formats a report is written in: an existing file is replaced only if it is one.
+_SIGNATURES = {"png": (b"\x89PNG\r\n\x1a\n",), "pdf": (b"%PDF",), "svg": (b"<?xml", b"<svg")}
+
+
+def _is_figure(path: str) -> bool:
+    """Whether `path` holds a figure of the format its name says (what `report` itself writes)."""
+    signatures = _SIGNATURES.get(os.path.splitext(path)[1].lower().lstrip("."), ())
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return False
+    return any(head.startswith(sig) for sig in signatures)
+
+
+def check_figure_out(flag: str, out: str) -> None:
+    """UsageError unless `out` names a figure file (.png, .pdf, .svg) that may be written (see outputs)."""
+    ext = os.path.splitext(out)[1].lower().lstrip(".")
+    if ext not in _SIGNATURES:
+        raise UsageError(f"{flag} {out}: unsupported figure format {('.' + ext) if ext else '(no extension)'}; "
+                         "use .png, .pdf or .svg")
+    check_out_file(flag, out, ours=_is_figure, what=f"a .{ext} figure")
+
+
+def save_figure(fig, out: str, **kwargs) -> None:
+    """`fig.savefig` into a temporary sibling renamed to `out` (never a half-written figure)."""
+    with staged_file(out) as tmp:
+        fig.savefig(tmp, format=os.path.splitext(out)[1].lower().lstrip(".") or "png", **kwargs)
 
 # (title, metric names tried in order, y scale)
 Panel = tuple[str, tuple[str, ...], str]
@@ -106,7 +136,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
             lines.append(f"{key}: first {ys[0]:.4g} → last {ys[-1]:.4g}")
     ax.text(0.0, 1.0, "\n".join(lines), va="top", family="monospace", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    save_figure(fig, out, dpi=90)
     plt.close(fig)
     return out
 
@@ -214,7 +244,7 @@ def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], ou
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    save_figure(fig, out, dpi=90)
     plt.close(fig)
     return out
 
@@ -238,8 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="PNG path (default RUN_DIR/report.png; for several runs overlay.png in their common parent)")
     args = p.parse_args(argv)
-    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        raise UsageError(f"--out {args.out}: its directory does not exist")
+    if args.out:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+            raise UsageError(f"--out {args.out}: its directory does not exist")
+        check_figure_out("--out", args.out)
     if len(args.run_dirs) == 1:
         if args.labels is not None:
             raise UsageError("--labels: only for an overlay of several run directories")

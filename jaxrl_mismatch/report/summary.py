@@ -1,5 +1,6 @@
 """Numbers of a run and of a grid of runs: per-run statistics, collapse detection, mean ± std over seeds,
-and the Markdown / JSON table of `jaxrl-mismatch compare`.
+paired differences against a baseline variant (`report.paired`), and the Markdown / JSON table of
+`jaxrl-mismatch compare`.
 
 Why a module of its own: `compare --table-only` and any notebook summarise finished run directories
 without running or plotting anything, and the definitions (what "collapse" and "final accuracy" mean)
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -34,6 +36,12 @@ def series(records: Sequence[Mapping[str, Any]], name: str) -> tuple[list[int], 
     return xs, ys
 
 
+def trailing_median(ys: Sequence[float], window: int) -> list[float]:
+    """Median of the last `window` values (of all values so far for the first window - 1): unlike a mean,
+    one outlying evaluation neither makes nor hides a collapse."""
+    return [float(np.median(ys[max(0, i + 1 - window): i + 1])) for i in range(len(ys))]
+
+
 def moving_average(ys: Sequence[float], window: int) -> list[float]:
     """Trailing mean over the last `window` values (over all values so far for the first window - 1)."""
     out, acc = [], 0.0
@@ -47,14 +55,16 @@ def moving_average(ys: Sequence[float], window: int) -> list[float]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CollapseRule:
-    """When a run has collapsed: the moving average (trailing, `window` points) of `metric` falls below
-    `frac` × its running peak (the highest moving average so far) and stays below until the end of the
-    run, for at least `patience` logged points. The collapse step is the step of the first of those points.
+    """When a run has collapsed: the smoothed `metric` — its trailing median over `window` logged points —
+    falls below `frac` × its running peak (the highest smoothed value so far) and stays below until the end
+    of the run, for at least `patience` logged points. The collapse step is the step of the first of those.
 
-    A run whose peak is <= 0 never collapses (a fraction of a non-positive peak means nothing). Defaults:
-    the train reward (logged every step), 10-step average, half its peak, 10 steps — a run that merely
-    ends on a bad step has not collapsed; one that lost half of what it had learned and never came back has.
-    For validation accuracy (logged every `eval.every` steps) use e.g. `window=1, patience=2`.
+    Only training steps count (step >= 0): the pre-training validation (step -1) is the initial policy, not
+    something the run learned and lost. A run whose peak is <= 0 never collapses (a fraction of a
+    non-positive peak means nothing). Defaults: the train reward (logged every step), 10-point median, half
+    its peak, 10 points — a run that merely ends on a bad step has not collapsed; one that lost half of what
+    it had learned and never came back has. For validation accuracy (logged every `eval.every` steps) use
+    e.g. `window=3, patience=3`: one noisy evaluation neither fires nor hides it.
     """
 
     metric: str = "reward/mean"
@@ -87,9 +97,11 @@ class CollapseRule:
     def step(self, records: Sequence[Mapping[str, Any]]) -> int | None:
         """The collapse step of a run's records, or None when it did not collapse (see the class)."""
         steps, values = series(records, self.metric)
+        kept = [i for i, step in enumerate(steps) if step >= 0]
+        steps, values = [steps[i] for i in kept], [values[i] for i in kept]
         if not steps:
             return None
-        avg = np.asarray(moving_average(values, self.window))
+        avg = np.asarray(trailing_median(values, self.window))
         peak = np.maximum.accumulate(avg)
         below = (avg < self.frac * peak) & (peak > 0)
         if not below[-1]:
@@ -104,12 +116,14 @@ class CollapseRule:
 def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[str, float | None]:
     """Statistics of one run over all of its steps (None where the run did not log the metric).
 
-    - `val_final` / `val_peak`: last and highest `val/accuracy` (the initial validation, step -1, counts
-      toward the peak); `greedy_*` the same for `val/greedy_accuracy`;
+    - `val_initial`: the pre-training `val/accuracy` (step -1); `val_final` / `val_peak`: the last and the
+      highest `val/accuracy` of the training steps (the initial validation is not a peak the run reached);
+      `val_final_over_peak`: their ratio (None for a peak of 0); `greedy_*` the same for `val/greedy_accuracy`;
     - `collapse_step`: `rule.step(records)`; `collapsed`: 1.0 / 0.0;
     - `log_ppl_abs_diff_mean` / `_max`, `rho_std_mean`: over the run's training steps;
     - `length_start` / `length_end`: mean `length/mean` over the first / last `EDGE_STEPS` steps;
-    - `lr_decays`: how many steps lowered the controller's LR multiplier (`controller/scale`);
+    - `lr_decays`: how many steps lowered the controller's LR multiplier (`controller/scale`), counting from
+      the 1.0 every controller starts at — so a cut on step 0 counts;
     - `step_time_s`: the sum of `time/step_s` (training steps only: no start-up, no validation);
     - `steps_done`: the last training step logged + 1.
     """
@@ -118,9 +132,14 @@ def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[
 
     out: dict[str, float | None] = {}
     for key, name in (("val", "val/accuracy"), ("greedy", "val/greedy_accuracy")):
-        v = values(name)
-        out[f"{key}_final"] = v[-1] if v else None
-        out[f"{key}_peak"] = max(v) if v else None
+        steps, v = series(records, name)
+        initial = [y for x, y in zip(steps, v) if x < 0]
+        trained = [y for x, y in zip(steps, v) if x >= 0]
+        out[f"{key}_initial"] = initial[-1] if initial else None
+        out[f"{key}_final"] = trained[-1] if trained else None
+        out[f"{key}_peak"] = max(trained) if trained else None
+        peak = out[f"{key}_peak"]
+        out[f"{key}_final_over_peak"] = out[f"{key}_final"] / peak if peak else None
     collapse = rule.step(records)
     out["collapse_step"] = None if collapse is None else float(collapse)
     out["collapsed"] = float(collapse is not None) if values(rule.metric) else None
@@ -132,6 +151,7 @@ def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[
     out["length_start"] = float(np.mean(length[:EDGE_STEPS])) if length else None
     out["length_end"] = float(np.mean(length[-EDGE_STEPS:])) if length else None
     scale = values("controller/scale")
+    scale = [1.0, *scale] if scale else []  # every controller starts at 1.0 (schedules.controllers.Controller)
     out["lr_decays"] = float(sum(b < a for a, b in zip(scale, scale[1:]))) if scale else None
     times = values("time/step_s")
     out["step_time_s"] = float(sum(times)) if times else None
@@ -163,8 +183,10 @@ class RunResult:
 
 # Table columns: (key in the variant summary, header, format). Statistics come from `run_stats`.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("val_initial", "val acc initial", ".3f"),
     ("val_final", "val acc final", ".3f"),
     ("val_peak", "val acc peak", ".3f"),
+    ("val_final_over_peak", "final / peak", ".2f"),
     ("greedy_final", "greedy final", ".3f"),
     ("greedy_peak", "greedy peak", ".3f"),
     ("collapse_step", "steps to collapse", ".0f"),
@@ -203,8 +225,9 @@ def _cell(stat: Mapping[str, Any], fmt: str) -> str:
     return text if stat["std"] is None else f"{text} ± {format(stat['std'], fmt)}"
 
 
-def table_markdown(table: Mapping[str, Any], rule: CollapseRule) -> str:
-    """The Markdown table of `summarize`'s output, with the definitions it uses underneath."""
+def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str | None = None) -> str:
+    """The Markdown table of `summarize`'s output, with the definitions it uses underneath, and with a
+    `baseline` variant the paired table (`report.paired`) after it."""
     header = ["variant", "runs ok", "collapsed", *(h for _, h, _ in COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, v in table.items():
@@ -212,11 +235,18 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule) -> str:
         cells += [_cell(v["summary"][key], fmt) for key, _, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Mean ± sample std over the finished seeds of each variant; per-run numbers over all of the "
-              f"run's steps. Collapse: the {rule.window}-point moving average of `{rule.metric}` falls below "
-              f"{rule.frac:g} × its running peak and stays below to the end (≥ {rule.patience} points); steps to "
-              f"collapse average the seeds that collapsed, – when none did. Length start/end: mean of "
-              f"`length/mean` over the first/last {EDGE_STEPS} steps. LR decays: steps that lowered "
-              "`controller/scale`. Σ step time: the sum of `time/step_s`; wall: the train process's wall time."]
+              f"run's steps. Val acc initial: before training (step −1); final / peak: the last / highest "
+              f"validation of the training steps (the initial one excluded); final / peak is the mean of the "
+              f"per-seed ratios. Collapse: the {rule.window}-point trailing median of `{rule.metric}` (training "
+              f"steps) falls below {rule.frac:g} × its running peak and stays below to the end (≥ {rule.patience} "
+              f"points); steps to collapse average the seeds that collapsed, – when none did. Length start/end: "
+              f"mean of `length/mean` over the first/last {EDGE_STEPS} steps. LR decays: steps that lowered "
+              "`controller/scale`, from the 1.0 it starts at (a cut at step 0 counts). Σ step time: the sum of "
+              "`time/step_s`; wall: the train process's wall time."]
+    if baseline is not None:
+        from jaxrl_mismatch.report.paired import paired_against, paired_markdown
+
+        lines += ["", paired_markdown(paired_against(table, baseline), baseline).rstrip("\n")]
     problems = [f"- {name} seed {r['seed']}: {r['status']} ({r['run_dir']})"
                 for name, v in table.items() for r in v["runs"] if not r["ok"]]
     if problems:
@@ -224,12 +254,26 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Write `path` through a temporary sibling renamed into place: a reader or a crash sees the old file
+    or the new one, never half of one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_table(table: Mapping[str, Any], rule: CollapseRule, md_path: str, json_path: str,
-                extra: Mapping[str, Any] | None = None) -> str:
-    """Write table.md and table.json (`extra` goes into the JSON's top level); returns the Markdown."""
-    md = table_markdown(table, rule)
-    with open(md_path, "w") as f:
-        f.write(md)
-    with open(json_path, "w") as f:
-        json.dump({**(extra or {}), "collapse": dataclasses.asdict(rule), "variants": table}, f, indent=1)
+                extra: Mapping[str, Any] | None = None, baseline: str | None = None) -> str:
+    """Write table.md and table.json (`extra` goes into the JSON's top level; with a `baseline` variant the
+    JSON has `baseline` and `paired`: per variant and statistic, the per-seed differences, mean, interval
+    and wins); returns the Markdown."""
+    md = table_markdown(table, rule, baseline)
+    content: dict[str, Any] = {**(extra or {}), "collapse": dataclasses.asdict(rule), "variants": table}
+    if baseline is not None:
+        from jaxrl_mismatch.report.paired import paired_against
+
+        content.update(baseline=baseline, paired=paired_against(table, baseline))
+    write_atomic(json_path, json.dumps(content, indent=1))
+    write_atomic(md_path, md)
     return md

@@ -39,7 +39,8 @@ from jaxrl_mismatch.rollout.engine import (
     TensorSpec,
     check_finite_logprobs,
 )
-from jaxrl_mismatch.rollout.protocol import ERROR_KIND_KEY, MAX_MESSAGE_BYTES, NON_FINITE, NON_FINITE_DETAIL_KEY, SERVICE_NAME
+from jaxrl_mismatch.rollout import shm
+from jaxrl_mismatch.rollout.protocol import ERROR_KIND_KEY, MAX_MESSAGE_BYTES, NON_FINITE, NON_FINITE_DETAIL_KEY, SERVICE_NAME, SHM_UNREACHABLE
 from jaxrl_mismatch.rollout.validation import wire_dtype
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,10 @@ class RolloutError(RuntimeError):
     restart the server; this client re-pushes the weights once it sees the new process).
     """
 
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, kind: str | None = None):
         super().__init__(message)
         self.code = code
+        self.kind = kind  # the server's `jaxrl-error` trailing metadata, if any
 
 
 class EngineMismatchError(RolloutError):
@@ -157,6 +159,8 @@ class RolloutClient:
         StaleCompletionError; None accepts all (tag = `Completion.weight_version`).
       wait_ready_s: wait this long for the health check at construction; None skips the wait.
       chunk_bytes: UpdateWeights chunk size.
+      weight_transport: "auto" (shared memory when the server is on this host, rollout/shm.py; else the
+        gRPC stream), "shm" (shared memory or fail) or "grpc" (always the stream).
     """
 
     def __init__(
@@ -170,7 +174,10 @@ class RolloutClient:
         max_staleness: int | None = 0,
         wait_ready_s: float | None = 120.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        weight_transport: str = "auto",
     ):
+        if weight_transport not in shm.TRANSPORTS:
+            raise ValueError(f"weight_transport: {weight_transport!r} is not one of {shm.TRANSPORTS}")
         self.target = target
         self._token = token
         self._timeout_s = timeout_s
@@ -186,6 +193,10 @@ class RolloutClient:
         self.server_id: str | None = None
         self._weight_specs: dict[str, TensorSpec] | None = None
         self.restarts_seen = 0
+        self.weight_transport = weight_transport
+        self._server_host_id = ""  # the server's GetInfoResponse.shm_host_id
+        self.last_push_transport: str | None = None  # "shm" or "grpc": how the last push travelled
+        self._shm: shm.ShmWriter | None = None  # created at the first shared-memory push
         if wait_ready_s is not None:
             self.wait_until_ready(wait_ready_s)
             self._sync_server()
@@ -193,6 +204,9 @@ class RolloutClient:
     # -- plumbing ------------------------------------------------------------------------------------
     def close(self) -> None:
         self._channel.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
 
     def __enter__(self) -> RolloutClient:
         return self
@@ -226,7 +240,8 @@ class RolloutClient:
         if trailing.get(ERROR_KIND_KEY) == NON_FINITE and NON_FINITE_DETAIL_KEY in trailing:
             i, j, t, value, version = trailing[NON_FINITE_DETAIL_KEY].split(",")
             return NonFiniteLogprobsError(int(i), int(j), int(t), float(value), int(version))
-        return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()}", code=e.code())
+        return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()}", code=e.code(),
+                            kind=trailing.get(ERROR_KIND_KEY))
 
     # -- health / info -------------------------------------------------------------------------------
     def wait_until_ready(self, timeout_s: float) -> None:
@@ -261,6 +276,7 @@ class RolloutClient:
             weight_version=r.weight_version,
             max_model_len=r.max_model_len,
             options=tuple(r.options),
+            quantize=r.quantize or "none",
         )
 
     def request_limits(self) -> Limits:
@@ -316,7 +332,9 @@ class RolloutClient:
         return True
 
     def _sync_server(self) -> None:
-        self._observe_server(self._get_info(False).server_id)
+        r = self._get_info(False)
+        self._observe_server(r.server_id)
+        self._server_host_id = r.shm_host_id
 
     # -- weights -------------------------------------------------------------------------------------
     def push_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
@@ -350,14 +368,46 @@ class RolloutClient:
                 arr = arr.astype(want)
             wire[name] = arr
         md = self._auth()
+        if self._use_shm():
+            resp = self._push_shm(wire, version, md)
+            if resp is not None:
+                self.pushed_version, self.weights_lost, self.last_push_transport = resp.weight_version, False, "shm"
+                return
         resp = self._call(
             "UpdateWeights",
             lambda: self._stub.UpdateWeights(
                 weight_chunks(wire, version, chunk_bytes=self._chunk_bytes), timeout=self._timeout_s, metadata=md
             ),
         )
-        self.pushed_version = resp.weight_version
-        self.weights_lost = False
+        self.pushed_version, self.weights_lost, self.last_push_transport = resp.weight_version, False, "grpc"
+
+    def _use_shm(self) -> bool:
+        if self.weight_transport == "grpc":
+            return False
+        local = shm.is_local_target(self.target) and bool(self._server_host_id) and self._server_host_id == shm.host_id()
+        if self.weight_transport == "shm" and not local:
+            why = ("the server does not offer shared memory" if not self._server_host_id else
+                   "the server is on another host" if self._server_host_id != shm.host_id() else
+                   "the address is not loopback")
+            raise RolloutError(f"weight_transport 'shm': cannot push to {self.target} through shared memory ({why}); "
+                               "use 'auto' or 'grpc'")
+        return local
+
+    def _push_shm(self, wire: dict[str, np.ndarray], version: int, md) -> rollout_pb2.UpdateWeightsResponse | None:
+        """Push through shared memory; None (after a warning) when the server cannot open it and mode is auto."""
+        if self._shm is None:
+            self._shm = shm.ShmWriter()
+        msg = self._shm.write(wire, version)
+        try:
+            return self._call("UpdateWeightsShm",
+                              lambda: self._stub.UpdateWeightsShm(msg, timeout=self._timeout_s, metadata=md))
+        except RolloutError as e:
+            unreachable = e.kind == SHM_UNREACHABLE or e.code == grpc.StatusCode.UNIMPLEMENTED
+            if self.weight_transport == "shm" or not unreachable:
+                raise
+            log.warning("shared-memory push to %s failed (%s); using the gRPC stream from now on", self.target, e)
+            self.weight_transport = "grpc"
+            return None
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(
@@ -380,6 +430,7 @@ class RolloutClient:
             exact=spec.exact,
             logit_noise_std=spec.logit_noise_std,
             return_routing=spec.return_routing,
+            quantize_strength=spec.quantize_strength if spec.quantize_strength != 1.0 else None,
         )
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:

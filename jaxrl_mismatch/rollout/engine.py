@@ -27,6 +27,9 @@ class SamplingSpec:
     exact: bool = False  # batch-invariant log-probs equal to the trainer's exact scorer (models/exact.py)
     logit_noise_std: float = 0.0  # controlled mismatch: sample from softmax((logits + σ·ε) / T), ε ~ N(0, 1)
     return_routing: bool = False  # MoE: also return each token's chosen experts per sparse layer (Completion.routing)
+    # Engines serving quantized weights (EngineInfo.quantize): this request's weights are W + s·(Q(W) − W)
+    # (models/quantize.py `blend`); 1 = as served, 0 = full precision. No effect on an unquantized engine.
+    quantize_strength: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,8 +58,10 @@ class EngineInfo:
     engine: str  # "jax" | "vllm"
     weight_version: int
     max_model_len: int
-    # optional SamplingSpec features supported: "exact", "logit_noise_std", "routing" (return_routing)
+    # optional SamplingSpec features supported: "exact", "logit_noise_std", "routing" (return_routing),
+    # "quantize_strength"
     options: tuple[str, ...] = ()
+    quantize: str = "none"  # weight quantization the engine serves with: none | int8 | fp8 (models/quantize.py)
 
 
 @dataclasses.dataclass(frozen=True)

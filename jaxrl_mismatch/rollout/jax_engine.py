@@ -33,9 +33,10 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.models import hf_io, kv_cache
+from jaxrl_mismatch.models import hf_io, kv_cache, quantize as quant
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
+from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -71,12 +72,24 @@ class JaxEngine(Engine):
         not exceed it (`engine.resolve_max_model_len`, the rule the vLLM engine follows too).
       max_batch_rows: rows (prompts x n) per jitted program; larger requests run in several programs,
         bounding the KV cache's memory.
+      quantize: "none" | "int8" | "fp8": serve fake-quantized decoder linear weights (models/quantize.py).
+        Loaded and pushed weights are quantized on arrival; the full-precision copy is kept too (twice the
+        weight memory) so a request's `quantize_strength` can blend the two (mid-run onset).
+      exact_sampler: how exact mode samples — "speculative" (KV-cache draft verified by the exact forward,
+        `spec_exact.py`) or "reference" (a full forward per token, `exact_sampler.py`); same bits either way.
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch_rows: int = 256):
+                 max_batch_rows: int = 256, quantize: str = "none", exact_sampler: str = "speculative"):
+        if exact_sampler not in ("speculative", "reference"):
+            raise ValueError(f"exact_sampler must be 'speculative' or 'reference', got {exact_sampler!r}")
+        self._exact_sampler = exact_sampler
+        self.exact_stats = SpecStats()  # draft/verify counters of the speculative exact sampler, cumulative
         if dtype not in _POLICY:
             raise ValueError(f"dtype must be one of {', '.join(_POLICY)}, got {dtype!r}")
+        if quantize not in quant.METHODS:
+            raise ValueError(f"quantize must be one of {', '.join(quant.METHODS)}, got {quantize!r}")
+        self._quantize = quantize
         self._dtype = dtype
         self._policy = precision.policy(_POLICY[dtype])
         cfg, model = hf_io.load_hf(model_dir, policy=self._policy)
@@ -87,16 +100,17 @@ class JaxEngine(Engine):
         self._max_model_len = resolve_max_model_len(max_model_len, cfg.max_position_embeddings)
         self._max_batch_rows = max_batch_rows
         self._lock = threading.Lock()  # guards the (params, version) pair, nothing else
-        self._params, self._version = params, 0
+        self._params, self._quantized, self._version = params, self._quantized_of(params), 0
 
     # -- Engine interface --------------------------------------------------------------------------
     def info(self) -> EngineInfo:
         with self._lock:
             version = self._version
-        options = ("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
+        options = (("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
+                   + (("quantize_strength",) if self._quantize != "none" else ()))
         return EngineInfo(architecture=self.cfg.architecture, vocab_size=self.cfg.vocab_size, dtype=self._dtype,
                           engine="jax", weight_version=version, max_model_len=self._max_model_len,
-                          options=options)
+                          options=options, quantize=self._quantize)
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)
@@ -111,13 +125,30 @@ class JaxEngine(Engine):
         meanwhile finishes on the old tree and the next one starts on the new one — never a mix.
         """
         new_params = hf_io.hf_to_params(tensors, self.cfg, self._abstract)  # casts, places on device
-        jax.block_until_ready(new_params)
+        new_quantized = self._quantized_of(new_params)  # quantized on arrival, server side
+        jax.block_until_ready((new_params, new_quantized))
         with self._lock:
-            self._params, self._version = new_params, version
+            self._params, self._quantized, self._version = new_params, new_quantized, version
+
+    def _quantized_of(self, params):
+        """The fake-quantized weights served (the same tree when not quantizing)."""
+        return params if self._quantize == "none" else _quantize_program(params, method=self._quantize)
+
+    def served_params(self, strength: float = 1.0):
+        """The weights a request with `quantize_strength` = strength computes with: W, Q(W) or a blend."""
+        with self._lock:
+            params, quantized = self._params, self._quantized
+        return self._pick(params, quantized, strength)
+
+    def _pick(self, params, quantized, strength: float):
+        if self._quantize == "none" or strength <= 0.0:
+            return params
+        return quantized if strength >= 1.0 else _blend_program(params, quantized, np.float32(strength))
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
         with self._lock:
-            params, version = self._params, self._version
+            params, quantized, version = self._params, self._quantized, self._version
+        params = self._pick(params, quantized, spec.quantize_strength)
         rows = [(i, j) for i in range(len(prompts)) for j in range(spec.n)]
         tokens = np.zeros((len(rows), spec.max_tokens), np.int32)
         logps = np.zeros((len(rows), spec.max_tokens), np.float32)
@@ -128,11 +159,15 @@ class JaxEngine(Engine):
             raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
         for start in range(0, len(rows), self._max_batch_rows):
             part = rows[start : start + self._max_batch_rows]
-            if spec.exact:  # batch-invariant, trainer-identical log-probs (exact_sampler.py)
-                t, lp, n, s = sample_exact(
-                    self._graphdef, params, self._rest, prompts, part, max_tokens=spec.max_tokens,
-                    temperature=spec.temperature, logit_noise_std=spec.logit_noise_std,
-                    stop_token_ids=spec.stop_token_ids, base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+            if spec.exact:  # batch-invariant, trainer-identical log-probs (spec_exact.py, exact_sampler.py)
+                kw = dict(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                          logit_noise_std=spec.logit_noise_std, stop_token_ids=spec.stop_token_ids,
+                          base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+                if self._exact_sampler == "reference":
+                    t, lp, n, s = sample_exact(self._graphdef, params, self._rest, prompts, part, **kw)
+                else:
+                    t, lp, n, s, st = sample_exact_speculative(self._graphdef, params, self._rest, prompts, part, **kw)
+                    self.exact_stats.add(st)
             else:
                 t, lp, n, s, r = self._generate_rows(params, prompts, part, spec)
                 if r is not None:
@@ -184,6 +219,10 @@ class JaxEngine(Engine):
             routes = [np.concatenate([prompt_routes[r, prompt_len - len(prompts[i]):], new_routes[r, : int(lengths[r])]])
                       for r, (i, _) in enumerate(rows)]
         return tokens[:k, : spec.max_tokens], logps[:k, : spec.max_tokens], lengths[:k], stopped[:k], routes
+
+
+_quantize_program = jax.jit(quant.quantize_params, static_argnames=("method",))
+_blend_program = jax.jit(quant.blend)
 
 
 def seed_key_data(seed: int) -> np.ndarray:

@@ -18,6 +18,7 @@ NON_FINITE = "non-finite-logprobs"  # INTERNAL; details under NON_FINITE_DETAIL_
 NON_FINITE_DETAIL_KEY = "jaxrl-non-finite"  # "prompt,sample,position,value,weight_version"
 WEIGHT_RELOAD_FAILED = "weight-reload-failed"  # INTERNAL; the previous weights stay in service
 ENGINE_UNUSABLE = "engine-unusable"  # FAILED_PRECONDITION; the server must be restarted
+SHM_UNREACHABLE = "shm-unreachable"  # FAILED_PRECONDITION on UpdateWeightsShm: push over UpdateWeights instead
 
 # Lines `jaxrl-mismatch serve` prints (JSON payload after the prefix); the ready payload is also written
 # atomically to `--ready-file`, which is what a launcher polls.

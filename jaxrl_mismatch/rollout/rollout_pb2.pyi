@@ -23,7 +23,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing")
+    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing", "quantize_strength")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     EXACT_FIELD_NUMBER: _ClassVar[int]
     LOGIT_NOISE_STD_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_STRENGTH_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     n: int
     max_tokens: int
@@ -46,7 +47,8 @@ class GenerateRequest(_message.Message):
     exact: bool
     logit_noise_std: float
     return_routing: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ...) -> None: ...
+    quantize_strength: float
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ..., quantize_strength: _Optional[float] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("expert_ids", "num_layers", "top_k", "itemsize", "num_prompt_tokens")
@@ -133,7 +135,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "dtype", "engine", "weight_version", "max_model_len", "server_id", "max_request_prompt_tokens", "max_request_completion_tokens", "weight_specs", "options")
+    __slots__ = ("architecture", "vocab_size", "dtype", "engine", "weight_version", "max_model_len", "server_id", "max_request_prompt_tokens", "max_request_completion_tokens", "weight_specs", "options", "quantize", "shm_host_id")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,8 @@ class GetInfoResponse(_message.Message):
     MAX_REQUEST_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SPECS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     dtype: str
@@ -156,7 +160,37 @@ class GetInfoResponse(_message.Message):
     max_request_completion_tokens: int
     weight_specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     options: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., server_id: _Optional[str] = ..., max_request_prompt_tokens: _Optional[int] = ..., max_request_completion_tokens: _Optional[int] = ..., weight_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Iterable[str]] = ...) -> None: ...
+    quantize: str
+    shm_host_id: str
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., server_id: _Optional[str] = ..., max_request_prompt_tokens: _Optional[int] = ..., max_request_completion_tokens: _Optional[int] = ..., weight_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Iterable[str]] = ..., quantize: _Optional[str] = ..., shm_host_id: _Optional[str] = ...) -> None: ...
+
+class ShmTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ShmWeights(_message.Message):
+    __slots__ = ("version", "pid", "fd", "size", "checksum", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    pid: int
+    fd: int
+    size: int
+    checksum: int
+    tensors: _containers.RepeatedCompositeFieldContainer[ShmTensor]
+    def __init__(self, version: _Optional[int] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()

@@ -44,6 +44,11 @@ class RolloutStub:
                 request_serializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.WeightChunk.SerializeToString,
                 response_deserializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsShm = channel.unary_unary(
+                '/jaxrl_mismatch.rollout.v1.Rollout/UpdateWeightsShm',
+                request_serializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.ShmWeights.SerializeToString,
+                response_deserializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/jaxrl_mismatch.rollout.v1.Rollout/GetInfo',
                 request_serializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.GetInfoRequest.SerializeToString,
@@ -75,6 +80,16 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsShm(self, request, context):
+        """Same-host weight sync (rollout/shm.py): the tensors are in a shared-memory file of the calling process;
+        only their layout and an xxh3-64 hash travel here. Offered when GetInfoResponse.shm_host_id is set.
+        Same validation and atomicity as UpdateWeights; requires `authorization: Bearer`. FAILED_PRECONDITION
+        with `jaxrl-error: shm-unreachable` when the server cannot open the file (use UpdateWeights).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +114,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'UpdateWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.WeightChunk.FromString,
+                    response_serializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsShm,
+                    request_deserializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.ShmWeights.FromString,
                     response_serializer=jaxrl__mismatch_dot_rollout_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -165,6 +185,33 @@ class Rollout:
             target,
             '/jaxrl_mismatch.rollout.v1.Rollout/UpdateWeights',
             jaxrl__mismatch_dot_rollout_dot_rollout__pb2.WeightChunk.SerializeToString,
+            jaxrl__mismatch_dot_rollout_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxrl_mismatch.rollout.v1.Rollout/UpdateWeightsShm',
+            jaxrl__mismatch_dot_rollout_dot_rollout__pb2.ShmWeights.SerializeToString,
             jaxrl__mismatch_dot_rollout_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -33,6 +33,7 @@ retry can succeed against this process; only a restart (which reloads the checkp
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hmac
 import json
 import logging
@@ -66,9 +67,11 @@ from jaxrl_mismatch.rollout.protocol import (
     NON_FINITE_DETAIL_KEY,
     READY_PREFIX,
     SERVICE_NAME,
+    SHM_UNREACHABLE,
     TOKEN_ENV,
     WEIGHT_RELOAD_FAILED,
 )
+from jaxrl_mismatch.rollout import shm
 from jaxrl_mismatch.rollout.validation import (
     Limits,
     RequestError,
@@ -129,6 +132,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._engine: Engine | None = None
         self._update_lock = threading.Lock()  # one UpdateWeights at a time keeps versions monotone
         self.server_id = uuid.uuid4().hex
+        self.shm_host_id = shm.host_id()  # "" where same-host shared memory is not offered
+        self._shm_reader = shm.ShmReader()
 
     def attach(self, engine: Engine) -> None:
         self._engine = engine
@@ -201,6 +206,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             weight_version=version, num_tensors=len(tensors), num_bytes=assembler.num_bytes
         )
 
+    def UpdateWeightsShm(self, request: rollout_pb2.ShmWeights, context):
+        """UpdateWeights from the caller's shared-memory buffer (rollout/shm.py); same checks, same atomicity."""
+        self._authenticate(context)
+        engine = self._require_engine(context)
+        if not self.shm_host_id:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not offer shared-memory weight sync")
+        with self._update_lock:
+            try:
+                tensors = self._shm_reader.read(request, engine.weight_specs(), engine.info().weight_version)
+            except RequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except OSError as e:
+                context.set_trailing_metadata(((ERROR_KIND_KEY, SHM_UNREACHABLE),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the trainer's shared memory "
+                              f"(pid {request.pid}, fd {request.fd}): {e.strerror}; push over UpdateWeights")
+            try:
+                engine.update_weights(tensors, request.version)  # copies: the views die with this call
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:
+                self._abort_engine_failure(context, "UpdateWeightsShm", e)
+        return rollout_pb2.UpdateWeightsResponse(weight_version=request.version, num_tensors=len(tensors),
+                                                 num_bytes=sum(t.nbytes for t in tensors.values()))
+
     def GetInfo(self, request, context):
         engine = self._require_engine(context)
         info = engine.info()
@@ -215,6 +244,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             max_request_prompt_tokens=self._limits.max_request_prompt_tokens,
             max_request_completion_tokens=self._limits.max_request_completion_tokens,
             options=list(info.options),
+            quantize=info.quantize,
+            shm_host_id=self.shm_host_id,
         )
         if request.include_weight_specs:
             for name, spec in sorted(engine.weight_specs().items()):
@@ -265,21 +296,23 @@ class RolloutServer:
     def stop(self, grace_s: float = 5.0) -> None:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._grpc.stop(grace_s).wait()
+        self.servicer._shm_reader.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
 
 
-def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None) -> Engine:
+def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None, quantize: str = "none") -> Engine:
     """Import the engine lazily: vLLM (torch, ~GBs) must not load unless asked for."""
     if name == "jax":
         from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 
-        return JaxEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
+        return JaxEngine(model_dir, dtype=dtype, max_model_len=max_model_len, quantize=quantize)
     if name == "vllm":
-        from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
+        from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine, check_quantize
 
-        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len)
+        check_quantize(quantize)  # before vLLM starts: a refused method is a usage error, not a bad model
+        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len, quantize=quantize)
     raise ValueError(f"unknown engine {name!r}")
 
 
@@ -313,6 +346,16 @@ def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
         os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
 
 
+def _check_host(host: str) -> None:
+    """UsageError naming --host if it is neither an IP address nor a name that resolves."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {host}: not an IP address or a resolvable host name ({e})") from None
+
+
 def _check_port_free(host: str, port: int) -> None:
     """UsageError naming the port if something already listens there (gRPC would log a C-level error first)."""
     import socket
@@ -324,7 +367,10 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise UsageError(f"--host {host} --port {port}: cannot bind ({e.strerror}); is the port in use?") from None
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"--host {host} --port {port}: cannot bind ({e.strerror}); is the port in use?") from None
+            raise UsageError(f"--host {host}: cannot bind to it ({e.strerror}); use an address of this machine "
+                             "(127.0.0.1, 0.0.0.0 for all interfaces)") from None
 
 
 def build_parser() -> ArgumentParser:
@@ -332,6 +378,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--engine", choices=("jax", "vllm"), default="jax")
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
+                   help="serve weight-quantized linear layers (models/quantize.py; vllm: fp8 only); pushes are "
+                        "quantized on arrival")
     p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
     p.add_argument("--port", type=port, default=50051, help="0-65535; 0 picks a free port (printed in the ready line)")
     p.add_argument("--token-file", default=None, help=f"file holding the shared token (else ${TOKEN_ENV})")
@@ -349,6 +398,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     existing_dir("--model", args.model)
+    _check_host(args.host)
     for flag in ("max_model_len", "max_request_prompt_tokens", "max_request_completion_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -371,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     base = {"host": args.host, "port": server.port, "pid": os.getpid(), "engine": args.engine}
     _announce(LISTENING_PREFIX, base, None)
     try:
-        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len)
+        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len, args.quantize)
+    except UsageError:
+        server.stop(0)
+        raise
     except Exception as e:  # noqa: BLE001 - any load failure is reported as a bad --model, one line
         server.stop(0)
         raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: {e}") from None

@@ -66,16 +66,16 @@ class RolloutSession:
         self.restarts = 0  # server restarts this session has recovered from
 
     @classmethod
-    def launch(cls, *, work_dir: str, engine: str, model: str, dtype: str, max_model_len: int = 0,
+    def launch(cls, *, work_dir: str, engine: str, model: str, dtype: str, max_model_len: int = 0, quantize: str = "none",
                timeout_s: float = 600.0, generate_timeout_s: float = 1800.0, ready_timeout_s: float = 600.0,
-               restart: bool = True, start_version: int = 0) -> RolloutSession:
+               restart: bool = True, start_version: int = 0, weight_transport: str = "auto") -> RolloutSession:
         """Start `jaxrl-mismatch serve` on a free loopback port (log and token in `work_dir`)."""
         server = ManagedServer(work_dir, startup_timeout_s=ready_timeout_s, engine=engine, model=model, dtype=dtype,
-                               max_model_len=max_model_len or None)
+                               max_model_len=max_model_len or None, quantize=quantize)
         target = server.start()
         try:
-            client = RolloutClient(target, token=server.token, timeout_s=timeout_s,
-                                   generate_timeout_s=generate_timeout_s, wait_ready_s=ready_timeout_s)
+            client = RolloutClient(target, token=server.token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s,
+                                   wait_ready_s=ready_timeout_s, weight_transport=weight_transport)
             return cls(client, server=server, restart=restart, ready_timeout_s=ready_timeout_s,
                        start_version=start_version)
         except BaseException:
@@ -84,10 +84,10 @@ class RolloutSession:
 
     @classmethod
     def attach(cls, address: str, *, token: str | None, timeout_s: float = 600.0, generate_timeout_s: float = 1800.0,
-               ready_timeout_s: float = 600.0, start_version: int = 0) -> RolloutSession:
+               ready_timeout_s: float = 600.0, start_version: int = 0, weight_transport: str = "auto") -> RolloutSession:
         """Use a running server at `address` (pushes need its shared `token`)."""
         client = RolloutClient(address, token=token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s,
-                               wait_ready_s=ready_timeout_s)
+                               wait_ready_s=ready_timeout_s, weight_transport=weight_transport)
         return cls(client, restart=False, ready_timeout_s=ready_timeout_s, start_version=start_version)
 
     # -- the surface ---------------------------------------------------------------------------------

@@ -114,6 +114,12 @@ def parse_generate(
         if on and option not in info.options:
             raise RequestError(field, f"not supported by the {info.engine} engine (it supports: "
                                       f"{', '.join(info.options) or 'no optional features'})")
+    strength = req.quantize_strength if req.HasField("quantize_strength") else 1.0
+    if not (math.isfinite(strength) and 0.0 <= strength <= 1.0):
+        raise RequestError("quantize_strength", f"must be in [0, 1] (1 = the served quantized weights), got {strength}")
+    if strength != 1.0 and info.quantize != "none" and "quantize_strength" not in info.options:
+        raise RequestError("quantize_strength", f"not supported by the {info.engine} engine (it serves {info.quantize} "
+                                                "weights as they are)")
     if noise > 0 and temperature < GREEDY_TEMPERATURE:
         raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
     if req.exact and req.return_routing:
@@ -133,6 +139,7 @@ def parse_generate(
         exact=bool(req.exact),
         logit_noise_std=float(noise),
         return_routing=bool(req.return_routing),
+        quantize_strength=float(strength),
     )
     return prompts, spec
 

@@ -51,6 +51,7 @@ from jaxrl_mismatch.rollout.engine import (
     WeightReloadError,
     resolve_max_model_len,
 )
+from jaxrl_mismatch.usage import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
 # vLLM treats temperature < 1e-5 as greedy (vllm.sampling_params._SAMPLING_EPS).
@@ -159,6 +160,29 @@ def _abandon_partial_reload(worker) -> None:
     finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_config)
 
 
+# rollout.quantize -> vLLM's own online quantization (vllm/config/quantization.py shorthands). "fp8_per_channel"
+# is FP8 e4m3 weights with one scale per output channel, as ours, but vLLM also quantizes activations per token
+# (W8A8), so its numbers are not those of the built-in engine's weight-only fp8. vLLM's int8 online shorthand
+# ("int8_per_channel_weight_only") leaves every linear layer unquantized (MoE experts only): refused.
+VLLM_QUANTIZATION = {"none": None, "fp8": "fp8_per_channel"}
+
+
+def check_quantize(quantize: str) -> None:
+    """UsageError naming `--quantize` when vLLM (here) cannot serve the method; before vLLM starts."""
+    if quantize not in ("none", "int8", "fp8"):
+        raise UsageError(f"--quantize: {quantize!r} is not one of none, int8, fp8")
+    if quantize == "int8":
+        raise UsageError("--quantize int8: not available with the vllm engine (vLLM's online int8 quantizes MoE "
+                         "experts only, no linear layer); use --engine jax, or --quantize fp8")
+    if quantize == "fp8":
+        import torch
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and not torch.cpu._is_amx_tile_supported():
+            raise UsageError("--quantize fp8: vLLM's CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer) and "
+                             "this CPU has none; use --engine jax (weight-only fp8 in the built-in engine)")
+
+
 class VLLMEngine(Engine):
     """A `vllm.LLM` over an HF checkpoint directory, with in-place versioned weight updates.
 
@@ -198,7 +222,9 @@ class VLLMEngine(Engine):
         enforce_eager: bool | None = None,
         eager_sampler_ops: bool | None = None,
         enable_prefix_caching: bool = True,
+        quantize: str = "none",
     ):
+        check_quantize(quantize)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         model_dir = os.fspath(model_dir)
@@ -210,6 +236,7 @@ class VLLMEngine(Engine):
         max_model_len = resolve_max_model_len(max_model_len, hf_config.get("max_position_embeddings"))
         self._model_dir = model_dir
         self._dtype = dtype
+        self._quantize = quantize
         self._architecture = str(architectures[0])
         self._lock = threading.Lock()  # serialises generate / update_weights / close on the vLLM engine
         self._version = 0
@@ -247,6 +274,7 @@ class VLLMEngine(Engine):
             kv_cache_memory_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
+            quantization=VLLM_QUANTIZATION.get(quantize),
         )
         try:
             engine_core = self._llm.llm_engine.engine_core
@@ -285,6 +313,7 @@ class VLLMEngine(Engine):
             engine="vllm",
             weight_version=self._version,
             max_model_len=self._max_model_len,
+            quantize=self._quantize,
         )
 
     def weight_specs(self) -> dict[str, TensorSpec]:

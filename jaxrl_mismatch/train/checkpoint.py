@@ -35,6 +35,15 @@ the file writes continue in a background thread. The caller may then donate or o
 state (the next jitted update step does) without affecting what is written. The next `save`, any
 `restore`, `wait()` and `close()` wait for the write in flight.
 
+**Faults.** A save that fails in the background (read-only directory, disk full, I/O error) is raised by
+the next `wait()` as `CheckpointSaveError`, one line naming the step directory and the OS cause; the
+trainer waits right after each save, so a failure stops the run before the next step, and the previous
+checkpoint is untouched (orbax only renames a finished `<step>.orbax-checkpoint-tmp`). A step whose files
+cannot be read back raises `CheckpointDamagedError`; `set_aside(step)` renames such a step to
+`<step>.damaged-<ns>` (never deleted) so the previous one becomes the latest. orbax logs the tracebacks
+of its failing background threads at ERROR through absl; those records are dropped here because every
+one of them reaches the caller as one of these exceptions.
+
 Single-controller (one process) is the tested setting; with several processes every process must
 call `save`/`restore` (orbax synchronises them); only process 0 moves uncommitted directories aside,
 behind a barrier.
@@ -42,18 +51,23 @@ behind a barrier.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import options as ocp_options
 
+from jaxrl_mismatch.usage import EnvironmentFailure
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Written last into a step directory by orbax's finalize, in both atomicity modes (orbax 0.12.8).
 COMMIT_MARKER = "commit_success.txt"
@@ -71,6 +85,39 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointMismatchError(CheckpointError, ValueError):
     """The checkpoint's tensors do not match the requested abstract state (another model or optimizer)."""
+
+
+class CheckpointDamagedError(CheckpointError, EnvironmentFailure):
+    """A complete-looking checkpoint whose files cannot be read (truncated, deleted, garbled)."""
+
+
+class CheckpointSaveError(CheckpointError, EnvironmentFailure):
+    """Writing a checkpoint failed (permissions, read-only or full filesystem, I/O error)."""
+
+
+def describe_failure(e: BaseException, limit: int = 300) -> str:
+    """One line saying why an orbax/tensorstore/OS call failed: the OS error when one is named
+    (`File too large (errno 27)`), else the exception's first words; never a multi-line dump."""
+    text = " ".join(str(e).split())
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if isinstance(e, OSError) and e.errno:
+        return f"{e.strerror or os.strerror(e.errno)} (errno {e.errno}" + (f", {e.filename})" if e.filename else ")")
+    if code:
+        n = int(code.group(1))
+        return f"{os.strerror(n)} ({errno.errorcode.get(n, n)})"
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Drop orbax's own ERROR records (tracebacks of its background threads): each failure reaches the
+    caller as a `CheckpointError` with one line, and a failing save would otherwise print dozens."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_ORBAX_FILTER = _DropOrbaxErrors()
 
 
 def leaf_path(path: Sequence[Any]) -> str:
@@ -151,6 +198,8 @@ class Checkpointer:
       max_to_keep: keep the newest N complete checkpoints (None keeps all).
       async_save: write in a background thread (`save` returns after the device→host copy).
       save_interval_steps: `save` only writes when `step % save_interval_steps == 0` (or `force=True`).
+      tidy: move uncommitted steps aside and let orbax delete its leftover temporaries when opening. A
+        reader that may run beside a trainer (export) passes False and changes nothing.
     """
 
     def __init__(
@@ -160,16 +209,20 @@ class Checkpointer:
         max_to_keep: int | None = 3,
         async_save: bool = True,
         save_interval_steps: int = 1,
+        tidy: bool = True,
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         self._interval = save_interval_steps
+        absl_log = logging.getLogger("absl")
+        if _ORBAX_FILTER not in absl_log.filters:
+            absl_log.addFilter(_ORBAX_FILTER)
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and tidy:
             self._set_aside_uncommitted()
         if jax.process_count() > 1:  # no process may list steps before process 0 has moved them
             multihost_utils.sync_global_devices(f"jaxrl_mismatch.Checkpointer:{self.directory}")
@@ -178,12 +231,16 @@ class Checkpointer:
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save,
             create=True,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=tidy,
             atomicity_options=ocp_options.AtomicityOptions(mode=ocp_options.AtomicityMode.ATOMIC_RENAME),
         )
-        self._mgr = ocp.CheckpointManager(
-            self.directory, item_names=("state", "meta", "layout"), options=options
-        )
+        self._saving: int | None = None  # the step of a save in flight
+        try:
+            self._mgr = ocp.CheckpointManager(
+                self.directory, item_names=("state", "meta", "layout"), options=options
+            )
+        except OSError as e:
+            raise CheckpointSaveError(f"checkpoint directory {self.directory}: {describe_failure(e)}") from e
 
     def _set_aside_uncommitted(self) -> None:
         """Move `<step>/` directories lacking the commit marker out of orbax's sight (see module doc)."""
@@ -237,17 +294,35 @@ class Checkpointer:
                 f"cannot save step {step}: {self.directory} already holds the newer step {existing[-1]} "
                 f"(steps {existing}); resume from the latest step or use a fresh directory"
             )
-        return bool(
-            self._mgr.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    meta=ocp.args.JsonSave(dict(meta)),
-                    layout=ocp.args.JsonSave(layout),
-                ),
-                force=force,
+        self._saving = step
+        try:
+            return bool(
+                self._mgr.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state),
+                        meta=ocp.args.JsonSave(dict(meta)),
+                        layout=ocp.args.JsonSave(layout),
+                    ),
+                    force=force,
+                )
             )
-        )
+        except Exception as e:  # the synchronous part (directory creation, metadata) failed
+            raise self._save_error(step, e) from e
+
+    def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+        self._saving = None
+        previous = [s for s in self.all_steps_on_disk() if s != step]
+        kept = f"the previous checkpoint (step {previous[-1]}) is intact" if previous else "no earlier checkpoint exists"
+        return CheckpointSaveError(f"checkpoint {os.path.join(self.directory, str(step))}: saving failed: "
+                                   f"{describe_failure(e)}; {kept}")
+
+    def all_steps_on_disk(self) -> list[int]:
+        """Committed step directories as they are on disk now (not orbax's cached list)."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(n) for n in os.listdir(self.directory)
+                      if re.fullmatch(r"0|[1-9]\d*", n) and os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER)))
 
     # ---- restore -----------------------------------------------------------------------------------
 
@@ -265,20 +340,20 @@ class Checkpointer:
             )
         step_dir = os.path.join(self.directory, str(step))
         if not os.path.exists(os.path.join(step_dir, COMMIT_MARKER)):
-            raise CheckpointError(f"checkpoint {step_dir} has no {COMMIT_MARKER}: it is incomplete or was removed")
+            raise CheckpointDamagedError(f"checkpoint {step_dir} has no {COMMIT_MARKER}: it is incomplete or was removed")
         return step
 
     def _read_json_item(self, step: int, item: str) -> dict:
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
         except Exception as e:  # orbax raises assorted types for missing/corrupt files
-            raise CheckpointError(
+            raise CheckpointDamagedError(
                 f"checkpoint {os.path.join(self.directory, str(step))}: cannot read its {item!r} record "
-                f"({type(e).__name__}: {e})"
+                f"({describe_failure(e)})"
             ) from e
         value = out[item]
         if not isinstance(value, dict):
-            raise CheckpointError(
+            raise CheckpointDamagedError(
                 f"checkpoint {os.path.join(self.directory, str(step))}: its {item!r} record is missing "
                 "(not written by this Checkpointer?)"
             )
@@ -312,7 +387,7 @@ class Checkpointer:
             )
         layout = self._read_json_item(step, "layout")
         if layout.get("format") != _LAYOUT_FORMAT or not isinstance(layout.get("leaves"), dict):
-            raise CheckpointError(f"checkpoint {step_dir}: unrecognised layout record {str(layout)[:200]}")
+            raise CheckpointDamagedError(f"checkpoint {step_dir}: unrecognised layout record {str(layout)[:200]}")
         problems = _layout_mismatches(layout["leaves"], wanted)
         if problems:
             more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
@@ -330,22 +405,61 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # tensorstore/orbax errors for missing or damaged array files
-            raise CheckpointError(
+            raise CheckpointDamagedError(
                 f"checkpoint {step_dir} could not be restored; its files are damaged or incomplete "
-                f"({type(e).__name__}: {e})"
+                f"({describe_failure(e)})"
             ) from e
         return out["state"], out["meta"]
 
     # ---- lifetime ----------------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed on disk."""
-        self._mgr.wait_until_finished()
+        """Block until the save in flight (if any) is committed on disk; `CheckpointSaveError` (one line
+        naming the step directory and the cause) if it failed."""
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # a failed background write: permissions, disk full, I/O error
+            raise self._save_error(self._saving if self._saving is not None else -1, e) from e
+        self._saving = None
+
+    def set_aside(self, step: int, reason: str) -> str:
+        """Rename damaged checkpoint `step` to `<step>.damaged-<ns>` (kept for inspection, never deleted)
+        so that the previous step becomes the latest; returns the new path. `reason` (naming the step
+        directory and the cause) starts the one warning line."""
+        path = os.path.join(self.directory, str(int(step)))
+        aside = f"{path}.damaged-{time.time_ns()}"
+        os.rename(path, aside)
+        self._mgr.reload()
+        log.warning("%s; moved it to %s (kept), falling back to the previous checkpoint", " ".join(reason.split()),
+                    os.path.basename(aside))
+        return aside
+
+    def newest_good(self, attempt: Callable[[int], T]) -> tuple[int, T] | None:
+        """(step, attempt(step)) for the newest step that `attempt` (a restore) can read. A step raising
+        `CheckpointDamagedError` is set aside (`set_aside`, one warning line) and the next older step is
+        tried. None when the directory holds no checkpoint at all; `CheckpointDamagedError` when every
+        one was damaged (all are kept, renamed)."""
+        damaged = []
+        while (step := self.latest_step()) is not None:
+            try:
+                return step, attempt(step)
+            except CheckpointDamagedError as e:
+                damaged.append(self.set_aside(step, str(e)))
+        if damaged:
+            raise CheckpointDamagedError(f"{self.directory}: no checkpoint can be restored; the damaged ones were "
+                                         f"moved aside ({', '.join(os.path.basename(d) for d in damaged)}); "
+                                         "use a new run_dir or restore them from a backup")
+        return None
 
     def close(self) -> None:
-        """Finish the save in flight and release orbax's threads; call before the process exits."""
-        self._mgr.wait_until_finished()
-        self._mgr.close()
+        """Finish the save in flight and release orbax's threads; call before the process exits. A failed
+        save in flight is not raised again here (`wait` reports it); the threads are released either way."""
+        try:
+            self._mgr.wait_until_finished()
+        except Exception:  # noqa: BLE001 - already reported by wait(), or the process is ending on another error
+            pass
+        finally:
+            self._mgr.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -357,10 +471,13 @@ class Checkpointer:
 __all__ = [
     "COMMIT_MARKER",
     "Checkpointer",
+    "CheckpointDamagedError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "CheckpointNotFoundError",
     "abstract_state_of",
+    "describe_failure",
     "leaf_path",
     "state_layout",
 ]

@@ -126,8 +126,10 @@ def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.nd
 
 
 def evaluate(session: RolloutSession, prompt_ids: Sequence[list[int]], answers: Sequence[str], reward_fn, *,
-             k: int, temperature: float, max_tokens: int, stop_token_ids: tuple[int, ...], seed: int) -> float:
+             k: int, temperature: float, max_tokens: int, stop_token_ids: tuple[int, ...], seed: int,
+             quantize_strength: float = 1.0) -> float:
     """avg@k: the mean reward over k samples of every held-out prompt (k=1, temperature 0: greedy)."""
-    spec = SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids)
+    spec = SamplingSpec(n=k, max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids,
+                        quantize_strength=quantize_strength)
     groups = sample_groups(session, prompt_ids, answers, spec, reward_fn)
     return float(np.mean(np.concatenate([g.rewards for g in groups])))

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import ml_collections
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.usage import UsageError, call_file_function
+from jaxrl_mismatch.usage import UsageError, call_file_function, host_port
 
 
 class ConfigError(UsageError):
@@ -41,7 +41,7 @@ RESUME_MAY_CHANGE = (
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/run"  # metrics.jsonl, TensorBoard events, checkpoints, report.png, server log
-    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics
+    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics (not the problems: task.data_seed)
     c.steps = 100  # RL steps (one rollout batch each)
     c.resume = True  # continue from the latest checkpoint in run_dir/checkpoints if there is one
 
@@ -57,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.val_split = "validation"
     c.task.num_train = 20000  # synthetic tasks only: number of generated train problems
     c.task.num_val = 128  # validation prompts used by periodic evaluation
+    # Synthetic tasks: the seed that generates the train and validation problems. Separate from `seed` so that
+    # runs with different seeds are scored on the same held-out prompts (paired comparisons across seeds).
+    c.task.data_seed = 0
     c.task.files = ml_collections.ConfigDict()  # file-backed tasks: split -> JSONL path
     c.task.data_dir = ""  # file-backed tasks: where the TFDS array_record dataset is built
     c.task.max_prompt_len = 1024
@@ -76,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.generate_timeout_s = 1800.0
     c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
     c.rollout.restart_on_failure = True  # managed server died: restart it and continue
+    # Weight pushes: auto = shared memory when the server is on this host (rollout/shm.py), else the gRPC
+    # stream | shm = shared memory or fail | grpc = always the stream
+    c.rollout.weight_transport = "auto"
     # Zero mismatch (VeXact review): the built-in engine samples from, and returns, exactly the trainer's
     # π(θ_old) (batch-invariant, bit for bit; models/exact.py). Needs the jax engine, rollout.dtype equal to
     # trainer.precision, no fp32_lm_head, a single-device or data-parallel mesh. Slower sampling.
@@ -83,6 +89,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Controlled mismatch: the engine samples from softmax((logits + σ·ε) / T), ε ~ N(0, 1), and returns
     # that distribution's log-probs as μ, so the tokens come from μ ≠ π (jax engine). 0 = off.
     c.rollout.logit_noise_std = 0.0
+    # Realistic mismatch (FlashRL / TIS setting, models/quantize.py): the engine serves quantize-then-
+    # dequantized weights of every decoder linear layer: none | int8 (weight-only, per-output-channel absmax) |
+    # fp8 (e4m3, per-output-channel scale). Pushed weights are quantized on arrival, server side.
+    c.rollout.quantize = "none"
+    # Mismatch that starts mid-run (rollout/mismatch_schedule.py): logit_noise_std and quantize act from this
+    # step on, their strength ramping linearly to 1 over mismatch_ramp_steps steps (0 = full at once).
+    c.rollout.mismatch_onset_step, c.rollout.mismatch_ramp_steps = 0, 0
     # Asynchronous rollouts (train/rollout_producer.py): the next steps' batches are generated while the
     # current step trains, from weights at most this many versions old; a batch beyond it is dropped and
     # counted (rollout/dropped_batches). 0 = the synchronous loop. Keeps s copies of the parameters for the
@@ -115,6 +128,10 @@ def base_config() -> ml_collections.ConfigDict:
     # forwards of prepare and the update's θ forward/backward skip most padding of uneven RL batches; the
     # step computes the same values (dense policies; benchmarks/packing.py measures what it saves).
     c.trainer.packing = False
+    # Bit-exact training forward: the update computes log π(θ) with the exact scorer's batch-invariant program
+    # (train/exact_forward.py), and π(θ_old) comes from that scorer too, so at θ = θ_old every PPO ratio is
+    # exactly 1. None = on iff rollout.exact. Unpacked, dense, unrolled layers, data-parallel mesh.
+    c.trainer.exact_forward = None
     # MoE routing replay (docs/models.md): "off" = every forward routes freely; "R2" = the update's θ forwards
     # replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the engine's routing (jax engine only:
     # vLLM does not return routing). MoE policies only.
@@ -171,6 +188,8 @@ def base_config() -> ml_collections.ConfigDict:
 _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.quantize": ("none", "int8", "fp8"),
+    "rollout.weight_transport": ("auto", "shm", "grpc"),
     "trainer.precision": precision.PRESETS,
     "distributed.initialize": ("auto", "always", "never"),
 }
@@ -194,8 +213,9 @@ _POSITIVE_INTS = (
 )
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
-    "rollout.max_model_len", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
-    "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef", "rollout.max_staleness",
+    "rollout.max_model_len", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
+    "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
+    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness",
 )
 
 
@@ -232,6 +252,21 @@ def check_schema(c: ml_collections.ConfigDict) -> None:
     for path in _flatten(c):
         if path not in known:
             raise _unknown_field(path, list(known))
+
+
+def _check_mismatch_sources(c: ml_collections.ConfigDict) -> None:
+    """rollout.quantize and the mismatch onset: what each engine can serve (docs/rollout.md)."""
+    for path in ("rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps"):
+        if not isinstance(_get(c, path), int) or isinstance(_get(c, path), bool):
+            raise ConfigError(f"config.{path}: must be an integer >= 0 (a step count), got {_get(c, path)!r}")
+    if c.rollout.engine == "vllm" and c.rollout.quantize == "int8":
+        raise ConfigError("config.rollout.quantize: 'int8' is not available with the vllm engine (vLLM's online "
+                          "'int8_per_channel_weight_only' quantizes MoE experts only, no linear layer); use "
+                          "rollout.engine = 'jax' or rollout.quantize = 'fp8'")
+    ramped = c.rollout.mismatch_onset_step > 0 or c.rollout.mismatch_ramp_steps > 0
+    if c.rollout.engine == "vllm" and c.rollout.quantize != "none" and ramped:
+        raise ConfigError("config.rollout.mismatch_onset_step: a quantization onset/ramp blends the full-precision "
+                          "and quantized weights per request, which only the built-in jax engine can do")
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -285,6 +320,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         field = "rollout.exact" if c.rollout.exact else "rollout.logit_noise_std"
         raise ConfigError(f"config.{field}: needs the built-in jax engine (rollout.engine = 'jax'), got "
                           f"{c.rollout.engine!r}")
+    _check_mismatch_sources(c)
     if c.trainer.routing_replay == "R3":
         if c.rollout.engine != "jax":
             raise ConfigError(f"config.trainer.routing_replay: 'R3' replays the experts the rollout engine chose, and "
@@ -308,8 +344,27 @@ def validate(c: ml_collections.ConfigDict) -> None:
         if split:
             raise ConfigError(f"config.rollout.exact: needs a single-device or data-parallel trainer mesh (FSDP and "
                               f"tensor parallelism split reductions across devices), got trainer.mesh {split}")
+    v = c.trainer.exact_forward  # a None-valued field takes literals from the command line: also accept true/false
+    if not (v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in _TRUE + _FALSE)):
+        raise ConfigError(f"config.trainer.exact_forward: must be None, True or False, got {c.trainer.exact_forward!r}")
+    if exact_forward_enabled(c):
+        why = "trainer.exact_forward" + (" (implied by rollout.exact)" if c.trainer.exact_forward is None else "")
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: must be False with {why}: the exact forward scores every row "
+                              "alone at its canonical length (or set trainer.exact_forward = False)")
+        if c.trainer.scan_layers:
+            raise ConfigError(f"config.trainer.scan_layers: must be False with {why} (the exact scorer runs the "
+                              "unrolled layer program)")
+        split = {k: v for k, v in c.trainer.mesh.items() if k != "data" and v != 1}
+        if split:
+            raise ConfigError(f"config.trainer.mesh: {why} needs a single-device or data-parallel mesh, got {split}")
     if c.rollout.group_size < 2:
         raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
+    if c.rollout.address:
+        try:
+            host_port("config.rollout.address:", c.rollout.address)
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
     if not c.model.path:
         raise ConfigError("config.model.path: empty; point it to a local HF checkpoint directory")
 
@@ -381,9 +436,20 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
                     raise ConfigError(f"config.task.files.{split}: {p} does not exist")
 
 
+def exact_forward_enabled(c: ml_collections.ConfigDict) -> bool:
+    """`trainer.exact_forward`, where None follows `rollout.exact` (a string is the command line's true/false)."""
+    v = c.trainer.exact_forward
+    if isinstance(v, str):
+        return v.lower() in _TRUE
+    return bool(c.rollout.exact if v is None else v)
+
+
 def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
     """The options that need a mixture-of-experts policy are off for a dense one; ConfigError naming the field."""
     if model_cfg.is_moe:
+        if exact_forward_enabled(c):
+            raise ConfigError(f"config.trainer.exact_forward: the exact training forward is for dense policies; "
+                              f"{c.model.path} is a mixture of experts (set trainer.exact_forward = False)")
         if c.trainer.packing:
             raise ConfigError(f"config.trainer.packing: not available for the mixture-of-experts {c.model.path} "
                               "(packed rows do not carry routing); set it to False")

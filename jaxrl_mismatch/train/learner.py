@@ -26,7 +26,13 @@ from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
 from jaxrl_mismatch.train.checkpoint import abstract_state_of
-from jaxrl_mismatch.train.config import build_optimizer, build_schedule, check_mesh, check_model
+from jaxrl_mismatch.train.config import (
+    build_optimizer,
+    build_schedule,
+    check_mesh,
+    check_model,
+    exact_forward_enabled,
+)
 from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
 from jaxrl_mismatch.train.packing import pack_batch
 from jaxrl_mismatch.train.state import TrainState, init_state, split_model
@@ -72,8 +78,10 @@ class Learner:
         self.objective = build_objective(c)
         # π is scored at the rollout temperature: the distribution μ actually sampled from.
         kw = dict(chunk_size=c.trainer.chunk_size, temperature=c.rollout.temperature)
+        self.exact_forward = exact_forward_enabled(c)  # the update's π(θ) by the exact scorer's program
         self._update_fn = make_update_fn(graphdef, opt, self.objective, num_microbatches=c.batch.microbatches,
-                                         max_grad_norm=c.optim.max_grad_norm, **kw)
+                                         max_grad_norm=c.optim.max_grad_norm, **kw, exact_forward=(
+                                             (self._exact_graphdef, c.rollout.max_tokens) if self.exact_forward else None))
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
         self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=c.trainer.routing_replay,
@@ -107,7 +115,7 @@ class Learner:
             batch = batch.replace(behav_logp=behav)
         if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)
             batch = batch.replace(old_logp=batch.rollout_logp)
-        elif self.c.rollout.exact:
+        elif self.c.rollout.exact or self.exact_forward:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
                 batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature))

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxrl_mismatch.objectives import compute_advantages
 from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutError, SamplingSpec
+from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.train import distributed
@@ -30,6 +31,7 @@ from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError, build_controller, check_paths, config_changes, validate
 from jaxrl_mismatch.train.learner import Learner
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
+from jaxrl_mismatch.train.runlock import RunDirLock
 from jaxrl_mismatch.train.task_data import TaskData
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class Trainer:
         self.c, self.accept_config_changes = c, accept_config_changes
         self.is_lead = jax.process_index() == 0
         os.makedirs(c.run_dir, exist_ok=True)
+        # Before anything touches the directory (the checkpointer tidies it): one trainer per run_dir.
+        self.lock = RunDirLock(c.run_dir).acquire() if self.is_lead else None
         self.learner = Learner(c)
         # A MoE policy sampled by the built-in engine brings the engine's routing into the batch (routing
         # replay R3, and the moe/router_disagree_* metrics for any replay mode); vLLM does not return it.
@@ -141,6 +145,7 @@ class Trainer:
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
         metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
         metrics.update(stats)
+        metrics["rollout/mismatch_scale"] = self._mismatch_scale(self.step)
         metrics["lr"] = self.learner.lr
         if self.controller is not None:
             # The controller sees step s's metrics; the scale it returns drives the next step's updates.
@@ -153,14 +158,17 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-        self.ckpt.wait()
-        self.ckpt.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.session is not None:
-            self.session.close()
+        try:
+            if self.producer is not None:
+                self.producer.close()
+            self.ckpt.close()  # releases orbax's threads even after a failed save (already reported)
+            if self.writer is not None:
+                self.writer.close()
+            if self.session is not None:
+                self.session.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     # -- parts of a step -----------------------------------------------------------------------------
     def _push(self) -> None:
@@ -207,7 +215,7 @@ class Trainer:
         c = self.c
         step = self.step if index is None else index
         collected = collect(self.session, self.data.next_prompts,
-                            lambda rnd: self._spec(self._seed("rollout", rnd, step=step)),
+                            lambda rnd: self._spec(self._seed("rollout", rnd, step=step), step),
                             self.data.reward, num_groups=c.batch.prompts_per_step,
                             dynamic_sampling=c.batch.dynamic_sampling, max_oversample_rounds=c.batch.max_oversample_rounds)
 
@@ -220,13 +228,19 @@ class Trainer:
         versions = np.array([[cm.weight_version] for g in collected.groups for cm in g.completions], np.int32)
         return {**to_wire(batch.arrays()), "sample_version": versions}, collected.stats
 
-    def _spec(self, seed: int) -> SamplingSpec:
-        """A training rollout's sampling: the configured exact mode and injected mismatch apply here (and
-        not to validation, which measures the policy itself)."""
+    def _spec(self, seed: int, step: int) -> SamplingSpec:
+        """Step `step`'s training rollout sampling: the configured exact mode and injected mismatch apply here
+        (and not to validation, which measures the policy itself). The mismatch strength follows the step the
+        batch is made for, which the asynchronous producer runs ahead of the trainer's step."""
         r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std,
-                            return_routing=self.collect_routing)
+                            stop_token_ids=(self.data.eos_id,), exact=r.exact, return_routing=self.collect_routing,
+                            **rollout_mismatch(r, step))
+
+    def _mismatch_scale(self, step: int) -> float:
+        """Step `step`'s strength of the configured mismatch (rollout/mismatch_schedule.py)."""
+        r = self.c.rollout
+        return mismatch_scale(step, r.mismatch_onset_step, r.mismatch_ramp_steps)
 
     def _evaluate(self) -> dict[str, float]:
         return distributed.on_lead(self.is_lead, self._evaluate_on_lead, VAL_KEYS)
@@ -235,7 +249,8 @@ class Trainer:
         c, d, seed = self.c, self.data, self._seed("eval")
         runs = [("val/accuracy", c.eval.k, c.eval.temperature)] + ([("val/greedy_accuracy", 1, 0.0)] if c.eval.greedy else [])
         return {name: evaluate(self.session, d.val_ids, d.val_answers, d.reward, k=k, temperature=t,
-                               max_tokens=c.rollout.max_tokens, stop_token_ids=(d.eos_id,), seed=seed)
+                               max_tokens=c.rollout.max_tokens, stop_token_ids=(d.eos_id,), seed=seed,
+                               quantize_strength=self._eval_quantize_strength)
                 for name, k, t in runs}
 
     def _seed(self, purpose: str, *extra: int, step: int | None = None) -> int:
@@ -248,18 +263,24 @@ class Trainer:
     def _open_session(self) -> RolloutSession:
         r = self.c.rollout
         timeouts = dict(timeout_s=r.push_timeout_s, generate_timeout_s=r.generate_timeout_s,
-                        ready_timeout_s=r.startup_timeout_s, start_version=self.version)
+                        ready_timeout_s=r.startup_timeout_s, start_version=self.version,
+                        weight_transport=r.weight_transport)
         if r.address:
             session = RolloutSession.attach(r.address, token=_read_token(r.token_file), **timeouts)
         else:
             session = RolloutSession.launch(work_dir=self.c.run_dir, engine=r.engine, model=self.c.model.path,
-                                            dtype=r.dtype, max_model_len=r.max_model_len,
+                                            dtype=r.dtype, max_model_len=r.max_model_len, quantize=r.quantize,
                                             restart=r.restart_on_failure, **timeouts)
         try:
             cfg = self.learner.model_cfg
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=self.data.tok.vocab_size)
             info = session.info()
+            if info.quantize != r.quantize:
+                raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {session.describe()} serves "
+                                  f"{info.quantize!r} weights (serve --quantize {r.quantize})")
+            # Validation measures the trainer's policy: full-precision weights where the engine can serve them.
+            self._eval_quantize_strength = 0.0 if "quantize_strength" in info.options else 1.0
             if self.collect_routing and "routing" not in info.options:
                 raise ConfigError(f"config.rollout.engine: 'jax' with a MoE policy needs the server's 'routing' "
                                   f"option, but {session.describe()} ({info.engine} engine) does not offer it; set "
@@ -276,7 +297,20 @@ class Trainer:
         if not self.c.resume:
             raise ConfigError(f"config.resume: False but {self.ckpt.directory} holds checkpoints (latest step "
                               f"{latest}); use a new run_dir or move them aside")
-        meta = self.ckpt.read_meta(latest)
+        # A damaged newest checkpoint is moved aside (one warning) and the next older one restored.
+        _, (state, meta) = self.ckpt.newest_good(self._read_checkpoint)
+        self.learner.load_state(state)
+        self.step, self.version = int(meta["step"]), int(meta["weight_version"])
+        self.data.prompts.restore(meta["data"])
+        if self.controller is not None and meta.get("controller") is not None:
+            self.controller.load_state_dict(meta["controller"])
+        log.info("resumed from step %d (weight version %d)", self.step, self.version)
+        if self.step > self.c.steps:
+            log.warning("config.steps=%d is lower than the %d steps this run has done; nothing to train "
+                        "(raise config.steps to continue)", self.c.steps, self.step)
+
+    def _read_checkpoint(self, step: int) -> tuple[Any, dict]:
+        meta = self.ckpt.read_meta(step)
         changes = config_changes(meta.get("config", {}), self.c.to_dict())
         if changes and not self.accept_config_changes:
             raise ConfigError(
@@ -285,13 +319,7 @@ class Trainer:
                 + ". Pass --accept-config-changes to continue with the new values, or use a new run_dir")
         if changes:
             log.warning("resuming with %d changed config field(s): %s", len(changes), "; ".join(changes))
-        state, meta = self.ckpt.restore(latest, abstract_state=self.learner.abstract_state())
-        self.learner.load_state(state)
-        self.step, self.version = int(meta["step"]), int(meta["weight_version"])
-        self.data.prompts.restore(meta["data"])
-        if self.controller is not None and meta.get("controller") is not None:
-            self.controller.load_state_dict(meta["controller"])
-        log.info("resumed from step %d (weight version %d)", self.step, self.version)
+        return self.ckpt.restore(step, abstract_state=self.learner.abstract_state())
 
     def _save(self, data_state: dict | None = None) -> None:
         meta = {
@@ -302,6 +330,7 @@ class Trainer:
             "config": self.c.to_dict(),
         }
         self.ckpt.save(self.step, self.learner.state, meta, force=True)
+        self.ckpt.wait()  # a failed write stops the run here, before the next step (CheckpointSaveError)
 
     def _write(self, step: int, record: dict[str, float]) -> None:
         if self.writer is not None:

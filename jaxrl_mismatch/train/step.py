@@ -46,6 +46,7 @@ from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
 from jaxrl_mismatch.models.moe import RouterOutput
 from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
+from jaxrl_mismatch.train.exact_forward import exact_forward_logprobs, exact_valued
 from jaxrl_mismatch.train.packing import unpack_targets
 from jaxrl_mismatch.train.state import TrainState, state_shardings
 
@@ -158,6 +159,7 @@ def make_update_fn(
     max_grad_norm: float | None = 1.0,
     chunk_size: int = 256,
     temperature: float = 1.0,
+    exact_forward: tuple[nnx.GraphDef, int] | None = None,
 ) -> Callable[[TrainState, RolloutBatch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure update function (not yet jitted; see `jit_update`).
 
@@ -170,10 +172,23 @@ def make_update_fn(
     A batch with `packed` (`trainer.packing`, `train.packing.pack_batch` with one group per microbatch) runs
     the θ forward on the packed rows and unpacks log π and entropy; the objective sees the same `[B, S-1]`
     values, so the update equals the unpacked one (`tests/train/test_packed_update.py`).
+
+    `exact_forward` = (graphdef without remat, rollout max_tokens) (`trainer.exact_forward`): log π(θ) comes
+    is valued by the exact scorer's per-row program (`train/exact_forward.py`; the gradient is the batched
+    forward's), so at θ = θ_old the ratio is exactly 1.
     """
 
     def microbatch_loss(params, mb, normaliser, input_tokens, scale_state):
-        if mb.packed is not None:  # sequence packing: only the transformer runs packed
+        if exact_forward is not None:  # value: the exact scorer's program; gradient: the batched forward's
+            if mb.packed is not None or mb.replay_routing is not None:
+                raise ValueError("the exact forward scores unpacked dense rows; packing and routing replay are off")
+            logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask,
+                                                            chunk_size, temperature)
+            exact_logp, exact_entropy = exact_forward_logprobs(
+                exact_forward[0], jax.lax.stop_gradient(params), mb.tokens, mb.attention_mask, mb.response_mask,
+                max_tokens=exact_forward[1], temperature=temperature)
+            logp, entropy = exact_valued(exact_logp, logp), exact_valued(exact_entropy, entropy)
+        elif mb.packed is not None:  # sequence packing: only the transformer runs packed
             if mb.replay_routing is not None:
                 raise ValueError("sequence packing does not carry MoE routing replay; use one or the other")
             (logp, entropy), router = forward_packed_logprobs(graphdef, params, mb.packed, chunk_size, temperature), None

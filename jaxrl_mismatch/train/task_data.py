@@ -20,14 +20,16 @@ from jaxrl_mismatch.train.config import ConfigError
 
 
 def task_options(c: ml_collections.ConfigDict, split: str, n: int) -> dict[str, Any]:
-    """Loader options of the configured task; the synthetic task reuses the warm start's spec (task.json)."""
+    """Loader options of the configured task; the synthetic task reuses the warm start's spec (task.json) and
+    generates its problems from `task.data_seed`, not the run's `seed`: every seed of a grid then trains on the
+    same problem set (in its own order) and is scored on the same held-out prompts."""
     if c.task.name == "arithmetic":
         spec: dict[str, Any] = {}
         path = os.path.join(c.model.path, "task.json")
         if os.path.exists(path):
             with open(path) as f:
                 spec = json.load(f).get("spec", {})
-        return {"n": n, "seed": c.seed, **spec}
+        return {"n": n, "seed": c.task.data_seed, **spec}
     return {"files": c.task.files.to_dict(), "data_dir": c.task.data_dir or os.path.join(c.run_dir, "tfds")}
 
 

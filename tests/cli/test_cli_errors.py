@@ -70,6 +70,21 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["serve", "--model", "/tmp", "--engine", "sglang"], ["--engine", "sglang"]),
     (["perfectible", "--out", "x.jsonl"], ["--model"]),
     (["warmstart", "--out", "/tmp/ws", "--steps", "0"], ["--steps"]),
+    (["warmstart", "--out", "/tmp/ws", "--lr", "-1"], ["--lr must be a number > 0"]),
+    (["warmstart", "--out", "/tmp/ws", "--weight-decay", "nan"], ["--weight-decay"]),
+    (["warmstart", "--out", "/tmp/ws", "--hidden", "30", "--heads", "4"], ["--hidden 30", "--heads 4"]),
+    (["warmstart", "--out", "/etc/passwd/ws"], ["--out /etc/passwd/ws", "is a file"]),
+    (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--file", "/nonexistent", "--out", "/tmp/p.jsonl"],
+     ["--file /nonexistent", "arithmetic"]),
+    (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--task", "gsm8k", "--file", "/nonexistent",
+      "--out", "/tmp/p.jsonl"], ["--file /nonexistent", "does not exist"]),
+    (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--address", "localhost", "--out", "/tmp/p.jsonl"],
+     ["--address 'localhost'", "host:port"]),
+    (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--temperature", "-1", "--out", "/tmp/p.jsonl"],
+     ["--temperature"]),
+    (["serve", "--model", "/tmp", "--host", "256.1.1.1"], ["--host 256.1.1.1", "not an IP address"]),
+    (["train", "--config", CONFIG, "--config.rollout.address=10.0.0.5"], ["config.rollout.address", "host:port"]),
+    (["report", "/etc/passwd"], ["/etc/passwd", "is a file"]),
 ])
 def test_bad_input_is_one_line_exit_2(args, needles, tmp_path):
     # Keep any run directory a failing command might create inside tmp_path.
@@ -97,6 +112,25 @@ def test_broken_config_file_is_one_line(tmp_path):
     none = tmp_path / "none.py"
     none.write_text("x = 1\n")
     assert_one_line_error(cli("train", "--config", str(none)), "get_config")
+
+
+def test_report_names_skipped_lines_and_refuses_garbage_and_bad_outputs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(b"garbage\n[1, 2]\n\xff\xfe\n{\"loss\": 1}\n")
+    assert_one_line_error(cli("report", str(run)), "metrics.jsonl", "no step records", "4 line(s)", "lines 1, 2, 3, 4")
+    (run / "metrics.jsonl").write_bytes(b'{"step": 0, "reward/mean": 0.1}\nnot json\n{"step": 1, "reward/mean": 0.2}\n{"st')
+    (tmp_path / "notes.png").write_text("my notes, not a figure")
+    for out, needle in (("x.txt", "unsupported figure format .txt"), ("notes.png", "already exists")):
+        assert_one_line_error(cli("report", str(run), "--out", str(tmp_path / out)), f"--out {tmp_path / out}", needle)
+    assert (tmp_path / "notes.png").read_text() == "my notes, not a figure"
+    ok = cli("report", str(run), "--out", str(tmp_path / "r.png"))
+    assert ok.returncode == 0, ok.stderr
+    assert [line for line in ok.stderr.splitlines() if line.strip()] == [
+        f"warning: {run / 'metrics.jsonl'}: skipped 2 line(s) that are not step records (lines 2, 4)"]
+    assert (tmp_path / "r.png").read_bytes().startswith(b"\x89PNG")
+    assert cli("report", str(run), "--out", str(tmp_path / "r.png")).returncode == 0  # its own figure: replaced
+    assert sorted(os.listdir(tmp_path)) == ["notes.png", "r.png", "run"]  # no temporary left
 
 
 def test_serve_port_in_use_is_one_line(tmp_path):

@@ -220,13 +220,9 @@ def test_rollouts_three_precision_pairs_end_to_end(tiny_model, tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_rollouts_task_prompts_through_the_tokenizer(tmp_path):
+def test_rollouts_task_prompts_through_the_tokenizer(tiny_base_model, tmp_path):
     """`--task arithmetic` with the warm start's own checkpoint and tokenizer (EOS stops the responses)."""
-    from jaxrl_mismatch.jobs import warmstart
-
-    base = tmp_path / "base"
-    assert warmstart.main(["--out", str(base), "--steps", "30", "--num-eval", "0", "--hidden", "32", "--heads", "2",
-                           "--kv-heads", "1", "--intermediate", "64", "--layers", "1", "--num-train", "200"]) == 0
+    base = tiny_base_model
     out = tmp_path / "out"
     assert analyze.main(["rollouts", "--model", str(base), "--task", "arithmetic", "--num-prompts", "6", "--n", "2",
                          "--trainer-precision", "fp32", "--engine-dtype", "float32", "--axes", "log",

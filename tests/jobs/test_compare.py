@@ -96,6 +96,7 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"overrides": {"controller.kwargs.window": "5"}}, ["overrides.controller.kwargs.window: '5' would reach the run as 5"]),
     ({"collapse": {"frac": 2}}, ["collapse.frac: must be a number in (0, 1)"]),
     ({"collapse": {"metrc": "x"}}, ["collapse.metrc: unknown field"]),
+    ({"baseline": "c"}, ["baseline: 'c' is not a variant; variants: a, b"]),
     ({"metrics": ["reward/mean", {"metric": "lr", "scale": "cubic"}]}, ["metrics[1].scale"]),
 ])
 def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, needles):
@@ -125,6 +126,25 @@ def test_spec_file_problems_and_the_cli_exit_code(tmp_path, fake_model):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr
     assert lines[0].startswith("error: spec ") and "seeds:" in lines[0]
+
+
+def test_spec_file_with_an_argument_holds_several_grids(tmp_path, fake_model):
+    """`FILE:ARG` calls get_spec(ARG) (as `train --config FILE:ARG`); the default name carries the argument."""
+    config = str(write_config(tmp_path, fake_model))
+    path = tmp_path / "grids.py"
+    path.write_text(f"""
+LR = {{"low": 1e-4, "high": 1e-3}}
+
+
+def get_spec(grid="low"):
+    return {{"config": {config!r}, "variants": {{"a": {{"optim.lr": LR[grid]}}}}, "seeds": [0]}}
+""")
+    spec = compare.validate_spec(compare.load_spec(f"{path}:high"))
+    assert spec.name == "grids_high" and spec.out == os.path.join("runs", "compare", "grids_high")
+    assert "--config.optim.lr=0.001" in spec.jobs[0].argv
+    assert compare.load_spec(str(path)).name == "grids"
+    with pytest.raises(UsageError, match=r"^spec .*grids.py:mid: cannot load it: KeyError: 'mid'$"):
+        compare.load_spec(f"{path}:mid")
 
 
 def test_dry_run_prints_one_train_command_per_variant_and_seed(tmp_path, fake_model, capsys):
@@ -205,8 +225,12 @@ def _records(rewards, **other) -> list[dict]:
     # Ending on one bad step is no collapse when patience asks for 3.
     ([0.8, 0.8, 0.1], CollapseRule(frac=0.5, window=1, patience=3), None),
     ([0.8, 0.8, 0.1], CollapseRule(frac=0.5, window=1, patience=1), 2),
-    # Moving average over 2: [0.8, 0.8, 0.45, 0.1, 0.1] -> below 0.4 from step 3.
+    # Trailing median over 2 (the mean of 2): [0.8, 0.8, 0.45, 0.1, 0.1] -> below 0.4 from step 3.
     ([0.8, 0.8, 0.1, 0.1, 0.1], CollapseRule(frac=0.5, window=2, patience=2), 3),
+    # Trailing median over 3: one bad evaluation is smoothed away — [.3, .3, .3, .3, .3] never falls ...
+    ([0.3, 0.3, 0.05, 0.3, 0.3], CollapseRule(frac=0.5, window=3, patience=1), None),
+    # ... and a sustained fall is not: medians [.1, .2, .3, .3, .3, .1, .1], peak .3, below .15 from step 5.
+    ([0.1, 0.3, 0.35, 0.3, 0.1, 0.1, 0.1], CollapseRule(frac=0.5, window=3, patience=2), 5),
     # A peak <= 0 is never collapsed from.
     ([0.0, 0.0, 0.0], CollapseRule(frac=0.5, window=1, patience=1), None),
     # Below from the first point on cannot happen (the peak is the first point itself).
@@ -216,11 +240,14 @@ def test_collapse_step_follows_its_definition(rewards, rule, expected):
     assert rule.step(_records(rewards)) == expected
 
 
-def test_collapse_on_validation_accuracy_counts_the_initial_validation():
+def test_collapse_on_validation_accuracy_leaves_out_the_initial_validation():
+    """The initial policy (step -1) is not a peak the run reached: a run that starts at 0.6 and trains at
+    0.2-0.25 has not collapsed; one that reaches 0.6 in training and falls to 0.2 has."""
     recs = [{"step": -1, "val/accuracy": 0.6}, {"step": 0, "reward/mean": 0.5}, {"step": 9, "val/accuracy": 0.2},
             {"step": 19, "val/accuracy": 0.25}]
+    assert CollapseRule(metric="val/accuracy", frac=0.5, window=1, patience=2).step(recs) is None
+    recs[0]["step"] = 4
     assert CollapseRule(metric="val/accuracy", frac=0.5, window=1, patience=2).step(recs) == 9
-    assert CollapseRule(metric="val/accuracy", frac=0.3, window=1, patience=2).step(recs) is None
 
 
 def test_run_stats_over_a_runs_steps():
@@ -285,10 +312,15 @@ def test_table_only_aggregates_over_seeds_and_reports_failed_runs(tmp_path, fake
     failed = b["runs"][1]
     assert not failed["ok"] and failed["status"].startswith("failed (exit 1, 10/20 steps): error: train: RuntimeError")
     md = (tmp_path / "out" / "table.md").read_text()
-    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| a") or line.startswith("| b")}
+    main_table = md.split("\n\n")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in main_table.splitlines() if line.startswith(("| a", "| b"))}
     assert "| 2/2 | 1/2 |" in rows["a"] and "0.350 ± 0.354" in rows["a"] and "| 12 |" in rows["a"]
     assert "| 1/2 | 0/1 |" in rows["b"] and "| – |" in rows["b"]
     assert "- b seed 1: failed (exit 1" in md
+    # Paired against the first variant (the default baseline), over the seeds both finished: seed 0 only.
+    assert table["baseline"] == "a" and list(table["paired"]) == ["b"]
+    assert table["paired"]["b"]["val_final"]["per_seed"] == {"0": pytest.approx(0.3)}
+    assert "| variant vs a | paired seeds |" in md and "| b | 1 | +0.300, 1/1 |" in md
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
     assert md in capsys.readouterr().out
 
@@ -307,13 +339,8 @@ def test_summarize_leaves_out_runs_that_did_not_finish():
 
 # -- end to end: a real grid of train subprocesses -------------------------------------------------------
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
-    from jaxrl_mismatch.jobs import warmstart
-
-    out = tmp_path_factory.mktemp("base") / "ckpt"
-    assert warmstart.main(["--out", str(out), "--steps", "40", "--num-eval", "0", "--hidden", "32", "--heads", "2",
-                           "--kv-heads", "1", "--intermediate", "64", "--layers", "1", "--num-train", "500"]) == 0
-    return out
+def base_model(tiny_base_model) -> Path:
+    return tiny_base_model
 
 
 def _finite(v) -> bool:

@@ -29,13 +29,14 @@ def test_directory_is_complete(ckpt, capsys):
     files = set(os.listdir(ckpt))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
             "generation_config.json", "task.json", "warmstart.json"} <= files
-    assert not os.path.exists(ckpt + ".tmp")
+    assert not [n for n in os.listdir(os.path.dirname(ckpt)) if ".tmp" in n]  # no temporary left
+    assert all(os.stat(os.path.join(ckpt, n)).st_mode & 0o044 == 0o044 for n in files)  # readable by all
     metrics = json.loads(open(os.path.join(ckpt, "warmstart.json")).read())
     assert np.isfinite(metrics["final_loss"]) and 0 <= metrics["validation_greedy"]["accuracy"] <= 1
     task = json.loads(open(os.path.join(ckpt, "task.json")).read())
     assert arithmetic.ArithmeticSpec(**task["spec"]) == arithmetic.ArithmeticSpec()
     # refuses to overwrite without --force
-    with pytest.raises(UsageError, match="already holds a checkpoint; pass --force"):
+    with pytest.raises(UsageError, match="already holds the output of an earlier `jaxrl-mismatch warmstart`; pass --force"):
         main(["--out", ckpt, *TINY])
 
 

@@ -8,6 +8,7 @@ tested against real server subprocesses in test_jax_server.py.
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import grpc
@@ -305,7 +306,7 @@ def test_failed_reload_with_restore_is_internal_and_server_keeps_serving(failing
     with pytest.raises(RolloutError) as err:
         client.push_weights(_good(2.0), version=2)
     assert err.value.code == grpc.StatusCode.INTERNAL
-    assert "UpdateWeights on" in str(err.value) and "INTERNAL" in str(err.value)
+    assert re.search(r"UpdateWeights(Shm)? on", str(err.value)) and "INTERNAL" in str(err.value)
     assert "previous weights stay in service" in str(err.value) and "OSError: disk" in str(err.value)
     with pytest.raises(grpc.RpcError) as raw:  # the machine-readable kind, for other clients
         _update(stub, _good(2.0), 2)
@@ -323,7 +324,7 @@ def test_unusable_engine_is_failed_precondition_not_retried_and_not_serving(fail
     engine, _, client, stub, health = failing
     engine.update_error = WeightReloadError("vLLM failed to load weight version 2: restoring failed too",
                                             restored=False)
-    with pytest.raises(RolloutError, match=r"UpdateWeights on .*: FAILED_PRECONDITION: engine unusable, "
+    with pytest.raises(RolloutError, match=r"UpdateWeights(Shm)? on .*: FAILED_PRECONDITION: engine unusable, "
                                            r"restart the rollout server: .*restoring failed too") as err:
         client.push_weights(_good(2.0), version=2)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -31,8 +31,8 @@ def _warmstart(out: Path, hidden: int, heads: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
-    return _warmstart(tmp_path_factory.mktemp("base") / "ckpt", hidden=32, heads=2)
+def base_model(tiny_base_model) -> Path:
+    return tiny_base_model
 
 
 def tiny_config(model: Path, run_dir: Path, **rollout):

@@ -1,0 +1,152 @@
+"""Safe outputs: a command writes only where it may, and never deletes what it did not create.
+
+Rules every output directory follows (`export --out`, `warmstart --out`, a train's warm start into
+`model.path`):
+
+- the target must be new, an empty directory, or a directory carrying this project's marker file of
+  the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
+  replacing such a previous output needs `--force`; anything else (user files, a run directory, a file)
+  is refused with one line naming it and saying how to proceed (`UsageError`, exit 2);
+- everything is written into a temporary sibling (`.<name>.tmp-<random>`) and renamed into place at the
+  end, so a crash or error never leaves a half-written output under the target name, and the temporary
+  is removed on every failure path;
+- written files get the ordinary permissions (0666 / 0777 minus the umask, like `cp` or
+  `save_pretrained`), so a checkpoint is readable by the serving user, not only its writer.
+
+Output files (`perfectible --out`, `report --out`) are written the same way (temporary sibling, rename);
+an existing file is replaced only if it is what the command itself writes (see `check_out_file`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+from jaxrl_mismatch.usage import UsageError
+
+MARKER_PREFIX = ".jaxrl-mismatch-"
+
+
+def marker_name(kind: str) -> str:
+    return MARKER_PREFIX + kind
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _parent_writable(flag: str, path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path)) or "/"
+    probe = parent
+    while not os.path.exists(probe):  # the nearest existing ancestor must let us create the rest
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is a file, so the output cannot be created there")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot create it: {probe} is not writable")
+
+
+def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
+    """UsageError unless `path` may receive an output directory of `kind` (see module doc)."""
+    if not path:
+        raise UsageError(f"{flag}: empty path")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file, not a directory; choose a new directory")
+    _parent_writable(flag, path)
+    if not os.path.isdir(path):
+        return
+    entries = sorted(os.listdir(path))
+    if not entries:
+        return
+    if marker_name(kind) in entries:
+        if not force:
+            raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {kind}`; "
+                             "pass --force to replace it, or choose a new directory")
+        if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise UsageError(f"{flag} {path}: cannot replace it: its parent directory is not writable")
+        return
+    shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+    raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {kind}` "
+                     f"(holds {shown}); choose a new or empty directory (nothing was changed; --force "
+                     f"only replaces an earlier {kind} output)")
+
+
+def _open_permissions(root: str) -> None:
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(d, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]:
+    """Yield a temporary sibling of `path` to write into; on success mark it and rename it to `path`.
+
+    `check_out_dir` is applied before and again at the commit (the target may have changed meanwhile);
+    an existing target is replaced only if it is empty or an earlier output of this kind (moved to a
+    second temporary sibling first, then deleted, so `path` is never half-written). On any exception the
+    temporary is removed and the target is untouched.
+    """
+    check_out_dir(flag, path, kind, force=force)
+    path = os.path.abspath(path)
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        yield tmp
+        with open(os.path.join(tmp, marker_name(kind)), "w") as f:
+            f.write(f"written by jaxrl-mismatch {kind}; `--force` may replace this directory\n")
+        _open_permissions(tmp)
+        check_out_dir(flag, path, kind, force=force)
+        old = None
+        if os.path.isdir(path):
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rename(path, os.path.join(old, name))
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)  # an empty directory or our own earlier output
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_out_file(flag: str, path: str, *, ours: Callable[[str], bool], what: str, force: bool | None = None) -> None:
+    """UsageError unless `path` may receive an output file: new, or an existing file `ours(path)` accepts
+    (the kind of file the command writes, e.g. a PNG), or any file with `force` (None: the command has no
+    --force flag)."""
+    if not path:
+        raise UsageError(f"{flag}: empty path")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory; expected a file path")
+    _parent_writable(flag, path)
+    if os.path.lexists(path) and not force and not ours(path):
+        raise UsageError(f"{flag} {path}: already exists" + (f" and is not {what}" if what else "")
+                         + "; choose a new path" + (" or pass --force to replace it" if force is not None else ""))
+
+
+@contextlib.contextmanager
+def staged_file(path: str) -> Iterator[str]:
+    """Yield a temporary sibling file path; on success it is renamed to `path`, on failure removed."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+__all__ = ["MARKER_PREFIX", "check_out_dir", "check_out_file", "marker_name", "staged_dir", "staged_file"]

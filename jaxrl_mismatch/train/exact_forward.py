@@ -1,0 +1,95 @@
+"""The update's log π(θ) valued by the exact scorer's batch-invariant program, with gradients.
+
+Why: in exact mode (`rollout.exact`) μ equals π(θ_old) bit for bit because both come from
+`models.exact` (every row alone, at its canonical length, LM head in fixed chunks). The ordinary update
+computes π(θ) with the batched (or packed) forward, whose bits depend on the batch's shapes, so at
+θ = θ_old the PPO ratio r_t = π(y_t|θ)/π(y_t|θ_old) (PPO, Schulman et al. 2017, eq. 6) was not exactly 1 in
+bf16/fp16 and the first minibatch's clipping was already noise. Here the update runs, inside the jitted
+step, the very per-row computation `models.exact.row_logprobs` runs — so at θ = θ_old every r_t is exactly 1
+(`ppo/clip_frac` 0, ratio std 0) in fp32, bf16 and fp16.
+
+Gradients: differentiating the per-row program makes XLA compile its forward together with the backward,
+and that program's forward no longer has the scorer's bits (measured: 2.6e-6 apart in fp32). So the value
+and the gradient are taken apart (`exact_valued`): log π = exact + (batched − stop_gradient(batched)), whose
+value is the exact program's bits (x − x = 0 exactly for finite x) and whose gradient is the ordinary
+batched forward's — the gradient of the same function of θ, differing only by rounding, at the cost of one
+extra forward-only pass of the exact program per update (benchmarks/update_step.py).
+
+A batch `[B, S]` holds rows of different canonical lengths (the next power of two ≥ prompt + max_tokens).
+The lengths a row of this batch can have are a short static list (`candidate_lengths`); each row picks its
+own with `lax.switch` inside `lax.map` over rows (batch 1), and is sliced or zero-padded to it exactly as
+`models.exact.score_exact` does on the host. Microbatches split rows, which changes nothing per row; packed
+rows would put several sequences in one forward and are refused (`train/config.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, head_logprobs, row_hidden
+
+
+def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]) -> Float[Array, "b t"]:
+    """`exact`'s value (bit for bit) with `differentiable`'s gradient: exact + (d − stop_gradient(d))."""
+    return jax.lax.stop_gradient(exact) + (differentiable - jax.lax.stop_gradient(differentiable))
+
+
+def candidate_lengths(seq_len: int, max_tokens: int) -> tuple[int, ...]:
+    """Every canonical length a row of a `[B, seq_len]` batch can have (prompt lengths 1 … seq_len)."""
+    return tuple(sorted({canonical_length(p, max_tokens) for p in range(1, seq_len + 1)}))
+
+
+def _row_logprobs_entropy(model, tokens: Int[Array, " length"], n_valid, temperature):
+    """`models.exact.row_logprobs` (same ops, same bits) plus the entropy of each position's distribution."""
+    length = tokens.shape[0]
+    hidden = row_hidden(model, tokens, n_valid).reshape(length // EXACT_CHUNK, EXACT_CHUNK, -1)
+    targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
+
+    def chunk(args):
+        h, t = args
+        logp_all = head_logprobs(model, h, temperature)
+        logp = jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return logp, entropy
+
+    logp, entropy = jax.lax.map(chunk, (hidden, targets))
+    valid = jnp.arange(length - 1) + 1 < n_valid
+    return (jnp.where(valid, logp.reshape(length)[:-1], 0.0), jnp.where(valid, entropy.reshape(length)[:-1], 0.0))
+
+
+def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b s"], attention_mask: Int[Array, "b s"],
+                           response_mask: Float[Array, "b t"], *, max_tokens: int, temperature: float | Array
+                           ) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+    """(log π(y_t), entropy) of every target `tokens[:, 1:]`, each row by the exact scorer's program.
+
+    Equal bit for bit to `models.exact.score_exact(...)` on the response tokens (the scorer multiplies by the
+    mask; here masked positions are left to the objective), with the same canonical length per row: the
+    prompt length is the first response target's index + 1, or the row's length if it has no response."""
+    model = nnx.merge(graphdef, params)
+    b, s = tokens.shape
+    lengths = candidate_lengths(s, max_tokens)
+    n_valid = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
+    has_response = jnp.any(response_mask > 0, axis=1)
+    prompt_len = jnp.where(has_response, jnp.argmax(response_mask > 0, axis=1) + 1, n_valid)
+    need = prompt_len + max_tokens  # canonical length = the first candidate ≥ need (all are ≥ EXACT_CHUNK)
+    branch = jnp.sum(jnp.asarray(lengths)[None, :] < need[:, None], axis=1).astype(jnp.int32)
+    branch = jnp.minimum(branch, len(lengths) - 1)
+
+    def at_length(length: int):
+        def run(row, n):
+            ids = row[:length] if length <= s else jnp.pad(row, (0, length - s))
+            logp, ent = _row_logprobs_entropy(model, ids, n, temperature)
+            fit = lambda x: x[: s - 1] if length - 1 >= s - 1 else jnp.pad(x, (0, s - length))  # noqa: E731
+            return fit(logp), fit(ent)
+        return run
+
+    branches = [at_length(length) for length in lengths]
+
+    def one_row(args):
+        row, n, k = args
+        return jax.lax.switch(k, branches, row, n)
+
+    return jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch))

@@ -1,0 +1,66 @@
+"""One trainer per run directory: an OS-level lock held for the run's life.
+
+`<run_dir>/train.lock` is locked with `fcntl.flock` (exclusive, non-blocking) and holds the owner's PID
+and host. The kernel releases the lock when its process dies however it dies (kill -9 included), so a
+lock file left by a dead trainer is simply taken over; a live holder makes a second `train` on the same
+directory stop at once with one line naming its PID (two trainers would overwrite each other's rollout
+token and mix checkpoints). The descriptor is not inherited by child processes (the rollout server), so
+the lock never outlives the trainer. flock works on local filesystems and on NFSv4; multi-host jobs lock
+from process 0 only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+
+from jaxrl_mismatch.usage import UsageError
+
+LOCK_FILE = "train.lock"
+
+
+class RunDirLock:
+    """`with RunDirLock(run_dir):` or `lock = RunDirLock(run_dir).acquire()` ... `lock.release()`."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UsageError(f"config.run_dir: cannot create the run lock {self.path}: "
+                             f"{e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            raise UsageError(f"config.run_dir: {os.path.dirname(self.path)} is in use by another trainer "
+                             f"({holder or 'PID unknown'}, lock {self.path}); wait for it to finish, stop it "
+                             "(SIGTERM checkpoints and exits), or use another run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""

@@ -1,0 +1,117 @@
+"""Bit-exact training forward (issue 21, item 2): the update's log π(θ) is the exact scorer's program, so at
+θ = θ_old every PPO ratio is exactly 1 (first minibatch: no clipping, ratio min = max = 1) in fp32, bf16 and
+fp16, with microbatches; without it the bf16/fp16 ratios are not 1; packing is refused by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.models import load_hf
+from jaxrl_mismatch.models.exact import score_exact
+from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+from jaxrl_mismatch.train.batch import from_completions
+from jaxrl_mismatch.train.exact_forward import candidate_lengths, exact_forward_logprobs, exact_valued
+from jaxrl_mismatch.train.step import forward_logprobs
+
+PROMPTS = [[3, 4, 5], [7] * 9, list(range(10, 24)), [30, 31, 32, 33, 34, 35]]  # canonical lengths 32 and 64
+MAX_TOKENS = 20
+PRESETS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _batch(ckpt, dtype):
+    out = JaxEngine(str(ckpt), dtype=dtype).generate(PROMPTS, SamplingSpec(
+        n=4, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, stop_token_ids=(5, 11), exact=True))
+    p = [PROMPTS[i] for i, g in enumerate(out) for _ in g]
+    return out, from_completions(p, [c.token_ids for g in out for c in g], [c.logprobs for g in out for c in g],
+                                 np.zeros(len(p)), pad_id=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # fp32 / fp16: through the Learner below
+def test_exact_forward_equals_the_exact_scorer_bitwise(tiny_checkpoints, dtype):
+    ckpt = tiny_checkpoints["untied"]
+    _, b = _batch(ckpt, dtype)
+    _, model = load_hf(str(ckpt), policy=precision.policy(PRESETS[dtype], param_dtype="float32"))
+    graphdef, params = nnx.split(model, nnx.Param)
+    assert len(candidate_lengths(b.tokens.shape[1], MAX_TOKENS)) >= 2
+    ref = score_exact(graphdef, params, b.tokens, b.attention_mask, b.response_mask, max_tokens=MAX_TOKENS,
+                      temperature=1.0)
+
+    def loss(p, tokens, attention_mask, response_mask, exact):
+        batched, entropy = forward_logprobs(graphdef, p, tokens, attention_mask, 8)
+        logp = batched
+        if exact:
+            logp, entropy = exact_forward_logprobs(graphdef, jax.lax.stop_gradient(p), tokens, attention_mask,
+                                                   response_mask, max_tokens=MAX_TOKENS, temperature=1.0)
+            logp = exact_valued(logp, batched)
+        return jnp.sum(logp * response_mask), (logp, entropy)
+
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=4)
+    grads, (logp, entropy) = grad(params, b.tokens, b.attention_mask, b.response_mask, True)
+    m = b.response_mask > 0
+    assert np.array_equal(np.asarray(logp)[m], ref[m])  # with gradients, inside jit: the scorer's bits
+    assert np.all(np.asarray(entropy)[m] > 0)
+    plain, _ = grad(params, b.tokens, b.attention_mask, b.response_mask, False)
+    for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(plain)):  # the gradient is the batched forward's
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) > 0
+
+
+def _learner(ckpt, tmp_path, precision_name, **trainer):
+    from jaxrl_mismatch.train.config import base_config, validate
+    from jaxrl_mismatch.train.learner import Learner
+
+    c = base_config()
+    c.model.path, c.run_dir = str(ckpt), str(tmp_path)
+    c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 4, len(PROMPTS), 8
+    c.rollout.max_tokens, c.optim.lr = MAX_TOKENS, 1e-2
+    c.trainer.precision = precision_name
+    c.rollout.dtype = {v: k for k, v in PRESETS.items()}[precision_name]
+    c.batch.minibatches, c.batch.microbatches = 2, 2
+    c.rollout.exact = True  # π(θ_old) from the exact scorer; trainer.exact_forward decides the update's π(θ)
+    c.trainer.update(trainer)
+    validate(c)
+    return Learner(c)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_first_minibatch_ratio_is_exactly_one(tiny_checkpoints, tmp_path, dtype):
+    ckpt = tiny_checkpoints["untied"]
+    out, b = _batch(ckpt, dtype)
+    rewards = np.array([float(9 in c.token_ids) + 0.1 * len(c.token_ids) for g in out for c in g], np.float32)
+    adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    b = b.replace(advantages=(adv[:, None] * b.response_mask).astype(np.float32))
+    ratios = {}
+    for exact in (True, False):
+        learner = _learner(ckpt, tmp_path / f"{dtype}{exact}", PRESETS[dtype], exact_forward=exact)
+        prepared, _ = learner.prepare(b, seed=0)
+        learner.c.batch.minibatches = 1  # one minibatch (two microbatches) at θ = θ_old
+        learner.minibatch_rows = b.num_rows
+        stats = learner.optimize(prepared, seed=0)
+        ratios[exact] = (stats["ppo/ratio_min"], stats["ppo/ratio_max"], stats["ppo/clip_frac_low"],
+                         stats["ppo/clip_frac_high"])
+    assert ratios[True] == (1.0, 1.0, 0.0, 0.0), ratios
+    if dtype != "float32":  # the ordinary batched forward is not the scorer's program: its ratios move
+        assert ratios[False][:2] != (1.0, 1.0), ratios
+
+
+def test_exact_forward_refuses_packing_by_name():
+    from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+
+    c = base_config()
+    c.model.path, c.rollout.exact, c.trainer.packing = "x", True, True
+    with pytest.raises(ConfigError, match=r"trainer\.packing.*implied by rollout\.exact"):
+        validate(c)
+    c.trainer.exact_forward = "false"  # explicit opt-out keeps rollout.exact with a packed ordinary update
+    validate(c)
+    from jaxrl_mismatch.train.config import exact_forward_enabled
+    assert not exact_forward_enabled(c)
+    c = base_config()
+    c.model.path, c.trainer.exact_forward, c.trainer.scan_layers = "x", True, True
+    with pytest.raises(ConfigError, match=r"trainer\.scan_layers"):
+        validate(c)

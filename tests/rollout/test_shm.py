@@ -1,0 +1,212 @@
+"""Same-host weight sync through shared memory (rollout/shm.py): what the server loads, what it refuses, what is left.
+
+In-process servers with the JAX engine check that a shared-memory push serves exactly the weights a gRPC push
+does (the sampled tokens match); the refusals (token, checksum, tensors, version) leave the old weights in
+service; the transport choice follows the config and the server's host id; and a trainer killed with
+SIGKILL mid-push leaves nothing in /dev/shm while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc, shm
+from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError
+from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.server import RolloutServer
+
+from .conftest import REPO, TOKEN, read_checkpoint, wait_until
+
+SPEC = SamplingSpec(n=2, max_tokens=8, seed=3)
+PROMPTS = [[3, 14, 15], [9, 2, 6, 5]]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoints):
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+
+    server = RolloutServer(port=0, token=TOKEN)
+    server.attach(JaxEngine(str(tiny_checkpoints["untied"]), dtype="float32"))
+    yield server
+    server.stop(0)
+
+
+def _client(server, **kw) -> RolloutClient:
+    return RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=30, **kw)
+
+
+def _perturbed(tiny_checkpoints, scale: float) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(int(scale * 100))
+    return {k: (v + scale * rng.normal(size=v.shape)).astype(v.dtype)
+            for k, v in read_checkpoint(tiny_checkpoints["untied"]).items()}
+
+
+def test_shm_push_serves_the_same_weights_as_the_grpc_stream(served, tiny_checkpoints):
+    weights = _perturbed(tiny_checkpoints, 0.5)
+    with _client(served, weight_transport="grpc") as by_grpc, _client(served) as by_shm:
+        by_grpc.push_weights(weights, version=served.engine.info().weight_version + 1)
+        assert by_grpc.last_push_transport == "grpc"
+        ref = by_grpc.generate(PROMPTS, SPEC)
+        by_shm.push_weights(_perturbed(tiny_checkpoints, 2.0), version=by_grpc.pushed_version + 1)
+        assert by_shm.last_push_transport == "shm"  # auto picked shared memory on loopback
+        other = by_shm.generate(PROMPTS, SPEC)
+        assert [c.token_ids for s in other for c in s] != [c.token_ids for s in ref for c in s]
+        version = by_shm.pushed_version + 1
+        by_shm.push_weights(weights, version=version)  # the same buffer, rewritten
+        got = by_shm.generate(PROMPTS, SPEC)
+        # The engine copied what it loaded: rewriting the trainer's buffer does not change what it serves.
+        by_shm._shm.write(_perturbed(tiny_checkpoints, 2.0), version + 1)
+        again = by_shm.generate(PROMPTS, SPEC)
+        assert [c.token_ids for s in again for c in s] == [c.token_ids for s in got for c in s]
+    assert served.engine.info().weight_version == version
+    for a, b in zip((c for s in ref for c in s), (c for s in got for c in s)):
+        assert a.token_ids == b.token_ids and a.weight_version + 2 == b.weight_version
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    # One buffer for all pushes of a client; the server maps at most the latest trainer's.
+    gc.collect()
+    assert len(_mapped_buffers()) <= 1
+
+
+def _mapped_buffers() -> set[str]:
+    """Inodes of our shared-memory weight buffers mapped in this process (client and in-process server)."""
+    return {line.split()[4] for line in open("/proc/self/maps") if "memfd:jaxrl-weights" in line}
+
+
+def _shm_msg(weights, version):
+    writer = shm.ShmWriter()
+    return writer, writer.write(weights, version)
+
+
+@pytest.mark.parametrize("corrupt,code,needle", [
+    (lambda m: setattr(m, "checksum", m.checksum ^ 1), grpc.StatusCode.INVALID_ARGUMENT, "checksum"),
+    (lambda m: m.tensors.pop(), grpc.StatusCode.INVALID_ARGUMENT, "missing from the update"),
+    (lambda m: setattr(m.tensors[0], "offset", 8), grpc.StatusCode.INVALID_ARGUMENT, "aligned"),
+    (lambda m: setattr(m.tensors[0], "dtype", "float16"), grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+    (lambda m: setattr(m, "version", 0), grpc.StatusCode.INVALID_ARGUMENT, "version"),
+    (lambda m: setattr(m, "fd", 9999), grpc.StatusCode.FAILED_PRECONDITION, "cannot open"),
+])
+def test_bad_shm_push_is_refused_and_old_weights_stay(served, tiny_checkpoints, corrupt, code, needle):
+    before = served.engine.info().weight_version
+    stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(f"127.0.0.1:{served.port}"))
+    writer, msg = _shm_msg(read_checkpoint(tiny_checkpoints["untied"]), before + 1)
+    corrupt(msg)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWeightsShm(msg, timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    writer.close()
+    assert err.value.code() == code and needle in err.value.details()
+    assert served.engine.info().weight_version == before
+
+
+def test_shm_push_needs_the_token(served, tiny_checkpoints):
+    before = served.engine.info().weight_version
+    stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(f"127.0.0.1:{served.port}"))
+    writer, msg = _shm_msg(read_checkpoint(tiny_checkpoints["untied"]), before + 1)
+    for md in [(), (("authorization", "Bearer wrong"),)]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWeightsShm(msg, timeout=30, metadata=md)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    writer.close()
+    assert served.engine.info().weight_version == before
+
+
+def test_non_finite_weights_are_refused_over_shm_too(served, tiny_checkpoints):
+    weights = read_checkpoint(tiny_checkpoints["untied"])
+    name = sorted(weights)[0]
+    weights[name] = weights[name].copy()
+    weights[name].flat[5] = np.nan
+    with _client(served, weight_transport="shm") as client:
+        before = served.engine.info().weight_version
+        with pytest.raises(RolloutError, match="non-finite") as err:
+            client.push_weights(weights, version=before + 1)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in str(err.value)
+    assert served.engine.info().weight_version == before
+
+
+def test_transport_choice_follows_config_and_host_id(served, tiny_checkpoints, monkeypatch, caplog):
+    weights = read_checkpoint(tiny_checkpoints["untied"])
+    assert shm.is_local_target("127.0.0.1:5") and shm.is_local_target("[::1]:5") and shm.is_local_target("unix:/x")
+    assert not shm.is_local_target("10.1.2.3:50051") and not shm.is_local_target("node7:50051")
+    with pytest.raises(ValueError, match="weight_transport"):
+        _client(served, weight_transport="nvlink")
+    # The server says it lives elsewhere (another boot or PID namespace): auto streams, shm refuses.
+    monkeypatch.setattr(served.servicer, "shm_host_id", "another-host/pid:[1]")
+    with _client(served) as client:
+        client.push_weights(weights, version=served.engine.info().weight_version + 1)
+        assert client.last_push_transport == "grpc"
+    with _client(served, weight_transport="shm") as client, pytest.raises(RolloutError, match="another host"):
+        client.push_weights(weights, version=served.engine.info().weight_version + 1)
+    # Same host id but the server cannot open the buffer: auto falls back (and says so) and stays on gRPC.
+    monkeypatch.setattr(served.servicer, "shm_host_id", shm.host_id())
+    monkeypatch.setattr(served.servicer._shm_reader, "read",
+                        lambda *a: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with _client(served) as client:
+        client.push_weights(weights, version=served.engine.info().weight_version + 1)
+        assert client.last_push_transport == "grpc" and client.weight_transport == "grpc"
+    assert "using the gRPC stream from now on" in caplog.text
+
+
+TRAINER = textwrap.dedent("""
+    import sys, numpy as np
+    from jaxrl_mismatch.rollout.client import RolloutClient
+    from safetensors.numpy import load_file
+    client = RolloutClient(sys.argv[1], token=sys.argv[2], weight_transport="shm", wait_ready_s=60)
+    weights = dict(load_file(sys.argv[3] + "/model.safetensors"))
+    version = client.info().weight_version
+    while True:
+        version += 1
+        client.push_weights(weights, version)
+        print("pushed", version, flush=True)
+""")
+
+
+def _ours_in_dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.slow
+def test_trainer_killed_mid_push_leaves_nothing_behind(served, tiny_checkpoints):
+    before = _ours_in_dev_shm()
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, f"127.0.0.1:{served.port}", TOKEN,
+                             str(tiny_checkpoints["untied"])], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        pushed = [proc.stdout.readline() for _ in range(3)]
+        assert all(line.startswith("pushed") for line in pushed), pushed
+        proc.send_signal(signal.SIGKILL)  # mid-push: it pushes back to back
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _ours_in_dev_shm() == before
+    # The server maps at most the dead trainer's last buffer (kept for reuse, not one per push) and serves.
+    assert len(_mapped_buffers()) <= 1
+    with _client(served) as client:
+        client.push_weights(read_checkpoint(tiny_checkpoints["untied"]), served.engine.info().weight_version + 1)
+        assert client.last_push_transport == "shm"
+        assert len(client.generate(PROMPTS, SPEC)) == 2
+
+
+def test_session_passes_the_configured_transport(served, tiny_checkpoints):
+    from jaxrl_mismatch.rollout.session import RolloutSession
+    from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+
+    weights = read_checkpoint(tiny_checkpoints["untied"])
+    for transport in ("grpc", "shm"):
+        with RolloutSession.attach(f"127.0.0.1:{served.port}", token=TOKEN, ready_timeout_s=30,
+                                   weight_transport=transport) as session:
+            session.push(weights)
+            assert session.client.last_push_transport == transport
+    c = base_config()
+    assert c.rollout.weight_transport == "auto"
+    c.rollout.weight_transport = "rdma"
+    with pytest.raises(ConfigError, match="rollout.weight_transport"):
+        validate(c)

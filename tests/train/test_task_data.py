@@ -1,0 +1,49 @@
+"""`TaskData`: the run's `seed` drives the order of the training prompts, `task.data_seed` the problems, so
+that every seed of a paired comparison is scored on the same held-out prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
+from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+from jaxrl_mismatch.train.task_data import TaskData
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    save_tokenizer(build_arithmetic_tokenizer(), str(d))
+    return str(d)
+
+
+def _data(model_dir: str, seed: int, data_seed: int = 0) -> TaskData:
+    c = base_config()
+    c.model.path = model_dir
+    c.seed, c.task.data_seed = seed, data_seed
+    c.task.num_train, c.task.num_val = 64, 16
+    c.batch.prompts_per_step = 8
+    return TaskData(c, model_vocab_size=10_000)
+
+
+def test_validation_prompts_are_the_same_for_every_seed(model_dir):
+    a, b = _data(model_dir, seed=0), _data(model_dir, seed=3)
+    assert a.val_ids == b.val_ids and a.val_answers == b.val_answers
+    # The seed still drives the order of the training prompts (same problem set, another order).
+    epoch_a = [a.next_prompts() for _ in range(8)]  # 64 problems, 8 per batch: one epoch
+    epoch_b = [b.next_prompts() for _ in range(8)]
+    assert epoch_a[0] != epoch_b[0]
+    pool = lambda epoch: sorted((tuple(p), ans) for ids, answers in epoch for p, ans in zip(ids, answers))
+    assert pool(epoch_a) == pool(epoch_b)
+
+
+def test_data_seed_chooses_the_problems(model_dir):
+    a, c = _data(model_dir, seed=0, data_seed=0), _data(model_dir, seed=0, data_seed=1)
+    assert a.val_answers != c.val_answers or a.val_ids != c.val_ids
+
+
+def test_data_seed_must_be_non_negative():
+    c = base_config()
+    c.task.data_seed = -1
+    with pytest.raises(ConfigError, match="config.task.data_seed"):
+        validate(c)
