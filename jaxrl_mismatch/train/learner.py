@@ -129,7 +129,7 @@ class Learner:
     def _score(self, params, batch: RolloutBatch) -> np.ndarray:
         """log π(y_t) of the batch's targets under `params`, masked, on the host: the exact scorer in exact
         mode, else the teacher-forced forward (what `prepare` computes for π(θ_old))."""
-        if self.c.rollout.exact:
+        if self.c.rollout.exact or self.exact_forward:
             return score_exact(self._exact_graphdef, distributed.gather_params(params), batch.tokens,
                                batch.attention_mask, batch.response_mask, max_tokens=self.c.rollout.max_tokens,
                                temperature=self.c.rollout.temperature)

@@ -1,0 +1,190 @@
+"""Asynchronous rollouts: the demo's step rate synchronous vs `rollout.max_staleness` 1 and 2, and what the
+`proximal = "bypass"` option saves in `Learner.prepare`.
+
+    .venv/bin/python benchmarks/async_rollouts.py [--steps 20] [--model runs/tiny_cpu_base] [--part all|loop|bypass]
+
+`loop`: the demo config (`configs/tiny_cpu.py`) run through the real CLI three times in a row, one per mode —
+synchronous (`max_staleness = 0`), 1 and 2 — each for `--steps` steps without evaluation or checkpoints in
+between (the final step's evaluation and checkpoint fall outside the timed steps). The trainer process is
+pinned to core 0 (`taskset -c 0`); the managed rollout server it launches is re-pinned, every one of its
+threads, to core 1 (`os.sched_setaffinity` on /proc/<pid>/task/*) as soon as it is up, so each side has a
+core of its own. From each run's metrics (the first `--warmup` steps, which compile, left out):
+
+- steps/s = timed steps / Σ time/step_s;
+- trainer idle = Σ time/rollout_s / Σ time/step_s: the trainer waits for the batch (synchronous: the whole
+  rollout; asynchronous: the wait in `take` plus a weight push held by an in-progress Generate);
+- server idle = 1 − Σ Generate time / Σ time/step_s: synchronous, the Generate time is time/rollout_s less
+  the push; asynchronous, `time/generate_s` of the batches the timed steps trained on (the producer's
+  wall time per batch, a close upper bound on the server's busy time).
+
+`bypass`: two `Learner`s of the demo shape on the same random batches, `objective.preset` "decoupled"
+(θ_old forward) and "naive_ppo" (proximal = "bypass": μ as π_prox, no forward), `prepare` timed
+interleaved; the saving is the median difference.
+
+Prints a table and writes docs/results/async_rollouts.{json,md}. The target (issue 20): ≥ 1.4× the
+synchronous step rate at staleness 1 on 2 cores. Timings are only meaningful on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = {"sync": 0, "staleness_1": 1, "staleness_2": 2}
+
+
+def pin_server(run_dir: Path, core: int, stop: threading.Event, out: dict) -> None:
+    """Pin every thread of the managed server (pid in rollout_ready.json) to `core`, again as threads appear."""
+    ready = run_dir / "rollout_ready.json"
+    while not stop.is_set():
+        if ready.exists():
+            try:
+                pid = json.loads(ready.read_text())["pid"]
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.sched_setaffinity(int(tid), {core})
+                out["server_pid"], out["pinned"] = pid, True
+            except (OSError, ValueError, KeyError):
+                pass  # the file is being written, or the process is gone
+        stop.wait(0.5)
+
+
+def run_mode(name: str, staleness: int, a, work: Path) -> dict:
+    run_dir = work / name
+    cmd = ["taskset", "-c", "0", sys.executable, "-m", "jaxrl_mismatch.cli", "train",
+           "--config", str(REPO / "configs" / "tiny_cpu.py"), f"--config.run_dir={run_dir}",
+           f"--config.model.path={a.model}", f"--config.steps={a.steps}", f"--config.rollout.max_staleness={staleness}",
+           "--config.eval.every=0", "--config.checkpoint.every=0", "--config.log.progress=False",
+           "--config.log.report=False", "--config.log.tensorboard=False"]
+    stop, pinned = threading.Event(), {}
+    pinner = threading.Thread(target=pin_server, args=(run_dir, 1, stop, pinned), daemon=True)
+    pinner.start()
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    stop.set()
+    if out.returncode != 0:
+        raise SystemExit(f"error: {name} run failed:\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] >= a.warmup]
+    step_s = sum(r["time/step_s"] for r in rows)
+    wait_s = sum(r["time/rollout_s"] for r in rows)
+    gen_s = sum(r.get("time/generate_s", r["time/rollout_s"]) for r in rows)
+    return {"max_staleness": staleness, "timed_steps": len(rows), "steps_per_s": len(rows) / step_s,
+            "step_s_median": statistics.median(r["time/step_s"] for r in rows),
+            "trainer_idle_frac": wait_s / step_s, "server_idle_frac": max(0.0, 1.0 - gen_s / step_s),
+            "lag_mean": statistics.mean(r["staleness/version_lag_mean"] for r in rows),
+            "dropped_batches": max((r.get("rollout/dropped_batches", 0.0) for r in rows), default=0.0),
+            "reward_mean": statistics.mean(r["reward/mean"] for r in rows),
+            "server_pinned": bool(pinned.get("pinned")), "wall_s_incl_startup": wall}
+
+
+def bypass_saving(a, work: Path) -> dict:
+    """Median `Learner.prepare` time with the θ_old forward (decoupled) and without it (bypass)."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "configs"))
+    from packing import SHAPES, make_batch
+    from tiny_cpu import get_config
+
+    from jaxrl_mismatch.train.learner import Learner
+
+    learners = {}
+    for preset in ("decoupled", "naive_ppo"):
+        c = get_config()
+        c.model.path, c.run_dir = str(a.model), str(work / f"bypass_{preset}")
+        c.objective.preset = preset
+        c.objective.overrides = {}
+        learners[preset] = Learner(c)
+    vocab = learners["decoupled"].model_cfg.vocab_size
+    times: dict[str, list[float]] = {p: [] for p in learners}
+    for i in range(a.bypass_repeats + 1):
+        batch = make_batch(SHAPES["demo"], vocab, seed=i)
+        batch = batch.replace(rollout_logp=(-np.abs(np.random.default_rng(i).normal(size=batch.rollout_logp.shape))
+                                            * batch.response_mask).astype(np.float32))
+        for p, learner in learners.items():
+            t0 = time.perf_counter()
+            learner.prepare(batch, seed=i)
+            if i:  # the first call compiles
+                times[p].append(time.perf_counter() - t0)
+    rec, byp = statistics.median(times["decoupled"]), statistics.median(times["naive_ppo"])
+    return {"prepare_s_recompute": rec, "prepare_s_bypass": byp, "saving_s": rec - byp,
+            "saving_frac_of_prepare": (rec - byp) / rec, "repeats": a.bypass_repeats}
+
+
+def table(loop: dict, bypass: dict | None) -> str:
+    lines = []
+    if loop:
+        base = loop["sync"]["steps_per_s"]
+        lines += ["| mode | max_staleness | steps/s | × sync | median step (s) | trainer idle | server idle | mean lag |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, r in loop.items():
+            lines.append(f"| {name} | {r['max_staleness']} | {r['steps_per_s']:.3f} | {r['steps_per_s'] / base:.2f} | "
+                         f"{r['step_s_median']:.3f} | {r['trainer_idle_frac']:.0%} | {r['server_idle_frac']:.0%} | "
+                         f"{r['lag_mean']:.2f} |")
+    if bypass:
+        lines += ["", "| Learner.prepare (demo batch) | median s |", "| --- | --- |",
+                  f"| θ_old forward (decoupled) | {bypass['prepare_s_recompute']:.4f} |",
+                  f"| bypass (naive_ppo) | {bypass['prepare_s_bypass']:.4f} |",
+                  f"| saving | {bypass['saving_s']:.4f} ({bypass['saving_frac_of_prepare']:.0%}) |"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20, help="steps per mode (the first --warmup are not timed)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"), help="the demo's warm-started policy")
+    ap.add_argument("--part", choices=("all", "loop", "bypass"), default="all")
+    ap.add_argument("--bypass-repeats", type=int, default=10)
+    ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine's load)")
+    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "async_rollouts"))
+    a = ap.parse_args()
+    if not (Path(a.model) / "config.json").exists():
+        print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start: jaxrl-mismatch train "
+              "--config configs/tiny_cpu.py, or pass --model)", file=sys.stderr)
+        return 2
+    if a.steps <= a.warmup:
+        print(f"error: --steps: {a.steps} leaves no timed step after --warmup {a.warmup}", file=sys.stderr)
+        return 2
+    if (os.cpu_count() or 1) < 2:
+        print("error: the loop part pins trainer and server to cores 0 and 1; this machine has 1", file=sys.stderr)
+        return 2
+    loop, bypass = {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if a.part in ("all", "loop"):
+            for name, s in MODES.items():
+                loop[name] = run_mode(name, s, a, work)
+                print(f"{name}: {loop[name]['steps_per_s']:.3f} steps/s", flush=True)
+        if a.part in ("all", "bypass"):
+            bypass = bypass_saving(a, work)
+    text = table(loop, bypass)
+    print(text)
+    result = {"loop": loop, "bypass": bypass, "steps": a.steps, "warmup": a.warmup, "model": str(a.model),
+              "note": a.note, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "speedup_staleness_1": (loop["staleness_1"]["steps_per_s"] / loop["sync"]["steps_per_s"]) if loop else None}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, body in ((".json", json.dumps(result, indent=2)),
+                         (".md", f"# Asynchronous rollouts ({a.steps} steps per mode)\n\n{a.note}\n\n{text}\n")):
+        tmp_path = out.with_suffix(suffix + ".tmp")
+        tmp_path.write_text(body)
+        os.replace(tmp_path, out.with_suffix(suffix))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""E4 — stale rollouts: staleness 0 / 1 / 2 / 4 × {naive PPO, decoupled PPO, decoupled + M2PO} (AReaL's Table at
+CPU scale, issue 20 item 5), at a realistic precision mismatch.
+
+    jaxrl-mismatch compare experiments/e4_staleness.py            # int8 weight-quantized rollouts (FlashRL)
+    jaxrl-mismatch compare experiments/e4_staleness.py:sigma_small # σ = 0.02 logit noise (bf16-level)
+
+Each run trains on rollouts exactly s weight versions old (`rollout.max_staleness = s` with
+`rollout.fixed_staleness`: the producer's batch for step k is made from step k − s's weights; the first s
+steps are 0, 1, …, s − 1 behind), so a variant's staleness is a controlled quantity, not a by-product of
+the machine's timing. The objectives (objectives/decoupled.py, presets pinned by tests):
+
+- `naive_ppo`: PPO clip on π/μ, no weight (`proximal = "bypass"`: μ as the proximal policy);
+- `decoupled`: AReaL's decoupled PPO, clip on π/π_prox, weight π_prox/μ (untruncated);
+- `decoupled_m2po`: the same with M2PO's second-moment token mask, τ_M2 = 0.04.
+
+All three are GRPO-advantage, token-mean, ε = 0.2; only the proximal policy and the token weight differ. At
+staleness 0 `naive_ppo` is PPO around μ and `decoupled` is PPO around π(θ_old) with the precision weight ρ:
+the precision mismatch alone. `staleness/*` splits each step's mismatch into the staleness and precision
+parts (metrics/staleness.py). The baseline for paired differences is `decoupled_s0`.
+
+12 variants × 5 seeds × 80 steps at the edge-of-stability LR 7e-4 of E0 — the grid has not been run (issue 20:
+the spec first). At E2's ~115 s per 80-step run alone, about an hour per grid two at a time on an idle
+2-core machine, plus the producer's overlap (benchmarks/async_rollouts.py). Resumable.
+"""
+
+LR = 7e-4
+STEPS = 80
+SOURCES = {
+    "int8": {"rollout.quantize": "int8"},
+    "sigma_small": {"rollout.logit_noise_std": 0.02},
+}
+OBJECTIVES = ("naive_ppo", "decoupled", "decoupled_m2po")
+STALENESS = (0, 1, 2, 4)
+
+
+def get_spec(source: str = "int8"):
+    if source not in SOURCES:
+        raise ValueError(f"unknown mismatch source {source!r}; valid: {', '.join(SOURCES)}")
+    return {
+        "name": f"e4_staleness_{source}",
+        "config": "configs/arith_length_cpu.py",
+        "overrides": {"steps": STEPS, "optim.lr": LR, **SOURCES[source], "log.report": False, "checkpoint.every": 20,
+                      "rollout.fixed_staleness": True},
+        "variants": {f"{obj}_s{s}": {"objective.preset": obj, "rollout.max_staleness": s}
+                     for obj in OBJECTIVES for s in STALENESS},
+        "seeds": [0, 1, 2, 3, 4],
+        "baseline": "decoupled_s0",
+        "out": f"runs/compare/e4_staleness_{source}",
+        "metrics": ["reward/mean", "val/accuracy", "mismatch/rho_std", "staleness/rho_std",
+                    "staleness/precision_rho_std", "staleness/version_lag_mean"],
+        "collapse": {"metric": "val/accuracy", "frac": 0.5, "window": 3, "patience": 3},
+    }
