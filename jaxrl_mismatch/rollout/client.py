@@ -429,6 +429,7 @@ class RolloutClient:
             exact=spec.exact,
             logit_noise_std=spec.logit_noise_std,
             return_routing=spec.return_routing,
+            prompt_offset=spec.prompt_offset,
         )
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:

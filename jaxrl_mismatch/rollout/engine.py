@@ -27,6 +27,9 @@ class SamplingSpec:
     exact: bool = False  # batch-invariant log-probs equal to the trainer's exact scorer (models/exact.py)
     logit_noise_std: float = 0.0  # controlled mismatch: sample from softmax((logits + σ·ε) / T), ε ~ N(0, 1)
     return_routing: bool = False  # MoE: also return each token's chosen experts per sparse layer (Completion.routing)
+    # Index of prompt 0 in the caller's whole batch: prompt i draws its randomness as prompt prompt_offset + i
+    # of a request with this seed, so a batch split into requests (limits, several servers) samples the same.
+    prompt_offset: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

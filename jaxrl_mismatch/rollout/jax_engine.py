@@ -17,8 +17,9 @@ token (the decode step that consumes it), as uint8/uint16 ids `[tokens, layers, 
 trainer can replay them (R3, `train/step.py`).
 
 Sampling randomness is per row: row (prompt i, sample j) at step t uses
-fold_in(fold_in(fold_in(PRNGKey(seed), i), j), t), so a request is reproducible from its seed and a
-row's draws do not depend on how many other rows share the batch.
+fold_in(fold_in(fold_in(PRNGKey(seed), prompt_offset + i), j), t), so a request is reproducible from its
+seed and a row's draws do not depend on how many other rows share the batch, nor on how the caller split
+its batch into requests (`SamplingSpec.prompt_offset`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class JaxEngine(Engine):
                 t, lp, n, s = sample_exact(
                     self._graphdef, params, self._rest, prompts, part, max_tokens=spec.max_tokens,
                     temperature=spec.temperature, logit_noise_std=spec.logit_noise_std,
-                    stop_token_ids=spec.stop_token_ids, base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+                    stop_token_ids=spec.stop_token_ids, base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS,
+                    prompt_offset=spec.prompt_offset)
             else:
                 t, lp, n, s, r = self._generate_rows(params, prompts, part, spec)
                 if r is not None:
@@ -166,7 +168,7 @@ class JaxEngine(Engine):
             p = prompts[i]
             ids[r, prompt_len - len(p):] = p
             mask[r, prompt_len - len(p):] = 1
-            keys[r], samples[r] = i, j
+            keys[r], samples[r] = spec.prompt_offset + i, j
         stop = np.full((MAX_STOP_SLOTS,), -1, np.int32)
         stop[: len(spec.stop_token_ids)] = spec.stop_token_ids
         base_key = seed_key_data(spec.seed)

@@ -23,7 +23,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing")
+    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing", "prompt_offset")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     EXACT_FIELD_NUMBER: _ClassVar[int]
     LOGIT_NOISE_STD_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     n: int
     max_tokens: int
@@ -46,7 +47,8 @@ class GenerateRequest(_message.Message):
     exact: bool
     logit_noise_std: float
     return_routing: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ...) -> None: ...
+    prompt_offset: int
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ..., prompt_offset: _Optional[int] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("expert_ids", "num_layers", "top_k", "itemsize", "num_prompt_tokens")
