@@ -431,6 +431,7 @@ class RolloutClient:
             logit_noise_std=spec.logit_noise_std,
             return_routing=spec.return_routing,
             quantize_strength=spec.quantize_strength if spec.quantize_strength != 1.0 else None,
+            prompt_offset=spec.prompt_offset,
         )
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:

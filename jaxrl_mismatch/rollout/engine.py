@@ -30,6 +30,9 @@ class SamplingSpec:
     # Engines serving quantized weights (EngineInfo.quantize): this request's weights are W + s·(Q(W) − W)
     # (models/quantize.py `blend`); 1 = as served, 0 = full precision. No effect on an unquantized engine.
     quantize_strength: float = 1.0
+    # Index of prompt 0 in the caller's whole batch: prompt i draws its randomness as prompt prompt_offset + i
+    # of a request with this seed, so a batch split into requests (limits, several servers) samples the same.
+    prompt_offset: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

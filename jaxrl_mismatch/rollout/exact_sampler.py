@@ -40,7 +40,7 @@ def perturb(logp_all: Float[Array, "... vocab"], step_key: jax.Array, sigma, tem
 
 def sample_exact(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]], rows: list[tuple[int, int]],
                  *, max_tokens: int, temperature: float, logit_noise_std: float, stop_token_ids: tuple[int, ...],
-                 base_key: np.ndarray, stop_slots: int
+                 base_key: np.ndarray, stop_slots: int, prompt_offset: int = 0
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(tokens [R, max_tokens], log μ [R, max_tokens], lengths [R], stopped [R]) of rows (prompt i, sample j).
 
@@ -67,7 +67,7 @@ def sample_exact(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]],
         for k, r in enumerate(members):
             i, j = rows[r]
             ids[k, : len(prompts[i])] = prompts[i]
-            n_prompt[k], limit[k], prompt_idx[k], sample_idx[k] = len(prompts[i]), max_tokens, i, j
+            n_prompt[k], limit[k], prompt_idx[k], sample_idx[k] = len(prompts[i]), max_tokens, prompt_offset + i, j
         out = _exact_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(n_prompt), jnp.asarray(limit),
                              base_key, jnp.asarray(prompt_idx), jnp.asarray(sample_idx), np.float32(temperature),
                              np.float32(logit_noise_std), jnp.asarray(stop), new_len=max_tokens,

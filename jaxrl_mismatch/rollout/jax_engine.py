@@ -21,8 +21,9 @@ W and their fake-quantized copy Q(W) (models/quantize.py), both rebuilt on every
 Q(W), or with W + s·(Q(W) − W) for its `quantize_strength` s < 1 (mid-run onset), exact mode included.
 
 Sampling randomness is per row: row (prompt i, sample j) at step t uses
-fold_in(fold_in(fold_in(PRNGKey(seed), i), j), t), so a request is reproducible from its seed and a
-row's draws do not depend on how many other rows share the batch.
+fold_in(fold_in(fold_in(PRNGKey(seed), prompt_offset + i), j), t), so a request is reproducible from its
+seed and a row's draws do not depend on how many other rows share the batch, nor on how the caller split
+its batch into requests (`SamplingSpec.prompt_offset`).
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ class JaxEngine(Engine):
             if spec.exact:  # batch-invariant, trainer-identical log-probs (spec_exact.py, exact_sampler.py)
                 kw = dict(max_tokens=spec.max_tokens, temperature=spec.temperature,
                           logit_noise_std=spec.logit_noise_std, stop_token_ids=spec.stop_token_ids,
-                          base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS)
+                          base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS,
+                          prompt_offset=spec.prompt_offset)
                 if self._exact_sampler == "reference":
                     t, lp, n, s = sample_exact(self._graphdef, params, self._rest, prompts, part, **kw)
                 else:
@@ -200,7 +202,7 @@ class JaxEngine(Engine):
             p = prompts[i]
             ids[r, prompt_len - len(p):] = p
             mask[r, prompt_len - len(p):] = 1
-            keys[r], samples[r] = i, j
+            keys[r], samples[r] = spec.prompt_offset + i, j
         stop = np.full((MAX_STOP_SLOTS,), -1, np.int32)
         stop[: len(spec.stop_token_ids)] = spec.stop_token_ids
         base_key = seed_key_data(spec.seed)

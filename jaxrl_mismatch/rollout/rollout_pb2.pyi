@@ -23,7 +23,7 @@ class Prompt(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing", "quantize_strength")
+    __slots__ = ("prompts", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "exact", "logit_noise_std", "return_routing", "quantize_strength", "prompt_offset")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     LOGIT_NOISE_STD_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROUTING_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     n: int
     max_tokens: int
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     logit_noise_std: float
     return_routing: bool
     quantize_strength: float
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ..., quantize_strength: _Optional[float] = ...) -> None: ...
+    prompt_offset: int
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., exact: _Optional[bool] = ..., logit_noise_std: _Optional[float] = ..., return_routing: _Optional[bool] = ..., quantize_strength: _Optional[float] = ..., prompt_offset: _Optional[int] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("expert_ids", "num_layers", "top_k", "itemsize", "num_prompt_tokens")

@@ -16,6 +16,7 @@ version the server serves (a reused external server may hold a previous run's we
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -99,10 +100,11 @@ class RolloutSession:
         self.client.check_compatible(architecture=architecture, vocab_size=vocab_size,
                                      tokenizer_vocab_size=tokenizer_vocab_size)
 
-    def push(self, weights: Mapping[str, np.ndarray]) -> int:
-        """Push HF-named tensors as the next weight version; returns it. The session keeps a reference to
-        `weights` to re-push them after a server restart."""
-        version = max(self.version, self.info().weight_version) + 1
+    def push(self, weights: Mapping[str, np.ndarray], version: int | None = None) -> int:
+        """Push HF-named tensors as the next weight version (or as `version`, a fleet's); returns it. The
+        session keeps a reference to `weights` to re-push them after a server restart."""
+        if version is None:
+            version = max(self.version, self.info().weight_version) + 1
         self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version))
         self.version, self._weights = version, weights
         return version
@@ -112,7 +114,9 @@ class RolloutSession:
         out: list[list[Completion]] = []
         for chunk in request_chunks(prompts, spec, self.limits):
             part = [list(p) for p in prompts[chunk]]
-            out += self._recovering("Generate", lambda part=part: self.client.generate(part, spec))
+            # Each prompt keeps its place in the batch, so the split does not change what is sampled.
+            sub = dataclasses.replace(spec, prompt_offset=spec.prompt_offset + chunk.start)
+            out += self._recovering("Generate", lambda part=part, sub=sub: self.client.generate(part, sub))
         return out
 
     def describe(self) -> str:

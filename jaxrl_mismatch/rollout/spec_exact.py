@@ -71,8 +71,10 @@ def _bucket(n: int, minimum: int) -> int:
 def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]],
                              rows: list[tuple[int, int]], *, max_tokens: int, temperature: float,
                              logit_noise_std: float, stop_token_ids: tuple[int, ...], base_key: np.ndarray,
-                             stop_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SpecStats]:
-    """Same contract and same bits as `exact_sampler.sample_exact`, plus the draft/verify counters."""
+                             stop_slots: int, prompt_offset: int = 0
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SpecStats]:
+    """Same contract and same bits as `exact_sampler.sample_exact`, plus the draft/verify counters (prompt i
+    draws its randomness as prompt `prompt_offset + i`, as there)."""
     n = len(rows)
     tokens = np.zeros((n, max_tokens), np.int32)
     logps = np.zeros((n, max_tokens), np.float32)
@@ -82,6 +84,7 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
     stop[: len(stop_token_ids)] = stop_token_ids
     stop_set = set(int(s) for s in stop_token_ids)
     prompt_of = np.array([i for i, _ in rows], np.int64)
+    key_of = prompt_of + prompt_offset  # the prompt index the randomness is drawn for
     sample_of = np.array([j for _, j in rows], np.int64)
     canon = np.array([canonical_length(len(prompts[i]), max_tokens) for i, _ in rows], np.int64)
     stats = SpecStats()
@@ -89,14 +92,14 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
     active = np.arange(n)
     while active.size:
         stats.rounds += 1
-        draft, draft_len = _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, sample_of,
+        draft, draft_len = _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, key_of, sample_of,
                                   max_tokens=max_tokens, temperature=temperature, sigma=logit_noise_std,
                                   stop=stop, base_key=base_key, inject=inject)
         stats.drafted += int(draft_len.sum())
         for length in np.unique(canon[active]):
             members = active[canon[active] == length]
             picks = np.flatnonzero(canon[active] == length)
-            exact_tok, exact_lp = _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of,
+            exact_tok, exact_lp = _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of,
                                           sample_of, draft[picks], draft_len[picks], length=int(length),
                                           temperature=temperature, sigma=logit_noise_std, base_key=base_key,
                                           inject=inject)
@@ -120,7 +123,7 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
     return tokens, logps, settled, stopped, stats
 
 
-def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, sample_of, *, max_tokens,
+def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, key_of, sample_of, *, max_tokens,
            temperature, sigma, stop, base_key, inject):
     """KV-cache draft of every active row from its first unsettled position (tokens [A, ≤max], lengths [A])."""
     a = len(active)
@@ -137,7 +140,7 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     sj = np.zeros((n_rows,), np.int32)
     for k, (r, c) in enumerate(zip(active, ctx)):
         ids[k, ctx_len - len(c):], mask[k, ctx_len - len(c):] = c, 1
-        t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r], prompt_of[r], sample_of[r]
+        t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r], key_of[r], sample_of[r]
     out = _draft_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(mask), base_key, jnp.asarray(pi),
                          jnp.asarray(sj), jnp.asarray(t0), jnp.asarray(limit), np.float32(temperature),
                          np.float32(sigma), jnp.asarray(stop), new_len=new_len, inject=inject)
@@ -187,7 +190,7 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
     return toks, lengths
 
 
-def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, sample_of, draft, draft_len, *,
+def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft, draft_len, *,
             length, temperature, sigma, base_key, inject):
     """The exact sampler's token and log-prob at every position of each member row, given its draft."""
     m = len(members)
@@ -200,7 +203,7 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
     for k, r in enumerate(members):
         p = prompts[prompt_of[r]]
         row = list(p) + tokens[r, : settled[r]].tolist() + draft[k, : draft_len[k]].tolist()
-        ids[k, : len(row)], n_valid[k], n_prompt[k], pi[k], sj[k] = row, len(row), len(p), prompt_of[r], sample_of[r]
+        ids[k, : len(row)], n_valid[k], n_prompt[k], pi[k], sj[k] = row, len(row), len(p), key_of[r], sample_of[r]
     out = _verify_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(n_valid), jnp.asarray(n_prompt),
                           base_key, jnp.asarray(pi), jnp.asarray(sj), np.float32(temperature), np.float32(sigma),
                           inject=inject)

@@ -106,6 +106,8 @@ def parse_generate(
     stop = np.asarray(req.stop_token_ids, dtype=np.int64)
     _check_token_ids(stop, info.vocab_size, "stop_token_ids")
     seed = req.seed if req.HasField("seed") else 0
+    if req.prompt_offset < 0:
+        raise RequestError("prompt_offset", f"must be >= 0, got {req.prompt_offset}")
     noise = req.logit_noise_std if req.HasField("logit_noise_std") else 0.0
     if not (math.isfinite(noise) and noise >= 0.0):
         raise RequestError("logit_noise_std", f"must be finite and >= 0 (0 = off), got {noise}")
@@ -140,6 +142,7 @@ def parse_generate(
         logit_noise_std=float(noise),
         return_routing=bool(req.return_routing),
         quantize_strength=float(strength),
+        prompt_offset=int(req.prompt_offset),
     )
     return prompts, spec
 

@@ -427,7 +427,7 @@ class VLLMEngine(Engine):
             temperature=temperature,
             top_p=spec.top_p,
             top_k=top_k,  # 0 disables in vLLM as in SamplingSpec
-            seed=request_seed(spec.seed, prompt_index),
+            seed=request_seed(spec.seed, spec.prompt_offset + prompt_index),
             stop_token_ids=list(spec.stop_token_ids),
             ignore_eos=True,
             logprobs=0,  # the sampled token's log-prob only

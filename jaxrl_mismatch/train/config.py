@@ -34,6 +34,7 @@ RESUME_MAY_CHANGE = (
     "steps", "resume", "run_dir", "log", "checkpoint", "eval.every", "distributed", "model.warmstart_if_missing",
     "model.warmstart_args", "rollout.address", "rollout.token_file", "rollout.startup_timeout_s",
     "rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.restart_on_failure", "trainer.mesh",
+    "rollout.num_servers", "rollout.stall_timeout_s", "rollout.weight_transport",
     "trainer.chunk_size", "trainer.remat", "trainer.remat_policy", "trainer.attention_impl", "trainer.packing",
 )
 
@@ -66,7 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # jax (built-in) | vllm
-    c.rollout.address = ""  # "host:port" of an external server; "" = start one as a subprocess on loopback
+    c.rollout.address = ""  # "host:port" of an external server, or several comma-separated (a fleet, rollout/fleet.py); "" = start servers as subprocesses on loopback
+    c.rollout.num_servers = 1  # servers to start when managed (address ""): requests spread by tokens, failover
     c.rollout.token_file = ""  # shared token for weight pushes (external server); generated when managed
     c.rollout.dtype = "float32"  # rollout precision: float32 | bfloat16 | float16 (separate from the trainer's)
     c.rollout.group_size = 8  # samples per prompt (GRPO group)
@@ -79,6 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.generate_timeout_s = 1800.0
     c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
     c.rollout.restart_on_failure = True  # managed server died: restart it and continue
+    c.rollout.stall_timeout_s = 600.0  # fleet: a Generate running longer marks its server stalled; its prompts go elsewhere
     # Weight pushes: auto = shared memory when the server is on this host (rollout/shm.py), else the gRPC
     # stream | shm = shared memory or fail | grpc = always the stream
     c.rollout.weight_transport = "auto"
@@ -209,7 +212,7 @@ def _model_choices() -> dict[str, tuple[str, ...]]:
 _POSITIVE_INTS = (
     "steps", "rollout.group_size", "rollout.max_tokens", "batch.prompts_per_step", "batch.ppo_epochs",
     "batch.minibatches", "batch.microbatches", "trainer.chunk_size", "task.num_val", "eval.k",
-    "checkpoint.keep", "task.max_prompt_len",
+    "checkpoint.keep", "task.max_prompt_len", "rollout.num_servers",
 )
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
@@ -313,7 +316,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if not 0 < c.diagnostics.weight_distortion_pi_low <= 1:
         raise ConfigError("config.diagnostics.weight_distortion_pi_low: must be in (0, 1], got "
                           f"{c.diagnostics.weight_distortion_pi_low!r}")
-    for path in ("rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.startup_timeout_s"):
+    if c.rollout.address and c.rollout.num_servers != 1:
+        raise ConfigError(f"config.rollout.num_servers: {c.rollout.num_servers} servers are started only when managed "
+                          "(rollout.address empty); to use several external servers, list their addresses in "
+                          "rollout.address, comma-separated")
+    for path in ("rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.startup_timeout_s",
+                 "rollout.stall_timeout_s"):
         if not _get(c, path) > 0:
             raise ConfigError(f"config.{path}: must be > 0, got {_get(c, path)!r}")
     if (c.rollout.exact or c.rollout.logit_noise_std) and c.rollout.engine != "jax":

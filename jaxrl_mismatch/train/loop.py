@@ -265,7 +265,19 @@ class Trainer:
         timeouts = dict(timeout_s=r.push_timeout_s, generate_timeout_s=r.generate_timeout_s,
                         ready_timeout_s=r.startup_timeout_s, start_version=self.version,
                         weight_transport=r.weight_transport)
-        if r.address:
+        addresses = [a.strip() for a in r.address.split(",") if a.strip()]
+        if len(addresses) > 1 or r.num_servers > 1:  # a fleet: spread requests, fail over (rollout/fleet.py)
+            from jaxrl_mismatch.rollout.fleet import RolloutFleet
+
+            if addresses:
+                session = RolloutFleet.attach(addresses, token=_read_token(r.token_file),
+                                              stall_timeout_s=r.stall_timeout_s, **timeouts)
+            else:
+                session = RolloutFleet.launch(r.num_servers, work_dir=self.c.run_dir, engine=r.engine,
+                                              model=self.c.model.path, dtype=r.dtype, max_model_len=r.max_model_len,
+                                              restart=r.restart_on_failure, stall_timeout_s=r.stall_timeout_s,
+                                              **timeouts)
+        elif r.address:
             session = RolloutSession.attach(r.address, token=_read_token(r.token_file), **timeouts)
         else:
             session = RolloutSession.launch(work_dir=self.c.run_dir, engine=r.engine, model=self.c.model.path,

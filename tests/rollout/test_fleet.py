@@ -1,0 +1,145 @@
+"""A fleet of rollout servers (rollout/fleet.py): requests spread by tokens, the same samples however they are
+spread, and a server killed mid-step whose prompts are re-sent to the others (none lost, none duplicated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.fleet import NoServerLeftError, RolloutFleet, token_pieces
+from jaxrl_mismatch.rollout.server import RolloutServer
+from jaxrl_mismatch.rollout.session import RolloutSession
+from jaxrl_mismatch.rollout.validation import Limits
+
+from .conftest import TOKEN, read_checkpoint
+
+SPEC = SamplingSpec(n=2, max_tokens=6, seed=11)
+PROMPTS = [[3 + i, 14, 15 + (i % 5)] + [9] * (i % 4) for i in range(12)]
+
+
+def _tokens(completions):
+    return [[c.token_ids for c in samples] for samples in completions]
+
+
+def _perturbed(ckpt, scale=0.3):
+    rng = np.random.default_rng(0)
+    return {k: (v + rng.normal(0, scale, v.shape)).astype(np.float32) for k, v in read_checkpoint(ckpt).items()}
+
+
+def test_pieces_are_balanced_by_tokens_and_within_limits():
+    spec = SamplingSpec(n=2, max_tokens=10)
+    prompts = [[1] * 100] + [[1] * 2] * 20  # one long prompt costs as much as ~5 short ones
+    pieces = token_pieces(prompts, spec, Limits(), 3)
+    assert [p.start for p in pieces] == [0] + [p.stop for p in pieces[:-1]] and pieces[-1].stop == len(prompts)
+    cost = [sum(len(p) + 20 for p in prompts[s]) for s in pieces]
+    assert len(pieces) == 3 and max(cost) - min(cost) <= 120  # within one long prompt of each other
+    assert pieces[0].stop - pieces[0].start < pieces[-1].stop - pieces[-1].start  # the long prompt's piece is short
+    tight = token_pieces(prompts, spec, Limits(max_request_completion_tokens=60), 2)
+    assert all(s.stop - s.start <= 3 for s in tight)  # 3 prompts x 20 completion tokens per request at most
+    assert token_pieces([], spec, Limits(), 3) == []
+
+
+@pytest.fixture(scope="module")
+def three_servers(tiny_checkpoints):
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+
+    servers = []
+    for _ in range(3):
+        server = RolloutServer(port=0, token=TOKEN)
+        server.attach(JaxEngine(str(tiny_checkpoints["untied"]), dtype="float32"))
+        servers.append(server)
+    yield servers
+    for server in servers:
+        server.stop(0)
+
+
+def test_samples_do_not_depend_on_how_requests_are_spread(three_servers, tiny_checkpoints):
+    weights = _perturbed(tiny_checkpoints["untied"])
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+    with RolloutSession.attach(addresses[0], token=TOKEN, ready_timeout_s=30) as one:
+        one.push(weights)
+        reference = one.generate(PROMPTS, SPEC)
+        # Split by the request limits alone: prompt i keeps its place, so its samples do not change.
+        one.limits = Limits(max_request_completion_tokens=SPEC.n * SPEC.max_tokens * 5)
+        assert _tokens(one.generate(PROMPTS, SPEC)) == _tokens(reference)
+        # prompt_offset is what keeps them: prompts 4.. sampled as prompts 0.. would draw other tokens.
+        tail = one.generate(PROMPTS[4:], dataclasses.replace(SPEC, prompt_offset=4))
+        assert _tokens(tail) == _tokens(reference)[4:]
+        assert _tokens(one.generate(PROMPTS[4:], SPEC)) != _tokens(reference)[4:]
+    for n in (2, 3):
+        with RolloutFleet.attach(addresses[:n], token=TOKEN, ready_timeout_s=30) as fleet:
+            version = fleet.push(weights)
+            assert all(m.served == version for m in fleet.members)
+            got = fleet.generate(PROMPTS, SPEC)
+            assert _tokens(got) == _tokens(reference)
+            assert {c.weight_version for s in got for c in s} == {version}
+    served = [s.engine.info().weight_version for s in three_servers]
+    assert served[2] == served[1] and served[1] >= 2  # every push reached every server of the fleet
+
+
+def test_a_server_that_failed_the_push_sits_the_step_out(three_servers, tiny_checkpoints, monkeypatch, caplog):
+    weights = _perturbed(tiny_checkpoints["untied"], 0.2)
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30) as fleet:
+        fleet.push(weights)
+        lagging = fleet.members[1]
+        real = lagging.session.push
+
+        def refuse(*a, **kw):
+            from jaxrl_mismatch.rollout.client import RolloutError
+            raise RolloutError("UpdateWeights: UNAVAILABLE (test)")
+
+        monkeypatch.setattr(lagging.session, "push", refuse)
+        version = fleet.push(weights)
+        assert not lagging.up and lagging.served != version
+        asked = []
+        monkeypatch.setattr(lagging.session, "generate", lambda *a: asked.append(a))
+        assert len(fleet.generate(PROMPTS, SPEC)) == len(PROMPTS) and not asked  # never used while behind
+        assert "sits this step out" in caplog.text
+        # Back at the next push (an attached server is polled, then re-pushed): it rejoins.
+        monkeypatch.setattr(lagging.session, "push", real)
+        monkeypatch.undo()
+        lagging.revival.result(timeout=30)
+        version = fleet.push(weights)
+        assert lagging.up and lagging.served == version
+
+
+@pytest.mark.slow
+def test_sigkill_mid_step_fails_over_and_the_server_rejoins(tmp_path, tiny_checkpoints, caplog):
+    ckpt = tiny_checkpoints["untied"]
+    weights = _perturbed(ckpt)
+    caplog.set_level(logging.WARNING, logger="jaxrl_mismatch.rollout.fleet")
+    with RolloutFleet.launch(3, work_dir=str(tmp_path), engine="jax", model=str(ckpt), dtype="float32",
+                             ready_timeout_s=180) as fleet:
+        version = fleet.push(weights)
+        reference = fleet.generate(PROMPTS, SPEC)
+        assert len(reference) == len(PROMPTS) and all(len(s) == SPEC.n for s in reference)
+        victim = fleet.members[1]
+        real = victim.session.generate
+
+        def killed_mid_request(prompts, spec):  # the server dies with this request in flight
+            victim.session.server.proc.send_signal(signal.SIGKILL)
+            return real(prompts, spec)
+
+        victim.session.generate = killed_mid_request
+        got = fleet.generate(PROMPTS, SPEC)
+        # Same prompts, same samples, none lost or duplicated: its piece went to the other two.
+        assert _tokens(got) == _tokens(reference) and fleet.failovers == 1 and not victim.up
+        assert f"rollout server {victim.name} died during Generate: re-sending its" in caplog.text
+        victim.session.generate = real
+        # Restarted in the background on its port; at the next push it gets the weights and rejoins.
+        victim.revival.result(timeout=180)
+        version = fleet.push(weights)
+        assert victim.up and victim.served == version and victim.session.server.starts == 2
+        assert "is back: pushed version" in caplog.text
+        assert _tokens(fleet.generate(PROMPTS, SPEC)) == _tokens(reference)
+        # All of them killed mid-step: nothing is left to serve the step.
+        for m in fleet.members:
+            m.session.server.proc.send_signal(signal.SIGKILL)
+        with pytest.raises(NoServerLeftError, match="no rollout server left for this step"):
+            fleet.generate(PROMPTS, SPEC)
