@@ -56,3 +56,16 @@ def test_speculative_corrects_a_bad_draft(tiny_checkpoints, monkeypatch):
     a = fast.generate(PROMPTS[:2], few)
     assert _flat(a) == _flat(ref.generate(PROMPTS[:2], few))
     assert fast.exact_stats.acceptance_rate < 0.5 and fast.exact_stats.rounds > 3
+
+
+def test_speculative_split_batch_samples_as_the_whole_batch(tiny_checkpoints):
+    """A batch split into requests (a rollout fleet, request limits) with `prompt_offset` samples what the whole
+    batch samples, in the speculative sampler as in the reference one."""
+    ckpt = str(tiny_checkpoints["untied"])
+    fast = JaxEngine(ckpt, dtype="float32")
+    ref = JaxEngine(ckpt, dtype="float32", exact_sampler="reference")
+    whole = _flat(fast.generate(PROMPTS, _spec()))
+    split = _flat(fast.generate(PROMPTS[:1], _spec())) + _flat(fast.generate(PROMPTS[1:], _spec(prompt_offset=1)))
+    assert split == whole
+    assert _flat(ref.generate(PROMPTS[1:], _spec(prompt_offset=1))) == whole[4:]
+    assert _flat(fast.generate(PROMPTS[1:], _spec())) != whole[4:]  # the offset is what made them equal
