@@ -41,7 +41,7 @@ RESUME_MAY_CHANGE = (
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/run"  # metrics.jsonl, TensorBoard events, checkpoints, report.png, server log
-    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics (not the problems: task.data_seed)
+    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics (problems: task.data_seed)
     c.steps = 100  # RL steps (one rollout batch each)
     c.resume = True  # continue from the latest checkpoint in run_dir/checkpoints if there is one
 

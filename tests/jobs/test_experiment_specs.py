@@ -58,7 +58,8 @@ def test_every_grid_has_5_paired_seeds_a_baseline_and_is_valid(grid, monkeypatch
     assert len(spec.seeds) >= 5 and spec.baseline in spec.variants
     # Smoothed rules that do not fire on the no-mismatch reference run (tests/test_report_stats.py); E3 judges
     # the training reward, as the FP16 paper's sanity test does.
-    rule = CollapseRule() if grid.startswith("e3_") else CollapseRule(metric="val/accuracy", frac=0.5, window=3, patience=3)
+    val_rule = CollapseRule(metric="val/accuracy", frac=0.5, window=3, patience=3)
+    rule = CollapseRule() if grid.startswith("e3_") else val_rule
     assert spec.collapse == rule
     assert 0 < spec.overrides["checkpoint.every"] <= 20  # resumable: an interrupted run loses <= 20 steps
     keys = set(spec.overrides) | {k for v in spec.variants.values() for k in v}
