@@ -21,14 +21,17 @@ beat the trigger. Timing matters only if the trigger beats both `constant_low` a
 most seeds (the rows' wins are then low); a staircase that does as well from step 0 says the LR level, not
 the timing, is what helps — the negative result the σ = 3 grid could not rule out (experiments/e0_controls.py).
 
-Sized for this 2-core machine: 120 steps × 128 completions per run (~1.25 s per step alone, from an 80-step
-smoke run), two at a time: ~45 min for the 25 runs when the machine is otherwise idle. Resumable.
+Sized for this 2-core machine: 100 steps × 128 completions per run — ~1.2 s per step before the onset, ~1.3–2
+s after it with int8 rollouts (smoke runs, machine under load) — two at a time: ~45 min for the 25 runs when
+the machine is otherwise idle. Resumable.
 """
 
 LR_HIGH = 3e-4  # trained without mismatch in the precision grid (lr 3e-4, 60 steps: validation 0.45-0.50, 1 seed)
 LR_LOW = LR_HIGH / 10
-STEPS, ONSET, LATE = 120, 40, 80
-THRESHOLD = 1e-4  # log_ppl_abs_diff: fp32 pair ~1.7e-7; bf16 pair ~1.8e-3 (docs/experiments.md)
+STEPS, ONSET, LATE = 100, 35, 70  # the onset a third into the run, as "step ~40 of ~120" in issue 19
+# log_ppl_abs_diff: fp32 engine ~2e-7; int8 2.0e-3, fp8 9.5e-3, σ = 0.02 4.3e-3 (docs/rollout.md). A smoke run
+# with the int8 onset moved to step 2 measured 1.8e-7 → 1.5e-3 and the trigger fired on step 2.
+THRESHOLD = 1e-4
 SOURCES = {
     "int8": {"rollout.quantize": "int8"},
     "fp8": {"rollout.quantize": "fp8"},

@@ -17,8 +17,9 @@ loss. Here every variant is the same DAPO-style GRPO — std-normalised group ad
 - `icepop`: w = 1{0.5 ≤ ρ_t ≤ 5} (IcePop's two-sided token mask).
 
 One grid per mismatch source (the argument), each 4 variants × 5 seeds at the edge-of-stability LR 7e-4 of
-E0, mismatch from step 0. 80 steps × 128 completions per run: ~25 min per grid two at a time on this 2-core
-machine when it is otherwise idle (from a 1-seed 80-step smoke run: 115 s alone). Resumable.
+E0, mismatch from step 0. 80 steps × 128 completions per run, two at a time on this 2-core machine when it
+is otherwise idle: ~25 min per σ grid (a 1-seed 80-step fp32 run: 115 s alone), ~33 min for int8 (steps
+~1.35× longer with int8 rollouts in a smoke run). Resumable.
 """
 
 LR = 7e-4

@@ -24,9 +24,10 @@ The paper's sanity metric is the *training* reward on its perfectible set, so co
 
 Longer responses (`configs/arith_length_cpu.py:long`: 4–6 operands, full scratchpads of ~28 tokens, 57 %
 initial accuracy at T = 1 — the paper's perfectible band) because a sequence's mismatch accumulates over
-its tokens. 8 prompts × 8 samples per step. Sized from 1-seed 6-step smoke runs on this 2-core machine
-(under load): ~2 s per step at 16 prompts in bf16, so ~1 s at 8: ~20 min per algorithm grid, ~30-35 min
-for the exact grid, two runs at a time when the machine is otherwise idle. Resumable.
+its tokens. 8 prompts × 8 samples per step. Sized from 1-seed 6-step smoke runs of this spec on this
+2-core machine (docs/experiments.md, "Sizing"): bf16 ~0.9 s per step, exact 6–11 s, plus ~45 s of
+compilation per new shape: ~35 min per algorithm grid and ~35 min for the exact grid, two runs at a time
+when the machine is otherwise idle (the arith_long_base warm start first: 6.5 min). Resumable.
 """
 
 LR = 3e-4

@@ -42,7 +42,7 @@ RESUME_MAY_CHANGE = (
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/run"  # metrics.jsonl, TensorBoard events, checkpoints, report.png, server log
-    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics (not the problems: task.data_seed)
+    c.seed = 0  # model-independent randomness: data order, rollout seeds, diagnostics (problems: task.data_seed)
     c.steps = 100  # RL steps (one rollout batch each)
     c.resume = True  # continue from the latest checkpoint in run_dir/checkpoints if there is one
 
@@ -616,6 +616,8 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """`field: old → new` for every field that differs and changes what a resumed run trains. A field the saved
     config lacks (added to the schema after the run started) counts only when it is not at its default."""
     old, new, base = _flatten(saved), _flatten(current), _flatten(base_config())
+    if "task.data_seed" not in old and "seed" in old:
+        old["task.data_seed"] = old["seed"]  # a run from before the field drew its problems from `seed`
     out = []
     for path in sorted(set(old) | set(new)):
         if any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE):

@@ -313,7 +313,8 @@ def test_table_only_aggregates_over_seeds_and_reports_failed_runs(tmp_path, fake
     assert not failed["ok"] and failed["status"].startswith("failed (exit 1, 10/20 steps): error: train: RuntimeError")
     md = (tmp_path / "out" / "table.md").read_text()
     main_table = md.split("\n\n")[0]
-    rows = {line.split(" | ")[0].strip("| "): line for line in main_table.splitlines() if line.startswith(("| a", "| b"))}
+    rows = {line.split(" | ")[0].strip("| "): line
+            for line in main_table.splitlines() if line.startswith(("| a", "| b"))}
     assert "| 2/2 | 1/2 |" in rows["a"] and "0.350 ± 0.354" in rows["a"] and "| 12 |" in rows["a"]
     assert "| 1/2 | 0/1 |" in rows["b"] and "| – |" in rows["b"]
     assert "- b seed 1: failed (exit 1" in md

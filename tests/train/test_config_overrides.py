@@ -59,6 +59,18 @@ def test_values_parse_by_field_type():
             apply_override(c, path, text)
 
 
+def test_resume_of_a_run_from_before_task_data_seed_keeps_its_problems():
+    """Runs saved before `task.data_seed` existed generated their problems from `seed`: resuming one with
+    another seed under the new default (0) would train and validate on other problems, so it is a change."""
+    saved, current = base_config().to_dict(), base_config()
+    del saved["task"]["data_seed"]
+    assert config_changes(saved, current.to_dict()) == []  # seed 0: the same problems as before
+    saved["seed"] = current.seed = 3
+    assert config_changes(saved, current.to_dict()) == ["task.data_seed: 3 → 0"]
+    current.task.data_seed = 3
+    assert config_changes(saved, current.to_dict()) == []
+
+
 def test_resume_changes_list_only_fields_that_change_the_run():
     a, b = base_config(), base_config()
     b.steps, b.log.progress, b.eval.every, b.trainer.mesh.fsdp = 999, False, 3, 2  # may change
