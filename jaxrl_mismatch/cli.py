@@ -10,6 +10,7 @@ lists them all). `--debug` (before or after the subcommand) shows the traceback 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, function taking argv list, one-line help)
@@ -35,6 +36,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None  # the console script / `python -m`: may end the process itself
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -59,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        if as_program:
+            # A save that failed before orbax created its directory leaves orbax's non-daemon signalling
+            # threads waiting (up to minutes) for a signal that never comes; the job's own resources are
+            # closed by now (checkpointer, run log, rollout server, run lock), so exit without joining them.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

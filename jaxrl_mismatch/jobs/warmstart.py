@@ -245,8 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"{e}") from None
     t0 = time.perf_counter()
     tok = build_arithmetic_tokenizer()
-    train = arithmetic.generate(spec, "train", args.num_train, seed=args.seed)
-    val = arithmetic.generate(spec, "validation", args.num_eval, seed=args.seed) if args.num_eval else []
+    try:
+        train = arithmetic.generate(spec, "train", args.num_train, seed=args.seed)
+        val = arithmetic.generate(spec, "validation", args.num_eval, seed=args.seed) if args.num_eval else []
+    except ValueError as e:  # the spec cannot yield that many distinct problems: the flags ask too much
+        raise UsageError(f"--num-train/--num-eval: {e}") from None
     prompts = [tok.encode(p.prompt) for p in train]
     answers = [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id] for p in train]
     longest = max(len(p) + len(a) for p, a in zip(prompts, answers))

@@ -433,6 +433,14 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
 
     Separate from `validate` so that configs for other machines (GPU/TPU paths) validate anywhere.
     """
+    if os.path.lexists(c.run_dir) and not os.path.isdir(c.run_dir):
+        raise ConfigError(f"config.run_dir: {c.run_dir} is a file; expected a (new or existing) run directory")
+    existing = os.path.abspath(c.run_dir)
+    while not os.path.exists(existing):  # the run directory, or the ancestor it will be created in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"config.run_dir: {c.run_dir} cannot be written ({existing} is "
+                          f"{'not a directory' if not os.path.isdir(existing) else 'not writable'})")
     if not c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
         what = "does not exist" if not os.path.exists(c.model.path) else "has no config.json"
         raise ConfigError(f"config.model.path: {c.model.path} {what}; point it to a local HF checkpoint directory")

@@ -85,6 +85,8 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["serve", "--model", "/tmp", "--host", "256.1.1.1"], ["--host 256.1.1.1", "not an IP address"]),
     (["train", "--config", CONFIG, "--config.rollout.address=10.0.0.5"], ["config.rollout.address", "host:port"]),
     (["report", "/etc/passwd"], ["/etc/passwd", "is a file"]),
+    (["train", "--config", CONFIG, "--config.run_dir=/etc/passwd"], ["config.run_dir", "/etc/passwd is a file"]),
+    (["train", "--config", CONFIG, "--config.run_dir=/etc/passwd/run"], ["config.run_dir", "not a directory"]),
 ])
 def test_bad_input_is_one_line_exit_2(args, needles, tmp_path):
     # Keep any run directory a failing command might create inside tmp_path.
