@@ -13,9 +13,10 @@ core of its own. From each run's metrics (the first `--warmup` steps, which comp
 - steps/s = timed steps / Σ time/step_s;
 - trainer idle = Σ time/rollout_s / Σ time/step_s: the trainer waits for the batch (synchronous: the whole
   rollout; asynchronous: the wait in `take` plus a weight push held by an in-progress Generate);
-- server idle = 1 − Σ Generate time / Σ time/step_s: synchronous, the Generate time is time/rollout_s less
-  the push; asynchronous, `time/generate_s` of the batches the timed steps trained on (the producer's
-  wall time per batch, a close upper bound on the server's busy time).
+- server idle = 1 − Σ Generate time / Σ time/step_s: synchronous, the Generate time is time/rollout_s (the
+  weight push included); asynchronous, `time/generate_s` of the batches the timed steps trained on (the
+  producer's wall time per batch, lock waits included): both upper bounds on the server's busy time, so
+  the idle fractions are lower bounds.
 
 `bypass`: two `Learner`s of the demo shape on the same random batches, `objective.preset` "decoupled"
 (θ_old forward) and "naive_ppo" (proximal = "bypass": μ as π_prox, no forward), `prepare` timed

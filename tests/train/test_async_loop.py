@@ -185,3 +185,40 @@ def _stop_orphan_server(run_dir: Path) -> None:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.slow
+def test_external_server_lost_mid_async_run_checkpoints_and_the_rerun_finishes(base_model, tmp_path):
+    """An external server that dies while batches are in flight: the producer's failure reaches the trainer,
+    which checkpoints the last finished step; with the server back the same config finishes the run."""
+    from jaxrl_mismatch.rollout.launcher import ManagedServer
+    from jaxrl_mismatch.train.loop import RolloutFailure, Trainer
+
+    server = ManagedServer(str(tmp_path / "srv"), engine="jax", model=str(base_model), dtype="float32")
+    server.start()
+    run_dir = tmp_path / "run"
+    c = config(base_model, run_dir, max_staleness=2, address=server.address, token_file=server.token_file)
+    c.steps = 5
+    t = Trainer(c)
+
+    def kill_after_step_1():
+        while t.step < 2:
+            time.sleep(0.05)
+        server.stop(grace_s=0)
+
+    threading.Thread(target=kill_after_step_1, daemon=True).start()
+    try:
+        with pytest.raises(RolloutFailure, match=r"resumable checkpoint of step (\d+)") as err:
+            t.run()
+    finally:
+        t.close()
+    done = int(re.search(r"checkpoint of step (\d+)", str(err.value)).group(1))
+    assert 2 <= done < 5
+    server.start()
+    try:
+        rows = _run(c)
+    finally:
+        server.stop()
+    assert [r["step"] for r in rows] == list(range(5))
+    assert all(r["staleness/version_lag_max"] <= 2 for r in rows)
+    _check_no_prompt_used_twice(rows, c.batch.prompts_per_step)

@@ -1,0 +1,139 @@
+"""RolloutProducer's schedule on its own: the start rule, fixed staleness, resume position, errors, drops.
+
+`make` here records when each batch starts (which push it saw) and advances a counter standing in for the
+prompt position; the loop tests (test_async_loop.py) run the producer with the real rollout path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.train.rollout_producer import Produced, RolloutProducer
+
+
+class Recorder:
+    def __init__(self, fail_at: int | None = None, delay: float = 0.0):
+        self.position = 0
+        self.pushes = 0  # how many pushes the trainer has made
+        self.seen: dict[int, int] = {}  # batch index -> pushes seen when it started
+        self.fail_at, self.delay = fail_at, delay
+        self.lock = threading.Lock()
+
+    def make(self, index: int, data_start: dict) -> Produced:
+        with self.lock:
+            self.seen[index] = self.pushes
+        if index == self.fail_at:
+            raise RuntimeError(f"batch {index} failed")
+        time.sleep(self.delay)
+        self.position += 4
+        return Produced(index=index, arrays={"sample_version": np.full((2, 1), self.seen[index])}, stats={},
+                        data_start=data_start, generate_s=0.0)
+
+    def state(self) -> dict:
+        return {"index": self.position}
+
+
+def _producer(rec, s, fixed=False, last=9):
+    return RolloutProducer(rec.make, max_staleness=s, fixed=fixed, start_index=0, last_index=last,
+                           data_state=rec.state)
+
+
+def _push(rec, p):
+    p.before_push()
+    with rec.lock:
+        rec.pushes += 1
+    p.pushed()
+
+
+def _wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_batch_j_starts_only_after_the_push_of_step_j_minus_s():
+    rec = Recorder()
+    p = _producer(rec, s=2)
+    try:
+        time.sleep(0.1)
+        assert rec.seen == {}  # nothing before the first push
+        _push(rec, p)
+        _wait_until(lambda: len(rec.seen) == 3)
+        time.sleep(0.1)
+        assert sorted(rec.seen) == [0, 1, 2]  # j ≤ taken + s
+        for step in range(3):
+            item = p.take()
+            assert item.index == step
+            _push(rec, p)
+        _wait_until(lambda: 5 in rec.seen)
+        for j, pushes in rec.seen.items():
+            assert pushes >= j - 2 + 1  # batch j saw the push of step j − s (push k is the (k+1)-th)
+    finally:
+        p.close()
+
+
+def test_fixed_staleness_makes_every_batch_exactly_s_behind():
+    rec = Recorder(delay=0.02)
+    p = _producer(rec, s=2, fixed=True, last=7)
+    try:
+        _push(rec, p)
+        lags = []
+        for step in range(8):
+            item = p.take()
+            lags.append(step + 1 - (rec.seen[item.index]))  # trainer's pushes − pushes the batch saw
+            if step < 7:
+                _push(rec, p)
+        assert lags == [0, 1, 2, 2, 2, 2, 2, 2]
+    finally:
+        p.close()
+
+
+def test_resume_state_is_the_oldest_batch_not_trained_on():
+    rec = Recorder()
+    p = _producer(rec, s=2)
+    try:
+        _push(rec, p)
+        _wait_until(lambda: len(rec.seen) == 3 and rec.position == 12)
+        time.sleep(0.05)
+        assert p.resume_state() == {"index": 0}
+        p.take()
+        assert p.resume_state() == {"index": 4}  # batch 1 is in hand, not trained on: regenerate it
+    finally:
+        p.close()
+
+
+def test_an_error_of_the_producer_reaches_the_trainer():
+    rec = Recorder(fail_at=1)
+    p = _producer(rec, s=1)
+    try:
+        _push(rec, p)
+        assert p.take().index == 0
+        with pytest.raises(RuntimeError, match="batch 1 failed"):
+            p.take()
+    finally:
+        p.close()
+
+
+def test_a_dropped_batch_is_counted_and_replaced():
+    rec = Recorder()
+    p = _producer(rec, s=1, last=1)
+    try:
+        _push(rec, p)
+        a = p.take()
+        p.drop(a, current_version=5)
+        _push(rec, p)
+        assert p.dropped == 1 and p.last_index == 2
+        assert [p.take().index, p.take().index] == [1, 2]  # one more batch made in its place
+    finally:
+        p.close()
+
+
+def test_staleness_zero_is_not_a_producer():
+    with pytest.raises(ValueError, match="max_staleness"):
+        RolloutProducer(lambda i, d: None, max_staleness=0, fixed=False, start_index=0, last_index=1,
+                        data_state=dict)
