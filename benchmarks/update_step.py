@@ -23,6 +23,9 @@ as the correctness check: the step-1 loss and raw grad norm must agree (same com
 and the step-2 loss must agree (same optimizer). Every step uses a new learning rate, set from the host
 (`schedules.set_lr_scale` on our side, the param-group LR on theirs), and we count XLA compilations of
 our update across all of them with `train.compiles.count_compilations`: the contract is exactly 1.
+`--exact-forward` adds a third side, interleaved with the two: our update with `trainer.exact_forward`
+(log π valued by the exact scorer's per-row program, `train/exact_forward.py`; rollout max_tokens =
+seq + 1 − prompt_len), and reports its time over the ordinary update's.
 tokens/s = batch × seq / median step time (the fastest step is reported too: on a shared CPU it is the
 less load-sensitive of the two). Writes benchmarks/results/update_step.json.
 """
@@ -52,6 +55,7 @@ from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
+from jaxrl_mismatch.models.exact import canonical_length  # noqa: E402
 from jaxrl_mismatch.models.sharding import make_mesh  # noqa: E402
 from jaxrl_mismatch.objectives import objective_config  # noqa: E402
 from jaxrl_mismatch.schedules import OPTIMIZERS, make_optimizer, set_lr_scale  # noqa: E402
@@ -123,8 +127,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=40, help="timed steps per side (after 2 warm-up steps)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--chunk-size", type=int, default=128, help="LM-head chunk of our update's log-prob pass")
-    ap.add_argument("--out", default=str(REPO / "benchmarks/results/update_step.json"))
+    ap.add_argument("--exact-forward", action="store_true", help="also time the update with trainer.exact_forward")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/update_step.json "
+                                                "(update_step_exact.json with --exact-forward)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(REPO / "benchmarks/results" / ("update_step_exact.json" if args.exact_forward else "update_step.json"))
 
     load_avg_start = os.getloadavg()[0]
     cfg = ModelConfig(**MODEL)
@@ -153,6 +161,24 @@ def main() -> None:
     np_batch.update(old_logp=old_logp, rollout_logp=(old_logp + noise) * np_batch["response_mask"])
     batch = place_batch(RolloutBatch(**np_batch), mesh)
     update = jit_update(update_fn, state, batch, mesh)
+    exact = {}
+    if args.exact_forward:  # same objective and optimizer; π(θ) valued by the exact program
+        max_tokens = args.seq + 1 - args.prompt_len
+        exact_fn = make_update_fn(graphdef, opt, PolicyObjective(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
+                                  max_grad_norm=MAX_GRAD_NORM, chunk_size=args.chunk_size,
+                                  exact_forward=(graphdef, max_tokens))
+        own = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), params)  # the other update donates its buffers
+        exact["state"] = place_state(init_state(own, opt, precision.loss_scale_for(pol)), mesh)
+        exact["update"] = jit_update(exact_fn, exact["state"], batch, mesh)
+        exact["canonical_length"] = canonical_length(args.prompt_len, max_tokens)
+
+    def exact_step(i: int) -> float:
+        s = exact["state"].replace(opt_state=set_lr_scale(exact["state"].opt_state, lr_scale_at(i), mesh))
+        t0 = time.perf_counter()
+        s, metrics = exact["update"](s, batch)
+        jax.block_until_ready((s, metrics))
+        exact["state"] = s
+        return time.perf_counter() - t0
 
     jax_state = {"state": state}
     jax_log: list[dict[str, float]] = []
@@ -200,19 +226,23 @@ def main() -> None:
         return dt
 
     # ---- interleaved run --------------------------------------------------------------------------
-    times: dict[str, list[float]] = {"jax": [], "torch": []}
-    warmup_s: dict[str, list[float]] = {"jax": [], "torch": []}
+    sides = (("jax", jax_step), ("torch", torch_step)) + ((("jax_exact", exact_step),) if exact else ())
+    times: dict[str, list[float]] = {name: [] for name, _ in sides}
+    warmup_s: dict[str, list[float]] = {name: [] for name, _ in sides}
     n_steps = WARMUP + args.repeats
     with count_compilations("update") as compiles:
         for i in range(n_steps):
-            for name, step in (("jax", jax_step), ("torch", torch_step)):
+            for name, step in sides:
                 dt = step(i)
                 (warmup_s if i < WARMUP else times)[name].append(dt)
     load_avg_end = os.getloadavg()[0]
 
     n_tokens = args.batch * args.seq
     results = {}
-    for name, label in (("jax", "jax (jit update)"), ("torch", "torch (transformers)")):
+    labels = (("jax", "jax (jit update)"), ("torch", "torch (transformers)"))
+    if exact:
+        labels += (("jax_exact", "jax exact_forward"),)
+    for name, label in labels:
         med = statistics.median(times[name])
         best = min(times[name])
         results[label] = {"median_s": med, "tokens_per_s": n_tokens / med, "min_s": best,
@@ -240,6 +270,11 @@ def main() -> None:
               f"{r['tokens_per_s_at_min']:>14.0f}{r['warmup_s'][0]:>12.2f}")
     ratio_at_min = (results["jax (jit update)"]["tokens_per_s_at_min"]
                     / results["torch (transformers)"]["tokens_per_s_at_min"])
+    if exact:
+        ex = results["jax exact_forward"]["median_s"] / results["jax (jit update)"]["median_s"]
+        ex_min = results["jax exact_forward"]["min_s"] / results["jax (jit update)"]["min_s"]
+        print(f"exact_forward / ordinary update time: {ex:.2f}x (median), {ex_min:.2f}x (min); rows computed "
+              f"alone at canonical length {exact['canonical_length']}")
     print(f"ratio jax/torch: {jax_tps / torch_tps:.2f}x (median), {ratio_at_min:.2f}x (min)   "
           f"compilations of our update over {n_steps} distinct LRs: {compiles['compiles']}   "
           f"load avg {load_avg_start:.1f} -> {load_avg_end:.1f} on {os.cpu_count()} CPUs")
@@ -262,6 +297,10 @@ def main() -> None:
         "agreement": agreement,
         "lr_values": n_steps,
         "compiles_of_update": compiles["compiles"],
+        **({"exact_forward_over_ordinary": {
+            "median": results["jax exact_forward"]["median_s"] / results["jax (jit update)"]["median_s"],
+            "min": results["jax exact_forward"]["min_s"] / results["jax (jit update)"]["min_s"]},
+            "exact_canonical_length": exact["canonical_length"]} if exact else {}),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "load_avg_1min": {"start": load_avg_start, "end": load_avg_end},
@@ -269,8 +308,11 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(path)
     print(f"wrote {args.out}")
 
 
