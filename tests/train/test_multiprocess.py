@@ -4,7 +4,8 @@ Both runs go through the launcher's local mode (`LOCAL_PROCESSES=N launch/slurm_
 SLURM job takes: `jax.distributed.initialize` with a coordinator, gloo CPU collectives, process 0 talking to
 the rollout server and broadcasting the batch, every process placing its shards, orbax writing one checkpoint
 from both processes. The update, `prepare`'s diagnostics and every logged metric must match to float
-tolerance, and a checkpoint written by the 2 processes must resume in 1 process to the same next step.
+tolerance, as must the final parameters and optimizer state; a checkpoint written by the 2 processes resumes
+in 1 process, and one written by 1 process resumes in 2, to the same next step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,31 @@ def _records(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
 
 
+def _state(run_dir: Path, step: int) -> dict[str, object]:
+    """Every leaf (parameters, optimizer state, loss scale) of checkpoint `step`, as host arrays by path."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = run_dir / "checkpoints" / str(step) / "state"
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(path)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+
+
+def _same_state(a: Path, b: Path, step: int) -> None:
+    import numpy as np
+
+    sa, sb = _state(a, step), _state(b, step)
+    assert sa.keys() == sb.keys() and any("params" in k for k in sa)
+    for k in sa:
+        np.testing.assert_allclose(np.asarray(sa[k], np.float64), np.asarray(sb[k], np.float64), rtol=2e-4, atol=2e-6,
+                                   err_msg=k)
+
+
 def _close(a: dict, b: dict, step: int) -> None:
     keys = {k for k in a if not k.startswith("time/") and isinstance(a[k], (int, float))}
     assert keys == {k for k in b if not k.startswith("time/") and isinstance(b[k], (int, float))}
@@ -58,7 +84,7 @@ def _close(a: dict, b: dict, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(config_file, tmp_path):
+def test_two_processes_train_like_one_and_checkpoints_move_between_them(config_file, tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     out = _launch(config_file, two, 2, 4)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -76,6 +102,15 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(config
     a = _records(two)
     assert [r["step"] for r in a] == [0, 1, 2]
     _close(a[2], b[2], 2)
+    _same_state(two, one, 3)  # same final parameters and optimizer state
+    # The reverse: the 1-process checkpoint resumed by 2 processes, against the other run resumed by 1.
+    for run_dir, processes, devices in ((one, 2, 4), (two, 1, 8)):
+        out = _launch(config_file, run_dir, processes, devices, "--config.steps=4")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    a, b = _records(two), _records(one)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    _close(b[3], a[3], 3)
+    _same_state(two, one, 4)
 
 
 def test_local_mode_rejects_bad_process_counts(tmp_path):
