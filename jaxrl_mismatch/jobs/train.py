@@ -74,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     distributed.initialize(c.distributed.initialize)
     import jax
 
+    if jax.process_count() > 1:
+        print(f"train: process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} of "
+              f"{jax.device_count()} devices", flush=True)
+
     from jaxrl_mismatch.train.config import check_mesh
 
     check_mesh(c)  # the devices are known only now (multi-host); before any warm start or load

@@ -2,7 +2,9 @@
 
 On a TPU pod or a multi-node GPU job every host runs `jaxrl-mismatch train`; `initialize` calls
 `jax.distributed.initialize()` (which reads the cluster from the environment: TPU metadata, SLURM,
-or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID). Process 0 talks to the rollout
+or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, the local cluster that
+`LOCAL_PROCESSES=N launch/slurm_gpu.sh` starts on one machine; with JAX_PLATFORMS=cpu the processes'
+CPU devices talk through gloo collectives). Process 0 talks to the rollout
 server; the rollout batch is broadcast to every process, which then places its own shards. On one
 host all of this reduces to plain calls.
 """
@@ -28,7 +30,14 @@ def initialize(mode: str) -> bool:
                  or "," in hosts or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
         if not multi:
             return False
-    jax.distributed.initialize()
+    kwargs = {}
+    if os.environ.get("JAX_NUM_PROCESSES") and os.environ.get("JAX_PROCESS_ID"):
+        # An explicit local cluster (launch/slurm_gpu.sh's local mode; JAX reads only the address itself).
+        kwargs = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        # CPU devices of several processes need a cross-process collectives backend (XLA's default has none).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
     return True
 
 

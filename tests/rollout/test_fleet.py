@@ -143,3 +143,27 @@ def test_sigkill_mid_step_fails_over_and_the_server_rejoins(tmp_path, tiny_check
             m.session.server.proc.send_signal(signal.SIGKILL)
         with pytest.raises(NoServerLeftError, match="no rollout server left for this step"):
             fleet.generate(PROMPTS, SPEC)
+
+
+def test_a_stalled_server_is_taken_out_and_its_prompts_answered_once(three_servers, tiny_checkpoints, caplog):
+    import threading
+
+    weights = _perturbed(tiny_checkpoints["untied"])
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, stall_timeout_s=8.0) as fleet:
+        fleet.push(weights)
+        reference = fleet.generate(PROMPTS, SPEC)
+        stalled = fleet.members[0]
+        real, release, late = stalled.session.generate, threading.Event(), []
+
+        def hang(prompts, spec):  # answers, but only long after the stall timeout
+            release.wait(120)
+            late.append(real(prompts, spec))
+            return late[-1]
+
+        stalled.session.generate = hang
+        got = fleet.generate(PROMPTS, SPEC)
+        release.set()
+        assert _tokens(got) == _tokens(reference) and not stalled.up and fleet.failovers == 1
+        assert "stalled (" in caplog.text and "> stall_timeout_s 8) during Generate" in caplog.text
+        stalled.session.generate = real
