@@ -100,7 +100,7 @@ class RolloutFleet:
     def launch(cls, num_servers: int, *, work_dir: str, timeout_s: float = 600.0, generate_timeout_s: float = 1800.0,
                ready_timeout_s: float = 600.0, restart: bool = True, start_version: int = 0,
                weight_transport: str = "auto", stall_timeout_s: float = 600.0, **server_options) -> RolloutFleet:
-        """Start `num_servers` loopback servers in parallel (each with its log and token in work_dir/rollout_server_k)."""
+        """Start `num_servers` loopback servers in parallel (log and token of each in work_dir/rollout_server_k)."""
         def one(k: int) -> _Member:
             session = RolloutSession.launch(work_dir=os.path.join(work_dir, f"rollout_server_{k}"), timeout_s=timeout_s,
                                             generate_timeout_s=generate_timeout_s, ready_timeout_s=ready_timeout_s,

@@ -67,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # jax (built-in) | vllm
-    c.rollout.address = ""  # "host:port" of an external server, or several comma-separated (a fleet, rollout/fleet.py); "" = start servers as subprocesses on loopback
+    # "host:port" of an external server, or several comma-separated (a fleet: rollout/fleet.py); "" = start
+    # rollout.num_servers servers as subprocesses on loopback
+    c.rollout.address = ""
     c.rollout.num_servers = 1  # servers to start when managed (address ""): requests spread by tokens, failover
     c.rollout.token_file = ""  # shared token for weight pushes (external server); generated when managed
     c.rollout.dtype = "float32"  # rollout precision: float32 | bfloat16 | float16 (separate from the trainer's)
@@ -81,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.generate_timeout_s = 1800.0
     c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
     c.rollout.restart_on_failure = True  # managed server died: restart it and continue
-    c.rollout.stall_timeout_s = 600.0  # fleet: a Generate running longer marks its server stalled; its prompts go elsewhere
+    c.rollout.stall_timeout_s = 600.0  # fleet: a longer Generate marks its server stalled, its prompts go elsewhere
     # Weight pushes: auto = shared memory when the server is on this host (rollout/shm.py), else the gRPC
     # stream | shm = shared memory or fail | grpc = always the stream
     c.rollout.weight_transport = "auto"

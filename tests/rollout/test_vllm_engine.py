@@ -205,6 +205,19 @@ def test_logprobs_equal_teacher_forced_recompute(served):
 
 
 @pytest.mark.vllm
+def test_prompt_offset_keeps_each_prompts_samples_when_a_batch_is_split(served):
+    """A request for prompts 1.. with prompt_offset=1 samples what the whole batch sampled for them (a fleet
+    spreads one batch over several servers this way, rollout/fleet.py)."""
+    import dataclasses
+
+    whole = served.engine.generate(PROMPTS, PLAIN)
+    tail = served.engine.generate(PROMPTS[1:], dataclasses.replace(PLAIN, prompt_offset=1))
+    assert [[c.token_ids for c in s] for s in tail] == [[c.token_ids for c in s] for s in whole[1:]]
+    shifted = served.engine.generate(PROMPTS[1:], PLAIN)  # without it, prompt 1 would draw as prompt 0
+    assert [[c.token_ids for c in s] for s in shifted] != [[c.token_ids for c in s] for s in whole[1:]]
+
+
+@pytest.mark.vllm
 def test_filtered_logprobs_are_those_of_the_processed_distribution(served):
     """With temperature/top-k/top-p the returned value is log μ of the renormalised, truncated distribution
     — what the trainer's rollout.sampling.token_logprobs_processed recomputes — not log-softmax(logits)."""
