@@ -119,7 +119,9 @@ class Trainer:
         t0 = time.perf_counter()
         self._push()
         arrays, stats = distributed.lead_computes(self.is_lead, self._rollout,
-                                                  rollout_fields(with_routing=self.collect_routing), STAT_KEYS)
+                                                  rollout_fields(with_routing=self.collect_routing,
+                                                                 with_kept=self.c.rollout.top_p < 1.0 or self.c.rollout.top_k > 0),
+                                                  STAT_KEYS)
         batch = from_wire(arrays, routing_shape=self.learner.routing_shape if self.collect_routing else None)
         t_rollout = time.perf_counter() - t0
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
@@ -174,6 +176,7 @@ class Trainer:
         not to validation, which measures the policy itself)."""
         r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
+                            top_p=r.top_p, top_k=r.top_k,
                             stop_token_ids=(self.data.eos_id,), exact=r.exact, logit_noise_std=r.logit_noise_std,
                             return_routing=self.collect_routing)
 
