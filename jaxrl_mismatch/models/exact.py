@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.attention import CHUNKED_MIN_SEQ
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask
+from jaxrl_mismatch.models.truncation import truncate_to_count
 
 EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
 
@@ -64,8 +65,10 @@ def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[A
 
 
 def row_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],
-                 temperature: float | Array) -> Float[Array, " length_minus_1"]:
-    """log π(tokens[t+1] | tokens[:t+1]) for t < length-1 of one row (0 past `n_valid`)."""
+                 temperature: float | Array, kept: Int[Array, " length_minus_1"] | None = None
+                 ) -> Float[Array, " length_minus_1"]:
+    """log π(tokens[t+1] | tokens[:t+1]) for t < length-1 of one row (0 past `n_valid`); with `kept` (top-k/
+    top-p), renormalised over the `kept[t]` most likely tokens (`models.truncation`; 0 = no truncation)."""
     length = tokens.shape[0]
     if length % EXACT_CHUNK:
         raise ValueError(f"exact rows must be a multiple of {EXACT_CHUNK} long, got {length}")
@@ -73,10 +76,14 @@ def row_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int
     targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
 
     def chunk(args):
-        h, t = args
-        return jnp.take_along_axis(head_logprobs(model, h, temperature), t[:, None], axis=-1)[:, 0]
+        h, t, k = args
+        logp_all = head_logprobs(model, h, temperature)
+        if k is not None:
+            logp_all = truncate_to_count(logp_all, k, t)
+        return jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0]
 
-    logp = jax.lax.map(chunk, (hidden, targets)).reshape(length)[:-1]
+    ks = None if kept is None else jnp.pad(kept, (0, 1)).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
+    logp = jax.lax.map(chunk, (hidden, targets, ks)).reshape(length)[:-1]
     return jnp.where(jnp.arange(length - 1) + 1 < n_valid, logp, 0.0)
 
 
@@ -92,25 +99,28 @@ def next_token_logprobs(model: Transformer, tokens: Int[Array, " length"], n_val
 
 
 def exact_token_logprobs(model: Transformer, tokens: Int[Array, "rows length"], n_valid: Int[Array, " rows"],
-                         temperature: float | Array) -> Float[Array, "rows length_minus_1"]:
+                         temperature: float | Array, kept: Int[Array, "rows length_minus_1"] | None = None
+                         ) -> Float[Array, "rows length_minus_1"]:
     """`row_logprobs` of every row, each computed alone (`lax.map`, batch 1): batch-invariant by construction."""
-    return jax.lax.map(lambda a: row_logprobs(model, a[0], a[1], temperature), (tokens, n_valid))
+    return jax.lax.map(lambda a: row_logprobs(model, a[0], a[1], temperature, a[2]), (tokens, n_valid, kept))
 
 
 EXACT_BLOCK = 8  # rows per jitted call of the trainer's scorer (any value gives the same bits)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score_block(graphdef, params, tokens, n_valid, temperature):
-    return exact_token_logprobs(nnx.merge(graphdef, params), tokens, n_valid, temperature)
+def _score_block(graphdef, params, tokens, n_valid, temperature, kept=None):
+    return exact_token_logprobs(nnx.merge(graphdef, params), tokens, n_valid, temperature, kept)
 
 
 def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_mask: np.ndarray,
-                response_mask: np.ndarray, *, max_tokens: int, temperature: float) -> np.ndarray:
+                response_mask: np.ndarray, *, max_tokens: int, temperature: float,
+                kept: np.ndarray | None = None) -> np.ndarray:
     """Host driver of the trainer's exact scorer: log π(y_t) of a right-padded batch `[B, S]` as `[B, S-1]`,
     each row computed at its canonical length (from its prompt length, i.e. its first response target,
     and the rollout's `max_tokens`), in blocks of `EXACT_BLOCK` rows. Equal, bit for bit, to the log-probs
-    the engine returned for the same rows in exact mode."""
+    the engine returned for the same rows in exact mode — with top-k/top-p too, given the engine's kept-set
+    sizes `kept` `[B, S-1]` (`RolloutBatch.kept_count`)."""
     tokens, attention_mask, response_mask = (np.asarray(a) for a in (tokens, attention_mask, response_mask))
     b, s = tokens.shape
     n_valid = attention_mask.sum(axis=1).astype(np.int32)
@@ -130,6 +140,11 @@ def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_ma
             width = min(s, length)
             ids[: len(block), :width] = tokens[block, :width]
             n[: len(block)] = n_valid[block]
-            logp = np.asarray(_score_block(graphdef, params, jnp.asarray(ids), jnp.asarray(n), np.float32(temperature)))
+            k = None
+            if kept is not None:
+                k = np.zeros((EXACT_BLOCK, length - 1), np.int32)
+                k[: len(block), : width - 1] = np.asarray(kept)[block, : width - 1]
+                k = jnp.asarray(k)
+            logp = np.asarray(_score_block(graphdef, params, jnp.asarray(ids), jnp.asarray(n), np.float32(temperature), k))
             out[block, : width - 1] = logp[: len(block), : width - 1]
     return out * response_mask

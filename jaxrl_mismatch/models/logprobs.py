@@ -15,6 +15,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask, positions_from_segments
+from jaxrl_mismatch.models.truncation import truncate_to_count, truncated_entropy
 
 
 def token_logprobs(
@@ -27,6 +28,7 @@ def token_logprobs(
     temperature: float = 1.0,
     segment_ids: Int[Array, "batch seq"] | None = None,
     positions: Int[Array, "batch seq"] | None = None,
+    kept: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
     """(log π(targets[b,t] | input_ids[b,:t+1]), entropy of π(· | input_ids[b,:t+1])), float32 [B, S].
 
@@ -52,7 +54,8 @@ def token_logprobs(
         valid = attention_mask
         positions = positions_from_mask(attention_mask) if positions is None else positions
         hidden = model(input_ids, positions, attention_mask)
-    return logprobs_from_hidden(model, hidden, targets, valid, chunk_size=chunk_size, temperature=temperature)
+    return logprobs_from_hidden(model, hidden, targets, valid, chunk_size=chunk_size, temperature=temperature,
+                                kept=kept)
 
 
 def logprobs_from_hidden(
@@ -63,8 +66,12 @@ def logprobs_from_hidden(
     *,
     chunk_size: int = 256,
     temperature: float = 1.0,
+    kept: Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq"], Float[Array, "batch seq"]]:
-    """The LM-head part of `token_logprobs`, for callers that already have the final hidden states."""
+    """The LM-head part of `token_logprobs`, for callers that already have the final hidden states.
+
+    `kept` (top-k/top-p rollouts): per target, the engine's kept-set size; π is renormalised over the
+    `kept` most likely tokens of its own distribution (`models.truncation`; 0 = the whole vocabulary)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature!r}")
     b, s, d = hidden.shape
@@ -74,23 +81,32 @@ def logprobs_from_hidden(
     if pad:
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        kept = None if kept is None else jnp.pad(kept, ((0, 0), (0, pad)))
     h_chunks = hidden.reshape(b, n, c, d).transpose(1, 0, 2, 3)
     t_chunks = targets.reshape(b, n, c).transpose(1, 0, 2)
+    k_chunks = None if kept is None else kept.reshape(b, n, c).transpose(1, 0, 2)
 
     graphdef, state = nnx.split(model)
 
     @jax.checkpoint
-    def chunk(state, h, t):
+    def chunk(state, h, t, k):
         logits = nnx.merge(graphdef, state).logits(h)
         if temperature != 1.0:
             logits = logits / jnp.asarray(temperature, logits.dtype)
         logp_all = jax.nn.log_softmax(logits, axis=-1)
+        if k is not None:
+            logp_all = truncate_to_count(logp_all.astype(jnp.float32), k, t)
+            logp = jnp.take_along_axis(logp_all, t[:, :, None], axis=-1)[:, :, 0]
+            return logp, truncated_entropy(logp_all)
         logp = jnp.take_along_axis(logp_all, t[:, :, None], axis=-1)[:, :, 0].astype(jnp.float32)
         logp_all = logp_all.astype(jnp.float32)
         entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
         return logp, entropy
 
-    logp, entropy = jax.lax.map(lambda xs: chunk(state, *xs), (h_chunks, t_chunks))
+    if k_chunks is None:
+        logp, entropy = jax.lax.map(lambda xs: chunk(state, *xs, None), (h_chunks, t_chunks))
+    else:
+        logp, entropy = jax.lax.map(lambda xs: chunk(state, *xs), (h_chunks, t_chunks, k_chunks))
     logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :s]
     entropy = entropy.transpose(1, 0, 2).reshape(b, n * c)[:, :s]
     valid = attention_mask > 0  # also segment ids

@@ -137,12 +137,15 @@ def _completion(pb: rollout_pb2.Completion) -> Completion:
     routing = None
     if pb.HasField("routing"):
         routing = routing_from_proto(pb.routing, pb.routing.num_prompt_tokens + len(pb.token_ids))
+    if pb.kept_counts and len(pb.kept_counts) != len(pb.token_ids):
+        raise RolloutError(f"malformed completion: {len(pb.kept_counts)} kept_counts for {len(pb.token_ids)} tokens")
     return Completion(
         token_ids=list(pb.token_ids),
         logprobs=list(pb.logprobs),
         finish_reason=_FINISH.get(pb.finish_reason, "unspecified"),
         weight_version=pb.weight_version,
         routing=routing,
+        kept_counts=list(pb.kept_counts) if pb.kept_counts else None,
     )
 
 

@@ -51,6 +51,10 @@ class Completion:
     # router chose for token t of prompt + token_ids (as model input), [len(prompt) + len(token_ids), layers, k],
     # uint8 (<= 256 experts) or uint16. None when not requested.
     routing: np.ndarray | None = None
+    # Top-k / top-p: kept_counts[t] = how many tokens the truncation kept when token t was sampled (the
+    # support μ was renormalised over; the trainer renormalises π over its own `kept_counts[t]` most likely
+    # tokens, `models.truncation`). None when the request did not truncate or the engine does not report it.
+    kept_counts: list[int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -155,6 +155,8 @@ class JaxEngine(Engine):
         lengths = np.zeros((len(rows),), np.int32)
         stopped = np.zeros((len(rows),), bool)
         routing: list[np.ndarray | None] = [None] * len(rows)
+        filtering = sampling.uses_filtering(spec.top_k, spec.top_p, spec.temperature)
+        kept = np.zeros((len(rows), spec.max_tokens), np.int32) if filtering else None
         if spec.return_routing and (spec.exact or not self.cfg.is_moe):
             raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
         for start in range(0, len(rows), self._max_batch_rows):
@@ -164,15 +166,23 @@ class JaxEngine(Engine):
                           logit_noise_std=spec.logit_noise_std, stop_token_ids=spec.stop_token_ids,
                           base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS,
                           prompt_offset=spec.prompt_offset)
+                sl = slice(start, start + len(part))
                 if self._exact_sampler == "reference":
+                    if filtering:
+                        raise ValueError("top_k/top_p in exact mode need the speculative exact sampler")
                     t, lp, n, s = sample_exact(self._graphdef, params, self._rest, prompts, part, **kw)
                 else:
-                    t, lp, n, s, st = sample_exact_speculative(self._graphdef, params, self._rest, prompts, part, **kw)
+                    t, lp, n, s, st, kc = sample_exact_speculative(self._graphdef, params, self._rest, prompts, part,
+                                                                  top_k=spec.top_k, top_p=spec.top_p, **kw)
                     self.exact_stats.add(st)
+                    if filtering:
+                        kept[sl] = kc
             else:
-                t, lp, n, s, r = self._generate_rows(params, prompts, part, spec)
+                t, lp, n, s, r, kc = self._generate_rows(params, prompts, part, spec)
                 if r is not None:
                     routing[start : start + len(part)] = r
+                if filtering:
+                    kept[start: start + len(part)] = kc
             sl = slice(start, start + len(part))
             tokens[sl], logps[sl], lengths[sl], stopped[sl] = t, lp, n, s
         out: list[list[Completion]] = [[] for _ in prompts]
@@ -184,7 +194,8 @@ class JaxEngine(Engine):
                 raise NonFiniteLogprobsError(i, j, int(bad[0]), float(lp[bad[0]]), version)
             out[i].append(Completion(token_ids=tokens[r, :n].tolist(), logprobs=lp.tolist(),
                                      finish_reason="stop" if stopped[r] else "length", weight_version=version,
-                                     routing=None if routing[r] is None else routing[r][: len(prompts[i]) + n]))
+                                     routing=None if routing[r] is None else routing[r][: len(prompts[i]) + n],
+                                     kept_counts=None if kept is None else kept[r, :n].tolist()))
         return out
 
     # -- batching ----------------------------------------------------------------------------------
@@ -214,12 +225,13 @@ class JaxEngine(Engine):
             inject=spec.logit_noise_std > 0, routing=spec.return_routing,
         )
         k = len(rows)
-        tokens, logps, lengths, stopped, prompt_routes, new_routes = jax.device_get(out)
+        tokens, logps, lengths, stopped, prompt_routes, new_routes, kept = jax.device_get(out)
         routes = None
         if spec.return_routing:  # prompt tokens sit right-aligned in the left-padded prefill
             routes = [np.concatenate([prompt_routes[r, prompt_len - len(prompts[i]):], new_routes[r, : int(lengths[r])]])
                       for r, (i, _) in enumerate(rows)]
-        return tokens[:k, : spec.max_tokens], logps[:k, : spec.max_tokens], lengths[:k], stopped[:k], routes
+        return (tokens[:k, : spec.max_tokens], logps[:k, : spec.max_tokens], lengths[:k], stopped[:k], routes,
+                kept[:k, : spec.max_tokens])
 
 
 _quantize_program = jax.jit(quant.quantize_params, static_argnames=("method",))
@@ -304,12 +316,13 @@ def _sample_program(
     keys = _row_keys(base_key, prompt_idx, sample_idx)
 
     def cond(carry):
-        t, _, _, _, _, done, _, _ = carry
+        t, _, _, _, _, done, _, _, _ = carry
         return (t < max_tokens) & ~jnp.all(done)
 
     def body(carry):
-        t, logits, cache, tokens, logps, done, lengths, routes = carry
+        t, logits, cache, tokens, logps, done, lengths, routes, kept = carry
         logp_all = step_logprobs(logits, temperature, top_k, top_p, filtering=filtering)
+        kept = kept.at[:, t].set(jnp.where(done, 0, jnp.sum(jnp.isfinite(logp_all), axis=-1).astype(jnp.int32)))
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
         if inject:  # controlled mismatch: sample from, and report, the perturbed distribution
             logp_all = perturb(logp_all, step_keys, sigma, temperature)
@@ -323,13 +336,14 @@ def _sample_program(
         logits, cache = kv_cache.decode_step(runner, tok, cache)
         if routing:  # the experts that processed token t (as the input of this decode step)
             routes = routes.at[:, t].set(runner.last[:, 0])
-        return t + 1, logits, cache, tokens, logps, done, lengths, routes
+        return t + 1, logits, cache, tokens, logps, done, lengths, routes, kept
 
     init = (
         jnp.zeros((), jnp.int32), logits, cache,
         jnp.zeros((rows, new_len), jnp.int32), jnp.zeros((rows, new_len), jnp.float32),
         jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32),
         jnp.zeros((rows, new_len if routing else 0) + route_shape, route_dtype),
+        jnp.zeros((rows, new_len), jnp.int32),
     )
-    _, _, _, tokens, logps, done, lengths, routes = jax.lax.while_loop(cond, body, init)
-    return tokens, logps, lengths, done, prompt_routes, routes
+    _, _, _, tokens, logps, done, lengths, routes, kept = jax.lax.while_loop(cond, body, init)
+    return tokens, logps, lengths, done, prompt_routes, routes, kept

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$jaxrl_mismatch/rollout/rollout.proto\x12\x19jaxrl_mismatch.rollout.v1\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xaf\x03\n\x0fGenerateRequest\x12\x32\n\x07prompts\x18\x01 \x03(\x0b\x32!.jaxrl_mismatch.rollout.v1.Prompt\x12\x0e\n\x01n\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\r\n\x05\x65xact\x18\t \x01(\x08\x12\x1c\n\x0flogit_noise_std\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0ereturn_routing\x18\x0b \x01(\x08\x12\x1e\n\x11quantize_strength\x18\x32 \x01(\x02H\x06\x88\x01\x01\x12\x15\n\rprompt_offset\x18< \x01(\x03\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_logit_noise_stdB\x14\n\x12_quantize_strength\"m\n\x07Routing\x12\x12\n\nexpert_ids\x18\x01 \x01(\x0c\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08itemsize\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\xcf\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12>\n\rfinish_reason\x18\x03 \x01(\x0e\x32\'.jaxrl_mismatch.rollout.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x38\n\x07routing\x18\x05 \x01(\x0b\x32\".jaxrl_mismatch.rollout.v1.RoutingH\x00\x88\x01\x01\x42\n\n\x08_routing\"K\n\x11PromptCompletions\x12\x36\n\x07samples\x18\x01 \x03(\x0b\x32%.jaxrl_mismatch.rollout.v1.Completion\"d\n\x10GenerateResponse\x12=\n\x07prompts\x18\x01 \x03(\x0b\x32,.jaxrl_mismatch.rollout.v1.PromptCompletions\x12\x11\n\tserver_id\x18\x02 \x01(\t\"h\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"W\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\".\n\x0eGetInfoRequest\x12\x1c\n\x14include_weight_specs\x18\x01 \x01(\x08\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xdb\x02\n\x0fGetInfoResponse\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x11\n\tserver_id\x18\x07 \x01(\t\x12!\n\x19max_request_prompt_tokens\x18\x08 \x01(\x03\x12%\n\x1dmax_request_completion_tokens\x18\t \x01(\x03\x12;\n\x0cweight_specs\x18\n \x03(\x0b\x32%.jaxrl_mismatch.rollout.v1.TensorSpec\x12\x0f\n\x07options\x18\x0b \x03(\t\x12\x10\n\x08quantize\x18\x33 \x01(\t\x12\x13\n\x0bshm_host_id\x18< \x01(\t\"G\n\tShmTensor\x12\x0c\n\x04name\x18< \x01(\t\x12\r\n\x05\x64type\x18= \x01(\t\x12\r\n\x05shape\x18> \x03(\x03\x12\x0e\n\x06offset\x18? \x01(\x03\"\x8d\x01\n\nShmWeights\x12\x0f\n\x07version\x18< \x01(\x03\x12\x0b\n\x03pid\x18= \x01(\x05\x12\n\n\x02\x66\x64\x18> \x01(\x05\x12\x0c\n\x04size\x18? \x01(\x03\x12\x10\n\x08\x63hecksum\x18@ \x01(\x04\x12\x35\n\x07tensors\x18\x41 \x03(\x0b\x32$.jaxrl_mismatch.rollout.v1.ShmTensor\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x8f\x04\n\x07Rollout\x12\x63\n\x08Generate\x12*.jaxrl_mismatch.rollout.v1.GenerateRequest\x1a+.jaxrl_mismatch.rollout.v1.GenerateResponse\x12k\n\rUpdateWeights\x12&.jaxrl_mismatch.rollout.v1.WeightChunk\x1a\x30.jaxrl_mismatch.rollout.v1.UpdateWeightsResponse(\x01\x12k\n\x10UpdateWeightsShm\x12%.jaxrl_mismatch.rollout.v1.ShmWeights\x1a\x30.jaxrl_mismatch.rollout.v1.UpdateWeightsResponse\x12`\n\x07GetInfo\x12).jaxrl_mismatch.rollout.v1.GetInfoRequest\x1a*.jaxrl_mismatch.rollout.v1.GetInfoResponse\x12\x63\n\x08Shutdown\x12*.jaxrl_mismatch.rollout.v1.ShutdownRequest\x1a+.jaxrl_mismatch.rollout.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$jaxrl_mismatch/rollout/rollout.proto\x12\x19jaxrl_mismatch.rollout.v1\"\x1b\n\x06Prompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xaf\x03\n\x0fGenerateRequest\x12\x32\n\x07prompts\x18\x01 \x03(\x0b\x32!.jaxrl_mismatch.rollout.v1.Prompt\x12\x0e\n\x01n\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\r\n\x05\x65xact\x18\t \x01(\x08\x12\x1c\n\x0flogit_noise_std\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0ereturn_routing\x18\x0b \x01(\x08\x12\x1e\n\x11quantize_strength\x18\x32 \x01(\x02H\x06\x88\x01\x01\x12\x15\n\rprompt_offset\x18< \x01(\x03\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_logit_noise_stdB\x14\n\x12_quantize_strength\"m\n\x07Routing\x12\x12\n\nexpert_ids\x18\x01 \x01(\x0c\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08itemsize\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\"\xe4\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12>\n\rfinish_reason\x18\x03 \x01(\x0e\x32\'.jaxrl_mismatch.rollout.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x38\n\x07routing\x18\x05 \x01(\x0b\x32\".jaxrl_mismatch.rollout.v1.RoutingH\x00\x88\x01\x01\x12\x13\n\x0bkept_counts\x18\x46 \x03(\x05\x42\n\n\x08_routing\"K\n\x11PromptCompletions\x12\x36\n\x07samples\x18\x01 \x03(\x0b\x32%.jaxrl_mismatch.rollout.v1.Completion\"d\n\x10GenerateResponse\x12=\n\x07prompts\x18\x01 \x03(\x0b\x32,.jaxrl_mismatch.rollout.v1.PromptCompletions\x12\x11\n\tserver_id\x18\x02 \x01(\t\"h\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"W\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x03\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\".\n\x0eGetInfoRequest\x12\x1c\n\x14include_weight_specs\x18\x01 \x01(\x08\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xdb\x02\n\x0fGetInfoResponse\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x15\n\rmax_model_len\x18\x06 \x01(\x03\x12\x11\n\tserver_id\x18\x07 \x01(\t\x12!\n\x19max_request_prompt_tokens\x18\x08 \x01(\x03\x12%\n\x1dmax_request_completion_tokens\x18\t \x01(\x03\x12;\n\x0cweight_specs\x18\n \x03(\x0b\x32%.jaxrl_mismatch.rollout.v1.TensorSpec\x12\x0f\n\x07options\x18\x0b \x03(\t\x12\x10\n\x08quantize\x18\x33 \x01(\t\x12\x13\n\x0bshm_host_id\x18< \x01(\t\"G\n\tShmTensor\x12\x0c\n\x04name\x18< \x01(\t\x12\r\n\x05\x64type\x18= \x01(\t\x12\r\n\x05shape\x18> \x03(\x03\x12\x0e\n\x06offset\x18? \x01(\x03\"\x8d\x01\n\nShmWeights\x12\x0f\n\x07version\x18< \x01(\x03\x12\x0b\n\x03pid\x18= \x01(\x05\x12\n\n\x02\x66\x64\x18> \x01(\x05\x12\x0c\n\x04size\x18? \x01(\x03\x12\x10\n\x08\x63hecksum\x18@ \x01(\x04\x12\x35\n\x07tensors\x18\x41 \x03(\x0b\x32$.jaxrl_mismatch.rollout.v1.ShmTensor\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x8f\x04\n\x07Rollout\x12\x63\n\x08Generate\x12*.jaxrl_mismatch.rollout.v1.GenerateRequest\x1a+.jaxrl_mismatch.rollout.v1.GenerateResponse\x12k\n\rUpdateWeights\x12&.jaxrl_mismatch.rollout.v1.WeightChunk\x1a\x30.jaxrl_mismatch.rollout.v1.UpdateWeightsResponse(\x01\x12k\n\x10UpdateWeightsShm\x12%.jaxrl_mismatch.rollout.v1.ShmWeights\x1a\x30.jaxrl_mismatch.rollout.v1.UpdateWeightsResponse\x12`\n\x07GetInfo\x12).jaxrl_mismatch.rollout.v1.GetInfoRequest\x1a*.jaxrl_mismatch.rollout.v1.GetInfoResponse\x12\x63\n\x08Shutdown\x12*.jaxrl_mismatch.rollout.v1.ShutdownRequest\x1a+.jaxrl_mismatch.rollout.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxrl_mismatch.rollout.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1937
-  _globals['_FINISHREASON']._serialized_end=2032
+  _globals['_FINISHREASON']._serialized_start=1958
+  _globals['_FINISHREASON']._serialized_end=2053
   _globals['_PROMPT']._serialized_start=67
   _globals['_PROMPT']._serialized_end=94
   _globals['_GENERATEREQUEST']._serialized_start=97
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTING']._serialized_start=530
   _globals['_ROUTING']._serialized_end=639
   _globals['_COMPLETION']._serialized_start=642
-  _globals['_COMPLETION']._serialized_end=849
-  _globals['_PROMPTCOMPLETIONS']._serialized_start=851
-  _globals['_PROMPTCOMPLETIONS']._serialized_end=926
-  _globals['_GENERATERESPONSE']._serialized_start=928
-  _globals['_GENERATERESPONSE']._serialized_end=1028
-  _globals['_WEIGHTCHUNK']._serialized_start=1030
-  _globals['_WEIGHTCHUNK']._serialized_end=1134
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1136
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1223
-  _globals['_GETINFOREQUEST']._serialized_start=1225
-  _globals['_GETINFOREQUEST']._serialized_end=1271
-  _globals['_TENSORSPEC']._serialized_start=1273
-  _globals['_TENSORSPEC']._serialized_end=1329
-  _globals['_GETINFORESPONSE']._serialized_start=1332
-  _globals['_GETINFORESPONSE']._serialized_end=1679
-  _globals['_SHMTENSOR']._serialized_start=1681
-  _globals['_SHMTENSOR']._serialized_end=1752
-  _globals['_SHMWEIGHTS']._serialized_start=1755
-  _globals['_SHMWEIGHTS']._serialized_end=1896
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1898
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1915
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1917
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1935
-  _globals['_ROLLOUT']._serialized_start=2035
-  _globals['_ROLLOUT']._serialized_end=2562
+  _globals['_COMPLETION']._serialized_end=870
+  _globals['_PROMPTCOMPLETIONS']._serialized_start=872
+  _globals['_PROMPTCOMPLETIONS']._serialized_end=947
+  _globals['_GENERATERESPONSE']._serialized_start=949
+  _globals['_GENERATERESPONSE']._serialized_end=1049
+  _globals['_WEIGHTCHUNK']._serialized_start=1051
+  _globals['_WEIGHTCHUNK']._serialized_end=1155
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1157
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1244
+  _globals['_GETINFOREQUEST']._serialized_start=1246
+  _globals['_GETINFOREQUEST']._serialized_end=1292
+  _globals['_TENSORSPEC']._serialized_start=1294
+  _globals['_TENSORSPEC']._serialized_end=1350
+  _globals['_GETINFORESPONSE']._serialized_start=1353
+  _globals['_GETINFORESPONSE']._serialized_end=1700
+  _globals['_SHMTENSOR']._serialized_start=1702
+  _globals['_SHMTENSOR']._serialized_end=1773
+  _globals['_SHMWEIGHTS']._serialized_start=1776
+  _globals['_SHMWEIGHTS']._serialized_end=1917
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1919
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1936
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1938
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=1956
+  _globals['_ROLLOUT']._serialized_start=2056
+  _globals['_ROLLOUT']._serialized_end=2583
 # @@protoc_insertion_point(module_scope)

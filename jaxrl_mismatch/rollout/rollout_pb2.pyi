@@ -67,18 +67,20 @@ class Routing(_message.Message):
     def __init__(self, expert_ids: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., itemsize: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version", "routing")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "weight_version", "routing", "kept_counts")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    KEPT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
     weight_version: int
     routing: Routing
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
+    kept_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., kept_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptCompletions(_message.Message):
     __slots__ = ("samples",)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrl_mismatch.models.truncation import renormalise
 from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE  # vLLM's _SAMPLING_EPS
 
 
@@ -98,6 +99,17 @@ def token_logprobs_processed(
     keep = keep_mask(logits, temperature, top_k, top_p) | is_target
     logp = jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
     return jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def truncate_logprobs(logp_all: Float[Array, "*batch vocab"], top_k, top_p
+                      ) -> tuple[Float[Array, "*batch vocab"], Int[Array, "*batch"]]:
+    """(log p renormalised over what top-k/top-p keep of p = exp(logp_all), kept-set size) — the exact
+    sampler's truncation, defined on the distribution's own log-probs (temperature already applied).
+
+    The kept set is always the `kept` most likely tokens (ties at the boundary all kept: a value threshold),
+    so the size alone rebuilds it: `truncate_to_count(logp_all, kept)` gives the same bits."""
+    keep = keep_mask(logp_all, 1.0, top_k, top_p)
+    return renormalise(logp_all, keep), jnp.sum(keep, axis=-1).astype(jnp.int32)
 
 
 def uses_filtering(top_k: int, top_p: float, temperature: float = 1.0) -> bool:

@@ -114,6 +114,8 @@ def completions_to_proto(completions: list[list[Completion]], server_id: str,
                 finish_reason=_FINISH[c.finish_reason],
                 weight_version=c.weight_version,
             )
+            if c.kept_counts is not None:
+                pb.kept_counts.extend(c.kept_counts)
             if c.routing is not None:
                 n_prompt = len(prompts[i]) if prompts is not None else c.routing.shape[0] - len(c.token_ids)
                 pb.routing.CopyFrom(routing_to_proto(c.routing, n_prompt))

@@ -24,6 +24,10 @@ Every returned token and log-prob comes from the exact forward (never from the d
 attention makes a position's exact forward independent of the tokens after it, so the output equals the
 reference sampler's bit for bit (tests/rollout/test_spec_exact.py) and μ = π(θ_old) of the trainer's
 exact scorer. Each round settles ≥ 1 token per row, so the loop ends; the draft only decides how many.
+
+Top-k / top-p (issue 21, item 3): both sides truncate the same way, on the distribution's own log-probs
+(`sampling.truncate_logprobs`), and the exact forward also returns each position's kept-set size, which the
+trainer's exact scorer uses to renormalise π(θ_old) over the same support (`models.truncation`), bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from jaxtyping import Array, Float, Int
 from jaxrl_mismatch.models import kv_cache
 from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, head_logprobs, row_hidden
 from jaxrl_mismatch.rollout.exact_sampler import perturb
+from jaxrl_mismatch.rollout.sampling import truncate_logprobs
 
 
 @dataclasses.dataclass
@@ -71,11 +76,15 @@ def _bucket(n: int, minimum: int) -> int:
 def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]],
                              rows: list[tuple[int, int]], *, max_tokens: int, temperature: float,
                              logit_noise_std: float, stop_token_ids: tuple[int, ...], base_key: np.ndarray,
-                             stop_slots: int, prompt_offset: int = 0
-                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SpecStats]:
-    """Same contract and same bits as `exact_sampler.sample_exact`, plus the draft/verify counters (prompt i
-    draws its randomness as prompt `prompt_offset + i`, as there)."""
+                             stop_slots: int, prompt_offset: int = 0, top_k: int = 0, top_p: float = 1.0
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SpecStats, np.ndarray | None]:
+    """Same contract and same bits as `exact_sampler.sample_exact` (prompt i draws its randomness as prompt
+    `prompt_offset + i`, as there), plus the draft/verify counters and, with top-k/top-p, each sampled token's
+    kept-set size `[R, max_tokens]` (else None)."""
     n = len(rows)
+    filtering = top_k > 0 or top_p < 1.0
+    trunc = dict(top_k=top_k, top_p=top_p, filtering=filtering)
+    kept = np.zeros((n, max_tokens), np.int32)
     tokens = np.zeros((n, max_tokens), np.int32)
     logps = np.zeros((n, max_tokens), np.float32)
     settled = np.zeros((n,), np.int32)  # tokens of each row that equal the reference sampler's
@@ -94,21 +103,23 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
         stats.rounds += 1
         draft, draft_len = _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, key_of, sample_of,
                                   max_tokens=max_tokens, temperature=temperature, sigma=logit_noise_std,
-                                  stop=stop, base_key=base_key, inject=inject)
+                                  stop=stop, base_key=base_key, inject=inject, **trunc)
         stats.drafted += int(draft_len.sum())
         for length in np.unique(canon[active]):
             members = active[canon[active] == length]
             picks = np.flatnonzero(canon[active] == length)
-            exact_tok, exact_lp = _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of,
+            exact_tok, exact_lp, exact_kept = _verify(graphdef, params, rest, prompts, tokens, settled, members,
+                                                      prompt_of, key_of,
                                           sample_of, draft[picks], draft_len[picks], length=int(length),
                                           temperature=temperature, sigma=logit_noise_std, base_key=base_key,
-                                          inject=inject)
+                                          inject=inject, **trunc)
             stats.exact_forwards += len(members)
             for k, r in enumerate(members):
                 t0, p = int(settled[r]), len(prompts[prompt_of[r]])
                 d = draft[picks[k], : draft_len[picks[k]]]
                 e = exact_tok[k, p - 1 + t0: p - 1 + t0 + len(d)]
                 lp = exact_lp[k, p - 1 + t0: p - 1 + t0 + len(d)]
+                kept[r, t0: t0 + len(d)] = exact_kept[k, p - 1 + t0: p - 1 + t0 + len(d)]
                 miss = np.flatnonzero(e != d)
                 keep = len(d) if miss.size == 0 else int(miss[0]) + 1  # through the first disagreement
                 stats.verified += keep
@@ -120,11 +131,11 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
                     settled[r] = t0 + hit[0] + 1
                     stopped[r] = True
         active = active[(~stopped[active]) & (settled[active] < max_tokens)]
-    return tokens, logps, settled, stopped, stats
+    return tokens, logps, settled, stopped, stats, (kept if filtering else None)
 
 
 def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, key_of, sample_of, *, max_tokens,
-           temperature, sigma, stop, base_key, inject):
+           temperature, sigma, stop, base_key, inject, top_k, top_p, filtering):
     """KV-cache draft of every active row from its first unsettled position (tokens [A, ≤max], lengths [A])."""
     a = len(active)
     ctx = [list(prompts[prompt_of[r]]) + tokens[r, : settled[r]].tolist() for r in active]
@@ -143,7 +154,8 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
         t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r], key_of[r], sample_of[r]
     out = _draft_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(mask), base_key, jnp.asarray(pi),
                          jnp.asarray(sj), jnp.asarray(t0), jnp.asarray(limit), np.float32(temperature),
-                         np.float32(sigma), jnp.asarray(stop), new_len=new_len, inject=inject)
+                         np.float32(sigma), jnp.asarray(stop), np.int32(top_k), np.float32(top_p), new_len=new_len,
+                         inject=inject, filtering=filtering)
     draft, lengths = jax.device_get(out)
     return draft[:a], lengths[:a]
 
@@ -153,11 +165,11 @@ def _row_keys(base_key, prompt_idx, sample_idx):
     return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(prompt_idx, sample_idx)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "inject"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "inject", "filtering"))
 def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_mask: Int[Array, "rows ctx"],
                    base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"],
                    t0: Int[Array, " rows"], limit: Int[Array, " rows"], temperature, sigma,
-                   stop_ids: Int[Array, " stops"], *, new_len: int, inject: bool
+                   stop_ids: Int[Array, " stops"], top_k, top_p, *, new_len: int, inject: bool, filtering: bool
                    ) -> tuple[Int[Array, "rows new"], Int[Array, " rows"]]:
     """The KV-cache sampler with per-row step offsets: token s of row r uses key fold_in(row_key, t0_r + s),
     the key the exact sampler uses for response position t0_r + s. Stops at a stop id or `limit_r` tokens."""
@@ -177,6 +189,8 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
         step_keys = jax.vmap(jax.random.fold_in)(keys, t0 + s)
         if inject:
             logp_all = perturb(logp_all, step_keys, sigma, temperature)
+        if filtering:
+            logp_all = truncate_logprobs(logp_all, top_k, top_p)[0]
         tok = jnp.where(done, 0, jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32))
         toks = toks.at[:, s].set(tok)
         lengths = lengths + (~done).astype(jnp.int32)
@@ -191,7 +205,7 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
 
 
 def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft, draft_len, *,
-            length, temperature, sigma, base_key, inject):
+            length, temperature, sigma, base_key, inject, top_k, top_p, filtering):
     """The exact sampler's token and log-prob at every position of each member row, given its draft."""
     m = len(members)
     padded = _bucket(m, 1)
@@ -206,15 +220,16 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
         ids[k, : len(row)], n_valid[k], n_prompt[k], pi[k], sj[k] = row, len(row), len(p), key_of[r], sample_of[r]
     out = _verify_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(n_valid), jnp.asarray(n_prompt),
                           base_key, jnp.asarray(pi), jnp.asarray(sj), np.float32(temperature), np.float32(sigma),
-                          inject=inject)
-    tok, lp = jax.device_get(out)
-    return tok[:m], lp[:m]
+                          np.int32(top_k), np.float32(top_p), inject=inject, filtering=filtering)
+    tok, lp, kept = jax.device_get(out)
+    return tok[:m], lp[:m], kept[:m]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "inject"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "inject", "filtering"))
 def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_valid: Int[Array, " rows"],
-                    n_prompt: Int[Array, " rows"], base_key, prompt_idx, sample_idx, temperature, sigma, *,
-                    inject: bool) -> tuple[Int[Array, "rows length"], Float[Array, "rows length"]]:
+                    n_prompt: Int[Array, " rows"], base_key, prompt_idx, sample_idx, temperature, sigma, top_k, top_p,
+                    *, inject: bool, filtering: bool
+                    ) -> tuple[Int[Array, "rows length"], Float[Array, "rows length"], Int[Array, "rows length"]]:
     """Per row (alone, `lax.map`) and per position p: the token the exact sampler draws after ids[:p+1] —
     categorical(fold_in(row_key, p + 1 − n_prompt), log π(· | ids[:p+1])) — and its log-prob. Row `p` of a
     head chunk is `models.exact.next_token_logprobs` for n_valid = p + 1, bit for bit."""
@@ -236,14 +251,18 @@ def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_va
                 step_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(row_key, t)
                 if inject:
                     logp_all = jax.lax.map(lambda x: perturb(x[0], x[1], sigma, temperature), (logp_all, step_keys))
+                kept = jnp.zeros((EXACT_CHUNK,), jnp.int32)
+                if filtering:
+                    logp_all, kept = truncate_logprobs(logp_all, top_k, top_p)
                 tok = jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32)
-                return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
+                return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0], kept
 
-            tok, lp = jax.lax.map(chunk, (hidden, starts))
-            return tok.reshape(length), lp.reshape(length)
+            tok, lp, kept = jax.lax.map(chunk, (hidden, starts))
+            return tok.reshape(length), lp.reshape(length), kept.reshape(length)
 
         def skip(_):
-            return jnp.zeros((length,), jnp.int32), jnp.zeros((length,), jnp.float32)
+            return (jnp.zeros((length,), jnp.int32), jnp.zeros((length,), jnp.float32),
+                    jnp.zeros((length,), jnp.int32))
 
         return jax.lax.cond(n > 0, run, skip, None)
 

@@ -127,9 +127,8 @@ def parse_generate(
     if req.exact and req.return_routing:
         raise RequestError("return_routing", "not available in exact mode (exact mode already gives μ = π(θ_old); "
                                              "routing replay is for the normal sampler)")
-    if req.exact and (temperature < GREEDY_TEMPERATURE or top_p != 1.0 or top_k != 0):
-        raise RequestError("exact", "exact mode samples the full distribution at temperature > 0: needs "
-                                    f"temperature >= {GREEDY_TEMPERATURE}, top_p = 1, top_k = 0")
+    if req.exact and temperature < GREEDY_TEMPERATURE:
+        raise RequestError("exact", f"exact mode samples at temperature > 0: needs temperature >= {GREEDY_TEMPERATURE}")
     spec = SamplingSpec(
         n=n,
         max_tokens=req.max_tokens,

@@ -14,6 +14,8 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
                                         (as model input), aligned with `tokens`; 0 on padding. Only when
                                         the engine returns it (`SamplingSpec.return_routing`); `prepare`
                                         drops it (the update never reads it)
+    kept_count      int32 [B, S-1]  top-k/top-p: the engine's kept-set size when it sampled each response
+                                    token (0 elsewhere = no truncation); π is renormalised over the same support
     replay_routing  int32 [B, S, L, k]  MoE routing replay: the experts the θ forward of the update uses
                                         (R2: θ_old's own routing, R3: the engine's), filled by `prepare`
     packed          PackedRows          sequence packing (`trainer.packing`; `train/packing.py`) for the
@@ -86,6 +88,7 @@ class RolloutBatch:
     packed: PackedRows | None = None
     version_lag: Int[Array, "b"] | None = None
     behav_logp: Float[Array, "b t"] | None = None
+    kept_count: Int[Array, "b t"] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -104,9 +107,10 @@ ROLLOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Rollo
                                         if f.default is dataclasses.MISSING)
 
 
-def rollout_fields(*, with_routing: bool) -> tuple[str, ...]:
-    """The fields the rollout produces and multi-host broadcast sends: `ROLLOUT_FIELDS` (+ `routing`)."""
-    return ROLLOUT_FIELDS + (("routing",) if with_routing else ())
+def rollout_fields(*, with_routing: bool, with_kept: bool = False) -> tuple[str, ...]:
+    """The fields the rollout produces and multi-host broadcast sends: `ROLLOUT_FIELDS` (+ `routing`,
+    + `kept_count` with top-k/top-p)."""
+    return ROLLOUT_FIELDS + (("routing",) if with_routing else ()) + (("kept_count",) if with_kept else ())
 
 
 def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -143,11 +147,22 @@ def routing_rows(routing: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
 
 def from_completions(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                      rollout_logp: Sequence[Sequence[float]], seq_advantages: np.ndarray, *,
-                     pad_id: int, routing: Sequence[np.ndarray] | None = None) -> RolloutBatch:
+                     pad_id: int, routing: Sequence[np.ndarray] | None = None,
+                     kept_counts: Sequence[Sequence[int]] | None = None) -> RolloutBatch:
     """Host batch of one row per completion; `seq_advantages[i]` is broadcast over row i's response tokens;
-    `routing` (MoE, `Completion.routing` of every row) becomes the `routing` field."""
+    `routing` (MoE, `Completion.routing` of every row) becomes the `routing` field, `kept_counts`
+    (`Completion.kept_counts`, top-k/top-p) the `kept_count` field, aligned with the response targets."""
     rows = pad_rows(prompt_ids, completion_ids, rollout_logp, pad_id=pad_id)
+    kept = None
+    if kept_counts is not None:
+        kept = np.zeros(rows.response_mask.shape, np.int32)
+        for i, counts in enumerate(kept_counts):
+            where = np.flatnonzero(rows.response_mask[i] > 0)
+            if len(counts) != len(where):
+                raise ValueError(f"kept_counts: row {i} has {len(counts)} for {len(where)} response tokens")
+            kept[i, where] = counts
     adv = np.asarray(seq_advantages, np.float32)[:, None] * rows.response_mask
     return RolloutBatch(tokens=rows.tokens, attention_mask=rows.attention_mask, response_mask=rows.response_mask,
                         advantages=adv.astype(np.float32), rollout_logp=rows.rollout_logp,
-                        routing=None if routing is None else routing_rows(routing, rows.tokens.shape[1]))
+                        routing=None if routing is None else routing_rows(routing, rows.tokens.shape[1]),
+                        kept_count=kept)

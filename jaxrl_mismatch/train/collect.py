@@ -108,7 +108,7 @@ def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.nd
 
     `with_routing` (a MoE policy sampled with `SamplingSpec.return_routing`): every completion's
     `Completion.routing` goes into the batch's `routing` field, aligned with `tokens`."""
-    prompts, comps, logps, rewards, gids, routing = [], [], [], [], [], []
+    prompts, comps, logps, rewards, gids, routing, kept = [], [], [], [], [], [], []
     for gi, g in enumerate(groups):
         for c, r in zip(g.completions, g.rewards):
             prompts.append(g.prompt_ids)
@@ -116,13 +116,18 @@ def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.nd
             logps.append(c.logprobs)
             rewards.append(r)
             gids.append(gi)
+            kept.append(c.kept_counts if c.kept_counts is not None else ([] if not c.token_ids else None))
             if with_routing:
                 if c.routing is None:
                     raise ValueError(f"routing: a completion of group {gi} came back without routing "
                                      "(the request asked for return_routing)")
                 routing.append(c.routing)
     adv = advantages_fn(np.asarray(rewards, np.float32), np.asarray(gids, np.int32), len(groups))
-    return from_completions(prompts, comps, logps, adv, pad_id=pad_id, routing=routing if with_routing else None)
+    truncated = any(k for k in kept)  # top-k/top-p: every non-empty completion carries its kept-set sizes
+    if truncated and any(k is None for k in kept):
+        raise ValueError("kept_counts: some completions of a truncated (top-k/top-p) request came back without them")
+    return from_completions(prompts, comps, logps, adv, pad_id=pad_id, routing=routing if with_routing else None,
+                            kept_counts=kept if truncated else None)
 
 
 def evaluate(session: RolloutSession, prompt_ids: Sequence[list[int]], answers: Sequence[str], reward_fn, *,

@@ -76,8 +76,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.group_size = 8  # samples per prompt (GRPO group)
     c.rollout.max_tokens = 64  # max response tokens
     c.rollout.temperature = 1.0  # the trainer scores π at the same temperature (softmax(logits / T))
-    c.rollout.top_p = 1.0  # must stay 1.0 for training rollouts (see validate)
-    c.rollout.top_k = 0  # must stay 0 (off) for training rollouts
+    # Top-p / top-k (jax engine): the engine returns each token's kept-set size and the trainer renormalises π
+    # over the same support inside the jitted step (models/truncation.py), so ρ compares like with like.
+    c.rollout.top_p = 1.0  # 1.0 = off
+    c.rollout.top_k = 0  # 0 = off
     c.rollout.max_model_len = 0  # 0 = the model's max_position_embeddings
     c.rollout.startup_timeout_s = 600.0
     c.rollout.generate_timeout_s = 1800.0
@@ -296,16 +298,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if not c.rollout.temperature >= 1e-5:
         raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
                           f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")
-    # With top-p / top-k the engine's log-probs are renormalised over the kept tokens while the trainer's
-    # recompute covers the whole vocabulary: ρ = π/μ would be biased (TRL #6789). Refuse rather than
-    # report a mismatch that is an artefact of the sampler (rollout/sampling.py has the processing for
-    # consumers that want to compare the processed distributions).
-    if c.rollout.top_p != 1.0:
-        raise ConfigError(f"config.rollout.top_p: must be 1.0 for training rollouts (got {c.rollout.top_p!r}); "
-                          "top-p renormalised log-probs would bias ρ = π/μ")
-    if c.rollout.top_k != 0:
-        raise ConfigError(f"config.rollout.top_k: must be 0 for training rollouts (got {c.rollout.top_k!r}); "
-                          "top-k renormalised log-probs would bias ρ = π/μ")
+    # With top-p / top-k the engine's log-probs are renormalised over the kept tokens; the trainer renormalises
+    # π over the same support from the kept-set sizes the engine returns (TRL #6789). vLLM does not return them.
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        raise ConfigError(f"config.rollout.top_p: must be in (0, 1], got {c.rollout.top_p!r}")
+    if not (isinstance(c.rollout.top_k, int) and c.rollout.top_k >= 0):
+        raise ConfigError(f"config.rollout.top_k: must be an integer >= 0 (0 = off), got {c.rollout.top_k!r}")
+    if c.rollout.top_p < 1.0 or c.rollout.top_k > 0:
+        field = "rollout.top_p" if c.rollout.top_p < 1.0 else "rollout.top_k"
+        if c.rollout.engine != "jax":
+            raise ConfigError(f"config.{field}: needs the jax engine, which returns each token's kept-set size for "
+                              f"the trainer to renormalise π over (the {c.rollout.engine} engine does not)")
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: must be False with {field} (packed rows do not carry the "
+                              "kept-set sizes)")
     from jaxrl_mismatch.rollout.validation import Limits
 
     limit = Limits().max_request_completion_tokens

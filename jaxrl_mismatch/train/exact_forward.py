@@ -30,6 +30,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, head_logprobs, row_hidden
+from jaxrl_mismatch.models.truncation import truncate_to_count, truncated_entropy
 
 
 def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]) -> Float[Array, "b t"]:
@@ -42,27 +43,31 @@ def candidate_lengths(seq_len: int, max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted({canonical_length(p, max_tokens) for p in range(1, seq_len + 1)}))
 
 
-def _row_logprobs_entropy(model, tokens: Int[Array, " length"], n_valid, temperature):
+def _row_logprobs_entropy(model, tokens: Int[Array, " length"], n_valid, temperature, kept=None):
     """`models.exact.row_logprobs` (same ops, same bits) plus the entropy of each position's distribution."""
     length = tokens.shape[0]
     hidden = row_hidden(model, tokens, n_valid).reshape(length // EXACT_CHUNK, EXACT_CHUNK, -1)
     targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
 
     def chunk(args):
-        h, t = args
+        h, t, k = args
         logp_all = head_logprobs(model, h, temperature)
+        if k is not None:
+            logp_all = truncate_to_count(logp_all, k, t)
+            return jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0], truncated_entropy(logp_all)
         logp = jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0]
         entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
         return logp, entropy
 
-    logp, entropy = jax.lax.map(chunk, (hidden, targets))
+    ks = None if kept is None else jnp.pad(kept, (0, 1)).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
+    logp, entropy = jax.lax.map(chunk, (hidden, targets, ks))
     valid = jnp.arange(length - 1) + 1 < n_valid
     return (jnp.where(valid, logp.reshape(length)[:-1], 0.0), jnp.where(valid, entropy.reshape(length)[:-1], 0.0))
 
 
 def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b s"], attention_mask: Int[Array, "b s"],
-                           response_mask: Float[Array, "b t"], *, max_tokens: int, temperature: float | Array
-                           ) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+                           response_mask: Float[Array, "b t"], *, max_tokens: int, temperature: float | Array,
+                           kept: Int[Array, "b t"] | None = None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
     """(log π(y_t), entropy) of every target `tokens[:, 1:]`, each row by the exact scorer's program.
 
     Equal bit for bit to `models.exact.score_exact(...)` on the response tokens (the scorer multiplies by the
@@ -79,9 +84,11 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     branch = jnp.minimum(branch, len(lengths) - 1)
 
     def at_length(length: int):
-        def run(row, n):
+        def run(row, n, k):
             ids = row[:length] if length <= s else jnp.pad(row, (0, length - s))
-            logp, ent = _row_logprobs_entropy(model, ids, n, temperature)
+            if k is not None:
+                k = k[: length - 1] if length <= s else jnp.pad(k, (0, length - s))
+            logp, ent = _row_logprobs_entropy(model, ids, n, temperature, k)
             fit = lambda x: x[: s - 1] if length - 1 >= s - 1 else jnp.pad(x, (0, s - length))  # noqa: E731
             return fit(logp), fit(ent)
         return run
@@ -89,7 +96,7 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     branches = [at_length(length) for length in lengths]
 
     def one_row(args):
-        row, n, k = args
-        return jax.lax.switch(k, branches, row, n)
+        row, n, b, k = args
+        return jax.lax.switch(b, branches, row, n, k)
 
-    return jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch))
+    return jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch, kept))

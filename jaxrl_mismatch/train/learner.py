@@ -118,7 +118,8 @@ class Learner:
         elif self.c.rollout.exact or self.exact_forward:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
-                batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature))
+                batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature,
+                kept=batch.kept_count))
         if self.c.trainer.packing and (batch.old_logp is None or self.ref_params is not None):
             # θ_old / reference forwards on packed rows: one group per batch shard keeps each device's rows local.
             batch = pack_batch(batch, num_groups=self._batch_shards, shards=self._batch_shards)

@@ -136,7 +136,8 @@ class Trainer:
         asynchronous = bool(self.c.rollout.max_staleness)
         arrays, stats = distributed.lead_computes(
             self.is_lead, self._take_rollout if asynchronous else self._rollout,
-            rollout_fields(with_routing=self.collect_routing) + ("sample_version",),
+            rollout_fields(with_routing=self.collect_routing,
+                           with_kept=self.c.rollout.top_p < 1.0 or self.c.rollout.top_k > 0) + ("sample_version",),
             STAT_KEYS + (ASYNC_STAT_KEYS if asynchronous else ()))
         versions = arrays.pop("sample_version")[:, 0]
         batch = from_wire(arrays, routing_shape=self.learner.routing_shape if self.collect_routing else None)
@@ -234,7 +235,7 @@ class Trainer:
         batch is made for, which the asynchronous producer runs ahead of the trainer's step."""
         r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            stop_token_ids=(self.data.eos_id,), exact=r.exact, return_routing=self.collect_routing,
+                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=(self.data.eos_id,), exact=r.exact, return_routing=self.collect_routing,
                             **rollout_mismatch(r, step))
 
     def _mismatch_scale(self, step: int) -> float:

@@ -71,14 +71,15 @@ REPLAY_MODES = ("off", "R2", "R3")
 
 
 def forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,
-                     temperature: float = 1.0) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
-    """(log π(y_t), entropy) of every target `tokens[:, 1:]`, scored at the rollout temperature."""
-    return forward_routed_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)[:2]
+                     temperature: float = 1.0, kept=None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+    """(log π(y_t), entropy) of every target `tokens[:, 1:]`, scored at the rollout temperature (and, with the
+    engine's kept-set sizes `kept`, renormalised over its top-k/top-p support)."""
+    return forward_routed_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature, kept=kept)[:2]
 
 
 def forward_routed_logprobs(
     graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int, temperature: float = 1.0,
-    routing: Int[Array, "b s layers k"] | None = None,
+    routing: Int[Array, "b s layers k"] | None = None, kept: Int[Array, "b t"] | None = None,
 ) -> tuple[Float[Array, "b t"], Float[Array, "b t"], RouterOutput | None]:
     """`forward_logprobs` plus what the MoE routers did over the inputs `tokens[:, :-1]` (None for dense models).
 
@@ -88,7 +89,7 @@ def forward_routed_logprobs(
     hidden, router = model.forward_routed(ids, positions_from_mask(mask), mask,
                                           routing=None if routing is None else routing[:, :-1])
     logp, entropy = logprobs_from_hidden(model, hidden, tokens[:, 1:], mask, chunk_size=chunk_size,
-                                         temperature=temperature)
+                                         temperature=temperature, kept=kept)
     return logp, entropy, router
 
 
@@ -183,10 +184,10 @@ def make_update_fn(
             if mb.packed is not None or mb.replay_routing is not None:
                 raise ValueError("the exact forward scores unpacked dense rows; packing and routing replay are off")
             logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask,
-                                                            chunk_size, temperature)
+                                                            chunk_size, temperature, kept=mb.kept_count)
             exact_logp, exact_entropy = exact_forward_logprobs(
                 exact_forward[0], jax.lax.stop_gradient(params), mb.tokens, mb.attention_mask, mb.response_mask,
-                max_tokens=exact_forward[1], temperature=temperature)
+                max_tokens=exact_forward[1], temperature=temperature, kept=mb.kept_count)
             logp, entropy = exact_valued(exact_logp, logp), exact_valued(exact_entropy, entropy)
         elif mb.packed is not None:  # sequence packing: only the transformer runs packed
             if mb.replay_routing is not None:
@@ -194,7 +195,7 @@ def make_update_fn(
             (logp, entropy), router = forward_packed_logprobs(graphdef, params, mb.packed, chunk_size, temperature), None
         else:
             logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size,
-                                                            temperature, routing=mb.replay_routing)
+                                                            temperature, routing=mb.replay_routing, kept=mb.kept_count)
         loss, aux = objective.loss(logp, entropy, mb, normaliser)
         if router is not None:
             extra, router_aux = objective.router_loss(router, input_tokens)
@@ -300,7 +301,8 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
         """log π of the batch's targets under `p`: on the packed rows when the batch carries a packing."""
         if batch.packed is not None:
             return forward_packed_logprobs(graphdef, p, batch.packed, chunk_size, temperature)[0]
-        return forward_logprobs(graphdef, p, batch.tokens, batch.attention_mask, chunk_size, temperature)[0]
+        return forward_logprobs(graphdef, p, batch.tokens, batch.attention_mask, chunk_size, temperature,
+                                kept=batch.kept_count)[0]
 
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask
@@ -312,7 +314,7 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
                 raise ValueError("routing_replay='R3' needs the engine's routing in the batch (batch.routing)")
             forced = batch.routing if routing_replay == "R3" else None
             old_logp, _, router = forward_routed_logprobs(graphdef, params, batch.tokens, batch.attention_mask,
-                                                          chunk_size, temperature, routing=forced)
+                                                          chunk_size, temperature, routing=forced, kept=batch.kept_count)
             if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
                 batch = batch.replace(old_logp=old_logp * mask)
             if routing_replay != "off":  # R3: the engine's ids (as forced); R2: θ_old's own choice
