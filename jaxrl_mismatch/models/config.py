@@ -112,11 +112,6 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
 
-    @property
-    def q_per_kv(self) -> int:
-        """Query heads sharing one key/value head (GQA group size)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
         """Build from a HF `config.json` dict, a path to the file, or the checkpoint directory.

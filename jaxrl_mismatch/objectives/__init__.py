@@ -62,7 +62,6 @@ from jaxrl_mismatch.objectives.ratios import (
     SEQ_LEVELS,
     log_ratio_ppo,
     log_rho,
-    ratio_ppo,
     rho,
     seq_log_ratio,
 )
@@ -82,7 +81,7 @@ __all__ = [
     "SEQ_LEVELS", "Normalizers", "ObjectiveConfig", "aggregate", "applied_weights", "clip_indicators", "batch_normalize", "compute_advantages",
     "correction_weights", "drgrpo_advantages", "global_normalizer", "gmpo_objective", "grpo_advantages",
     "gspo_objective", "icepop", "is_weights", "log_ratio_ppo", "log_rho", "normalizers",
-    "num_seqs", "num_tokens", "objective_config", "pg_objective", "policy_loss", "ppo_clip_objective", "ratio_ppo",
+    "num_seqs", "num_tokens", "objective_config", "pg_objective", "policy_loss", "ppo_clip_objective",
     "ref_kl_k3", "rejection_mask", "rho", "rloo_advantages", "seq_is", "seq_log_ratio", "seq_mis", "seq_tis", "surrogate_j",
     "token_advantages", "token_is", "token_mis", "token_tis", "variance_weights", "weight_distortion",
     "weight_mean",

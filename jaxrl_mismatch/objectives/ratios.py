@@ -66,11 +66,6 @@ def log_ratio_ppo(logp: TokenFloat, old_logp: TokenFloat, mask: TokenMask) -> To
     return masked_log_diff(logp, old_logp, mask)
 
 
-def ratio_ppo(logp: TokenFloat, old_logp: TokenFloat, mask: TokenMask) -> TokenFloat:
-    """PPO ratio ``r_t = π(θ)/π(θ_old)``; 1 on padding (FP16 paper eq. 8)."""
-    return jnp.exp(log_ratio_ppo(logp, old_logp, mask))
-
-
 def seq_lengths(mask: TokenMask) -> SeqFloat:
     """Number of response tokens of each sequence, float32 ``[B]``."""
     return jnp.sum(as_bool_mask(mask), axis=-1).astype(jnp.float32)
