@@ -102,6 +102,8 @@ def describe_failure(e: BaseException, limit: int = 300) -> str:
     """One line saying why an orbax/tensorstore/OS call failed: the OS error when one is named
     (`File too large (errno 27)`), else the exception's first words; never a multi-line dump."""
     text = " ".join(str(e).split())
+    if "See full TensorStore details" in text and e.__cause__ is not None:  # orbax's wrapper: the cause says more
+        return describe_failure(e.__cause__, limit)
     code = re.search(r"os_error_code='?(\d+)", text)
     if isinstance(e, OSError) and e.errno:
         return f"{e.strerror or os.strerror(e.errno)} (errno {e.errno}" + (f", {e.filename})" if e.filename else ")")
