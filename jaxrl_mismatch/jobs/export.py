@@ -96,7 +96,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
                     step = s
                     break
                 except CheckpointDamagedError as e:
-                    log.warning("warning: %s; skipping it", " ".join(str(e).split()))
+                    log.warning("%s; skipping it (the run directory is left as it is)", " ".join(str(e).split()))
             else:
                 raise CheckpointDamagedError(f"RUN_DIR {run_dir}: none of its checkpoints {steps} can be read")
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), state.params)

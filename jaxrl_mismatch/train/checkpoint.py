@@ -57,6 +57,7 @@ import errno
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -101,6 +102,8 @@ def describe_failure(e: BaseException, limit: int = 300) -> str:
     """One line saying why an orbax/tensorstore/OS call failed: the OS error when one is named
     (`File too large (errno 27)`), else the exception's first words; never a multi-line dump."""
     text = " ".join(str(e).split())
+    if "See full TensorStore details" in text and e.__cause__ is not None:  # orbax's wrapper: the cause says more
+        return describe_failure(e.__cause__, limit)
     code = re.search(r"os_error_code='?(\d+)", text)
     if isinstance(e, OSError) and e.errno:
         return f"{e.strerror or os.strerror(e.errno)} (errno {e.errno}" + (f", {e.filename})" if e.filename else ")")
@@ -120,6 +123,20 @@ class _DropOrbaxErrors(logging.Filter):
 
 
 _ORBAX_FILTER = _DropOrbaxErrors()
+
+
+def _quiet_closed_loop_hook(previous):
+    """sys.excepthook that drops `RuntimeError: Event loop is closed`: after a failed save, tensorstore
+    completes its pending writes into the asyncio loop orbax already closed, and each callback's error
+    is printed through this hook (dozens of tracebacks after the one-line error). Nothing else changes."""
+
+    def hook(exc_type, exc, tb):
+        if exc_type is RuntimeError and str(exc) == "Event loop is closed":
+            return
+        previous(exc_type, exc, tb)
+
+    hook.jaxrl_quiet = True
+    return hook
 
 
 def leaf_path(path: Sequence[Any]) -> str:
@@ -256,6 +273,8 @@ class Checkpointer:
         absl_log = logging.getLogger("absl")
         if _ORBAX_FILTER not in absl_log.filters:
             absl_log.addFilter(_ORBAX_FILTER)
+        if not getattr(sys.excepthook, "jaxrl_quiet", False):
+            sys.excepthook = _quiet_closed_loop_hook(sys.excepthook)
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
