@@ -7,7 +7,7 @@
 The LR paper's claim is about timing: decay when the mismatch appears (its Figs. 12–13: a decay at the right
 moment beats decaying too early or too late). Here the run starts without mismatch (fp32 engine and trainer,
 log_ppl_abs_diff ~1e-7) at a learning rate that trains, and the rollout engine switches to a realistic
-mismatch source at step ONSET of STEPS (`rollout.mismatch_onset_step`, issue 19 item 2). Six variants:
+mismatch source at step ONSET of STEPS (`rollout.mismatch_onset_step`, issue 19 item 2). Seven variants:
 
 - `constant_high`: the high LR throughout;  `constant_low`: 0.1 × it throughout (the staircase's floor);
 - `triggered`: the LR paper's staircase (×0.5 every 10 steps, floor 0.1) started by the mismatch indicator
@@ -16,7 +16,8 @@ mismatch source at step ONSET of STEPS (`rollout.mismatch_onset_step`, issue 19 
 - `staircase_step0` / `staircase_late`: the same controller started at step 0 / at step LATE regardless of
   the mismatch (threshold 0 on a non-negative metric, `min_steps_before_detect` delaying the late one);
 - `constant_high_no_mismatch`: the high LR with the mismatch source off — if it does no better than
-  `constant_high`, the mismatch does not hurt at this size and no decay can be credited with fixing it.
+  `constant_high`, the mismatch does not hurt at this size and no decay can be credited with fixing it;
+- `staircase_onset_no_mismatch`: the trigger's schedule (the staircase from step ONSET) without the mismatch.
 
 Every variant is paired seed by seed against `triggered`, so each row says in how many seeds that variant
 beat the trigger. Timing matters only if the trigger beats both `constant_low` and `staircase_step0` in
@@ -24,7 +25,7 @@ most seeds (the rows' wins are then low); a staircase that does as well from ste
 the timing, is what helps — the negative result the σ = 3 grid could not rule out (experiments/e0_controls.py).
 
 Sized for this 2-core machine: 100 steps × 128 completions per run — ~1.2 s per step before the onset, ~1.3–2
-s after it with int8 rollouts (smoke runs, machine under load) — two at a time: ~55 min for the 30 runs when
+s after it with int8 rollouts (smoke runs, machine under load) — two at a time: ~65 min for the 35 runs when
 the machine is otherwise idle. Resumable.
 """
 
@@ -62,6 +63,11 @@ def get_spec(source: str = "int8"):
                                "controller.kwargs.min_steps_before_detect": LATE},
             # The control that could explain everything: does the mismatch hurt the high LR at all?
             "constant_high_no_mismatch": {k: NO_MISMATCH[k] for k in SOURCES[source]},
+            # ... and the trigger's own schedule (staircase from the onset step) with the mismatch off: if it does
+            # as well as `triggered`, what helps is the decay at that step, not a reaction to the mismatch.
+            "staircase_onset_no_mismatch": {**STAIRCASE, "controller.kwargs.threshold": 0.0,
+                                            "controller.kwargs.min_steps_before_detect": ONSET,
+                                            **{k: NO_MISMATCH[k] for k in SOURCES[source]}},
         },
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "triggered",
