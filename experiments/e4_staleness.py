@@ -39,9 +39,10 @@ def get_spec(source: str = "int8"):
     return {
         "name": f"e4_staleness_{source}",
         "config": "configs/arith_length_cpu.py",
-        "overrides": {"steps": STEPS, "optim.lr": LR, **SOURCES[source], "log.report": False, "checkpoint.every": 20,
-                      "rollout.fixed_staleness": True},
-        "variants": {f"{obj}_s{s}": {"objective.preset": obj, "rollout.max_staleness": s}
+        "overrides": {"steps": STEPS, "optim.lr": LR, **SOURCES[source], "log.report": False, "checkpoint.every": 20},
+        # s = 0 is the synchronous loop (fixed staleness needs s >= 1)
+        "variants": {f"{obj}_s{s}": {"objective.preset": obj, "rollout.max_staleness": s,
+                                     "rollout.fixed_staleness": s > 0}
                      for obj in OBJECTIVES for s in STALENESS},
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "decoupled_s0",

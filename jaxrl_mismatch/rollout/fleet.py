@@ -148,6 +148,10 @@ class RolloutFleet:
     def info(self) -> EngineInfo:
         return self._any_up().session.info()
 
+    def infos(self) -> list[EngineInfo]:
+        """What every live server serves (the trainer checks them all: a mixed fleet would mix μ)."""
+        return [m.session.info() for m in self.members if m.up] or [self._any_up().session.info()]
+
     def check_compatible(self, *, architecture: str, vocab_size: int, tokenizer_vocab_size: int | None = None) -> None:
         """Every server must serve the trainer's model (EngineMismatchError names the first that does not)."""
         for m in self.members:

@@ -161,12 +161,12 @@ class JaxEngine(Engine):
             raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
         for start in range(0, len(rows), self._max_batch_rows):
             part = rows[start : start + self._max_batch_rows]
+            sl = slice(start, start + len(part))
             if spec.exact:  # batch-invariant, trainer-identical log-probs (spec_exact.py, exact_sampler.py)
                 kw = dict(max_tokens=spec.max_tokens, temperature=spec.temperature,
                           logit_noise_std=spec.logit_noise_std, stop_token_ids=spec.stop_token_ids,
                           base_key=seed_key_data(spec.seed), stop_slots=MAX_STOP_SLOTS,
                           prompt_offset=spec.prompt_offset)
-                sl = slice(start, start + len(part))
                 if self._exact_sampler == "reference":
                     if filtering:
                         raise ValueError("top_k/top_p in exact mode need the speculative exact sampler")
@@ -180,10 +180,9 @@ class JaxEngine(Engine):
             else:
                 t, lp, n, s, r, kc = self._generate_rows(params, prompts, part, spec)
                 if r is not None:
-                    routing[start : start + len(part)] = r
+                    routing[sl] = r
                 if filtering:
-                    kept[start: start + len(part)] = kc
-            sl = slice(start, start + len(part))
+                    kept[sl] = kc
             tokens[sl], logps[sl], lengths[sl], stopped[sl] = t, lp, n, s
         out: list[list[Completion]] = [[] for _ in prompts]
         for r, (i, j) in enumerate(rows):

@@ -4,8 +4,9 @@ Asynchronous rollouts (`rollout.max_staleness` = s) train on samples up to s ver
 step's mismatch into staleness and precision (`metrics/staleness.py`) the trainer scores each lagged row
 with the weights it had at that row's version, so it keeps the parameters of the last s + 1 pushed versions
 (s extra copies of the policy's parameters, on the devices, sharded like the live ones). Rows are scored
-by the same forward as π_prox: the batch-invariant exact scorer in `rollout.exact` mode (then π_behav equals
-μ bit for bit), else the trainer's teacher-forced forward.
+by the same forward as π_prox, over the engine's top-k/top-p support when it truncated: the batch-invariant
+exact scorer in `rollout.exact` mode (then π_behav equals μ bit for bit, unless the engine serves quantized
+weights or injects noise: that difference is the precision part), else the trainer's teacher-forced forward.
 """
 
 from __future__ import annotations

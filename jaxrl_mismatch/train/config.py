@@ -376,11 +376,21 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.trainer.mesh: {why} needs a single-device or data-parallel mesh, got {split}")
     if c.rollout.group_size < 2:
         raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
-    if c.rollout.address:
+    if c.rollout.address:  # one host:port, or several separated by commas (a fleet, rollout/fleet.py)
+        addresses = [a.strip() for a in c.rollout.address.split(",")]
         try:
-            host_port("config.rollout.address:", c.rollout.address)
+            for address in addresses:
+                host_port("config.rollout.address:", address)
         except UsageError as e:
             raise ConfigError(str(e)) from None
+        if c.rollout.weight_transport == "shm":
+            remote = [a for a in addresses if host_port("", a)[0] not in ("127.0.0.1", "localhost", "::1")]
+            if remote:
+                raise ConfigError(f"config.rollout.weight_transport: 'shm' needs a server on this host (loopback "
+                                  f"address), got {', '.join(remote)}; use 'auto' or 'grpc'")
+    if c.rollout.fixed_staleness and not c.rollout.max_staleness:
+        raise ConfigError("config.rollout.fixed_staleness: needs rollout.max_staleness >= 1 (with 0 every batch "
+                          "is on the current weights already)")
     if not c.model.path:
         raise ConfigError("config.model.path: empty; point it to a local HF checkpoint directory")
 

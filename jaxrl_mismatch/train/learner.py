@@ -129,12 +129,14 @@ class Learner:
 
     def _score(self, params, batch: RolloutBatch) -> np.ndarray:
         """log π(y_t) of the batch's targets under `params`, masked, on the host: the exact scorer in exact
-        mode, else the teacher-forced forward (what `prepare` computes for π(θ_old))."""
+        mode, else the teacher-forced forward (what `prepare` computes for π(θ_old)), over the engine's
+        top-k/top-p support when it truncated."""
         if self.c.rollout.exact or self.exact_forward:
             return score_exact(self._exact_graphdef, distributed.gather_params(params), batch.tokens,
                                batch.attention_mask, batch.response_mask, max_tokens=self.c.rollout.max_tokens,
-                               temperature=self.c.rollout.temperature)
-        logp = self._forward(params, np.asarray(batch.tokens), np.asarray(batch.attention_mask))[0]
+                               temperature=self.c.rollout.temperature, kept=batch.kept_count)
+        kept = None if batch.kept_count is None else np.asarray(batch.kept_count)
+        logp = self._forward(params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), kept)[0]
         return distributed.to_host(logp) * np.asarray(batch.response_mask)
 
     def _check_routing(self, routing: np.ndarray) -> None:

@@ -276,8 +276,8 @@ class Trainer:
             else:
                 session = RolloutFleet.launch(r.num_servers, work_dir=self.c.run_dir, engine=r.engine,
                                               model=self.c.model.path, dtype=r.dtype, max_model_len=r.max_model_len,
-                                              restart=r.restart_on_failure, stall_timeout_s=r.stall_timeout_s,
-                                              **timeouts)
+                                              quantize=r.quantize, restart=r.restart_on_failure,
+                                              stall_timeout_s=r.stall_timeout_s, **timeouts)
         elif r.address:
             session = RolloutSession.attach(r.address, token=_read_token(r.token_file), **timeouts)
         else:
@@ -288,12 +288,14 @@ class Trainer:
             cfg = self.learner.model_cfg
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=self.data.tok.vocab_size)
-            info = session.info()
-            if info.quantize != r.quantize:
-                raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {session.describe()} serves "
-                                  f"{info.quantize!r} weights (serve --quantize {r.quantize})")
-            # Validation measures the trainer's policy: full-precision weights where the engine can serve them.
-            self._eval_quantize_strength = 0.0 if "quantize_strength" in info.options else 1.0
+            infos = session.infos() if hasattr(session, "infos") else [session.info()]  # a fleet: every live server
+            info = infos[0]
+            for i in infos:
+                if i.quantize != r.quantize:
+                    raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {session.describe()} serves "
+                                      f"{i.quantize!r} weights (serve --quantize {r.quantize})")
+            # Validation measures the trainer's policy: full-precision weights where the engines can serve them.
+            self._eval_quantize_strength = 0.0 if all("quantize_strength" in i.options for i in infos) else 1.0
             if self.collect_routing and "routing" not in info.options:
                 raise ConfigError(f"config.rollout.engine: 'jax' with a MoE policy needs the server's 'routing' "
                                   f"option, but {session.describe()} ({info.engine} engine) does not offer it; set "

@@ -361,13 +361,14 @@ def jit_prepare(prepare_fn, mesh: Mesh):
 def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 256, temperature: float = 1.0):
     """Jitted teacher-forced forward giving log π(y_t|θ) (θ_old, or a reference policy's params).
 
-    Returns `fn(params, tokens, attention_mask) -> (logp, entropy)`, each `[B, S-1]` float32 and sharded
-    like the batch. Params keep whatever sharding they already have.
+    Returns `fn(params, tokens, attention_mask, kept=None) -> (logp, entropy)`, each `[B, S-1]` float32 and
+    sharded like the batch (`kept`: the engine's top-k/top-p kept-set sizes, renormalising π over the same
+    support). Params keep whatever sharding they already have.
     """
     out_sh = shd.batch_sharding(mesh)
 
-    def fn(params, tokens, attention_mask) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
-        return forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature)
+    def fn(params, tokens, attention_mask, kept=None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+        return forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature, kept=kept)
 
     return jax.jit(fn, out_shardings=(out_sh, out_sh))
 

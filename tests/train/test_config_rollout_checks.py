@@ -1,0 +1,37 @@
+"""Config checks where two rollout features meet: a fleet of external addresses, shared-memory weight sync to a
+remote server, fixed staleness without staleness — each accepted or refused by name before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+
+
+def _config(**rollout):
+    c = base_config()
+    c.model.path = "/some/model"
+    for k, v in rollout.items():
+        setattr(c.rollout, k, v)
+    return c
+
+
+def test_a_comma_separated_fleet_address_is_accepted():
+    validate(_config(address="127.0.0.1:5000, 127.0.0.1:5001,10.0.0.5:7000"))
+
+
+@pytest.mark.parametrize("rollout, field, words", [
+    ({"address": "127.0.0.1:5000,10.0.0.5"}, "config.rollout.address", "needs host:port"),
+    ({"address": "10.0.0.5:5000", "weight_transport": "shm"}, "config.rollout.weight_transport", "10.0.0.5:5000"),
+    ({"address": "127.0.0.1:1,10.0.0.5:2", "weight_transport": "shm"}, "config.rollout.weight_transport", "10.0.0.5:2"),
+    ({"fixed_staleness": True}, "config.rollout.fixed_staleness", "max_staleness >= 1"),
+])
+def test_combinations_refused_by_name(rollout, field, words):
+    with pytest.raises(ConfigError) as e:
+        validate(_config(**rollout))
+    assert str(e.value).startswith(field) and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shm_to_a_loopback_fleet_and_fixed_staleness_with_staleness_are_accepted():
+    validate(_config(address="127.0.0.1:5000,localhost:5001", weight_transport="shm"))
+    validate(_config(max_staleness=2, fixed_staleness=True))
