@@ -155,3 +155,25 @@ def test_cli_exits_2_with_one_line(tiny, tmp_path):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--prompt-ids" in lines[0], p.stderr
+
+
+def test_moe_router_and_experts_ablations(tmp_path):
+    """On a tiny Qwen3-MoE the default components include the router; fp32 router and fp32 experts each reach the
+    programs of both sides (the mismatch left changes)."""
+    from tests.models.moe_tiny import make_moe_model
+
+    ckpt = tmp_path / "moe"
+    make_moe_model().save_pretrained(ckpt)
+    prompts = [[3, 5, 7, 9], [11, 2, 4]]
+    res = attribute.attribute_pair(str(ckpt), "fp32", "bfloat16", prompts, components=["router", "mlp"], n=2,
+                                   max_tokens=4, temperature=1.0, seed=0)
+    assert len(res["divergence"]) == 3 and res["divergence"]["layer 2"]["mlp_out"] > 1e-4
+    base = res["ablations"]["none"]["mismatch/rho_std"]
+    assert base > 1e-3
+    assert res["ablations"]["router"]["mismatch/rho_std"] != base
+    assert res["ablations"]["mlp"]["mismatch/rho_std"] != base
+    ns = analyze.build_parser().parse_args(["attribute", "--model", str(ckpt), "--prompt-ids", str(tmp_path / "p"),
+                                            "--out", str(tmp_path / "o")])
+    (tmp_path / "p").write_text("[1, 2, 3]\n")
+    attribute.check_args(ns)
+    assert ns.components == list(precision.COMPONENTS)
