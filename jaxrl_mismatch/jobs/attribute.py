@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze
-from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf, token_logprobs
+from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
 from jaxrl_mismatch.outputs import staged_dir
 from jaxrl_mismatch.rollout.engine import SamplingSpec
@@ -167,27 +167,26 @@ def engine_path(model, prompt_ids: np.ndarray, prompt_mask: np.ndarray, response
     return np.stack(logps, axis=1), {k: np.concatenate(v, axis=1) for k, v in parts.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capturing", "temperature"))
-def _trainer_forward(graphdef, capturing, state, tokens, mask, *, temperature):
+@functools.partial(jax.jit, static_argnames=("capturing",))
+def _trainer_capture(capturing, state, tokens, mask):
     inputs, input_mask = tokens[:, :-1], mask[:, :-1]
-    logp, _ = token_logprobs(nnx.merge(graphdef, state), inputs, tokens[:, 1:], input_mask, temperature=temperature)
-    # the same forward once more, on its own copy of the module, to capture what token_logprobs' forward computed
-    # (its chunked LM head splits the module, which must not carry capture buffers); XLA computes it once
     forward = nnx.capture(lambda m: m(inputs, positions_from_mask(input_mask), input_mask), nnx.Intermediate)
     _, inter = forward(nnx.merge(capturing, state))
-    return logp, _flat_intermediates(inter)
+    return _flat_intermediates(inter)
 
 
 def trainer_path(model, tokens: np.ndarray, mask: np.ndarray, temperature: float
                  ) -> tuple[Float[np.ndarray, "rows seq"], dict[str, np.ndarray]]:
-    """`models.token_logprobs` (the trainer's θ_old forward) on the whole rows: (log π of every next token,
-    the intermediates `[rows, seq - 1, hidden]`)."""
+    """The trainer's θ_old forward on the whole rows: (log π of every next token from `models.token_logprobs` in
+    `analyze.trainer_logprobs`' program — the one `analyze rollouts` scores with, no capture in it — and the
+    intermediates `[rows, seq - 1, hidden]` of the same forward, captured in a program of its own)."""
     graphdef, state = nnx.split(model)
     capture_intermediates(model, True)
     capturing = nnx.graphdef(model)
     capture_intermediates(model, False)
-    logp, inter = _trainer_forward(graphdef, capturing, state, jnp.asarray(tokens), jnp.asarray(mask),
-                                   temperature=float(temperature))
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    logp = analyze.trainer_logprobs(graphdef, state, tokens, mask, chunk_size=256, temperature=float(temperature))
+    inter = _trainer_capture(capturing, state, tokens, mask)
     return np.asarray(logp), {k: np.asarray(v) for k, v in inter.items()}
 
 
