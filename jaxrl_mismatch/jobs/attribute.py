@@ -10,7 +10,8 @@ For the same rows (prompts + responses the built-in engine sampled, `rollout.Jax
 
 both with `Block`s sowing their input norm, attention, post-attention norm, MLP and block outputs as
 `nnx.Intermediate` (`model.capture_intermediates`). Per layer and component it reports the relative divergence
-‖a − b‖₂ / ‖b‖₂ (a = engine, b = trainer, over the real tokens of all rows; the embedding and final norm too).
+‖a − b‖₂ / ‖b‖₂ (a = engine, b = trainer, over the real tokens of all rows; the embedding and the response
+log-probs too).
 
 Ablation matrix: the rows are re-scored with one component at a time in float32 on both sides
 (`precision.COMPONENTS`: LM head, attention scores/softmax, RMSNorm, MLP, MoE router) and the mismatch left is
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze
@@ -361,8 +362,8 @@ def run(a: argparse.Namespace) -> int:
             results.append(res)
         md = tables(results)
         print(md, flush=True)
-        settings = {k: getattr(a, k) for k in ("model", "prompt_ids", "task", "split", "num_prompts", "n", "max_tokens", "temperature",
-                                                "seed", "components")}
+        settings = {k: getattr(a, k) for k in ("model", "prompt_ids", "task", "split", "num_prompts", "n",
+                                                "max_tokens", "temperature", "seed", "components")}
         with open(os.path.join(tmp, "attribution.json"), "w") as f:
             json.dump({"settings": settings, "pairs": results}, f, indent=1)
         with open(os.path.join(tmp, "attribution.md"), "w") as f:
