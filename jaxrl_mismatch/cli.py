@@ -20,7 +20,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("jaxrl_mismatch.report.plot", "main", "write a PNG report of a run directory"),
     "export": ("jaxrl_mismatch.jobs.export", "main", "write a trained policy (any checkpoint step) as an HF checkpoint"),
     "compare": ("jaxrl_mismatch.jobs.compare", "main", "run a grid of config variants x seeds; table + overlay figure"),
-    "analyze": ("jaxrl_mismatch.jobs.analyze", "main", "offline mismatch analysis of rollouts; BF16 softmax simulation"),
+    "analyze": ("jaxrl_mismatch.jobs.analyze", "main", "offline mismatch analysis (rollouts, BF16 softmax, attribution)"),
     "warmstart": ("jaxrl_mismatch.jobs.warmstart", "main", "supervised warm start of the tiny demo policy"),
     "perfectible": ("jaxrl_mismatch.jobs.perfectible", "main", "keep prompts the initial policy solves 20-80% of the time"),
 }

@@ -33,11 +33,27 @@ class DTypePolicy:
     compute_dtype: matmul/activation dtype inside the transformer blocks.
     logits_dtype:  dtype of the LM-head matmul output and of the log-softmax; float32 here is the
                    "fp32 LM head" option (MiniMax-M1 / verl's fix for softmax rounding).
+    fp32_components: names from `COMPONENTS` computed in float32 while the rest runs in compute_dtype
+                   (`analyze attribute`'s ablations; "lm_head" is the same as logits_dtype=float32).
+                   Their inputs and outputs are cast at the component's edges; weights are upcast, not re-read.
     """
 
     param_dtype: jnp.dtype = jnp.float32
     compute_dtype: jnp.dtype = jnp.float32
     logits_dtype: jnp.dtype = jnp.float32
+    fp32_components: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        unknown = set(self.fp32_components) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"fp32_components: unknown {sorted(unknown)}; valid: {', '.join(COMPONENTS)}")
+        object.__setattr__(self, "fp32_components", frozenset(self.fp32_components))
+
+    def dtype_of(self, component: str) -> jnp.dtype:
+        """The dtype `component` computes in: float32 if it is in `fp32_components`, else compute_dtype."""
+        if component == "lm_head":
+            return self.logits_dtype
+        return jnp.float32 if component in self.fp32_components else self.compute_dtype
 
     @property
     def name(self) -> str:
@@ -47,18 +63,30 @@ class DTypePolicy:
 
 PRESETS = ("fp32", "bf16", "fp16")
 
+# Parts of the forward that can run in float32 on their own (DTypePolicy.fp32_components):
+#   lm_head: LM-head matmul + log-softmax; attention: scores Q·Kᵀ, softmax and the weighted sum of V (the
+#   q/k/v/o projections stay in compute_dtype; a KV cache is then kept in float32); norm: every RMSNorm's
+#   gain multiply (it normalises in float32 already) with one rounding at its output; mlp: the dense SwiGLU
+#   MLP or the MoE experts; router: the MoE router's logits.
+COMPONENTS = ("lm_head", "attention", "norm", "mlp", "router")
 
-def policy(name: str, *, fp32_lm_head: bool = False, param_dtype: str | None = None) -> DTypePolicy:
+
+def policy(name: str, *, fp32_lm_head: bool = False, param_dtype: str | None = None,
+           fp32_components=()) -> DTypePolicy:
     """Build a preset policy: `fp32`, `bf16` or `fp16` (weights and compute in that dtype).
 
-    fp32_lm_head keeps the LM-head matmul and softmax in float32 while the blocks run in low precision.
+    fp32_lm_head keeps the LM-head matmul and softmax in float32 while the blocks run in low precision;
+    fp32_components (names from `COMPONENTS`) does so per component ("lm_head" there = fp32_lm_head).
     """
+    fp32_components = frozenset(fp32_components)
+    fp32_lm_head = fp32_lm_head or "lm_head" in fp32_components
     table = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
     if name not in table:
         raise ValueError(f"unknown precision preset {name!r}; valid: {', '.join(PRESETS)}")
     dt = table[name]
     pdt = _DTYPES[param_dtype] if param_dtype is not None else dt
-    return DTypePolicy(param_dtype=pdt, compute_dtype=dt, logits_dtype=jnp.float32 if fp32_lm_head else dt)
+    return DTypePolicy(param_dtype=pdt, compute_dtype=dt, logits_dtype=jnp.float32 if fp32_lm_head else dt,
+                       fp32_components=fp32_components)
 
 
 # --------------------------------------------------------------------------------------------------

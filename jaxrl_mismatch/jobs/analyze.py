@@ -1,6 +1,6 @@
 """`jaxrl-mismatch analyze`: offline training–inference mismatch analysis.
 
-Two subcommands (documented with measured tables in `docs/analysis.md`):
+Three subcommands (documented with measured tables in `docs/analysis.md`):
 
 ``analyze rollouts`` — the FP16 paper's §3.5 offline analysis (Fig. 2) and the objective-level hacking
 paper's token-level views (Fig. 3: π_train vs π_infer with their PCC; Fig. 7: ρ by π probability range).
@@ -13,6 +13,9 @@ and one figure for all pairs (report/analysis.py).
 
 ``analyze bf16-softmax`` — the objective-level hacking paper's App. C.1 simulation of BF16 softmax
 discretisation (its eq. 45 and Table 2), next to the paper's numbers.
+
+``analyze attribute`` — per-layer / per-op divergence of the engine's KV-cache path vs the trainer's forward and
+the fp32 ablation matrix (`jobs/attribute.py`).
 """
 
 from __future__ import annotations
@@ -581,7 +584,7 @@ def _int_list(flag: str, text: str) -> list[int]:
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="what", required=True, metavar="{rollouts,bf16-softmax}")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{rollouts,bf16-softmax,attribute}")
 
     r = sub.add_parser("rollouts", prog=f"{PROG} rollouts",
                        help="score engine rollouts with the trainer at chosen precisions (FP16 paper Fig. 2)")
@@ -619,6 +622,9 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--logits", choices=("per-token", "shared"), default="per-token",
                    help="a fresh logit vector per sampled token (reproduces Table 2), or one per seed")
     s.add_argument("--out", required=True, help="output directory")
+    from jaxrl_mismatch.jobs import attribute
+
+    attribute.add_parser(sub)
     return p
 
 
@@ -667,6 +673,10 @@ def _check_softmax_args(a) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a.what == "attribute":  # per-layer / per-op attribution (jobs/attribute.py)
+        from jaxrl_mismatch.jobs import attribute
+
+        return attribute.run(a)
     if a.what == "bf16-softmax":
         _check_softmax_args(a)
         os.makedirs(a.out, exist_ok=True)

@@ -131,11 +131,15 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, policy: DTypePolicy):
         self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype))
         self.eps = eps
+        self.fp32 = "norm" in policy.fp32_components  # gain in float32 too, one rounding at the output
 
     def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        shape = (1,) * (x.ndim - 1) + (-1,)
+        if getattr(self, "fp32", False):
+            return (self.scale[...].astype(jnp.float32).reshape(shape) * normed).astype(x.dtype)
+        scale = self.scale[...].astype(x.dtype).reshape(shape)
         return scale * normed.astype(x.dtype)
 
 
@@ -162,6 +166,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, policy)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, policy)
         self.qk_norm = cfg.qk_norm
+        self.core_dtype = policy.dtype_of("attention")  # scores, softmax and Σ p·v (precision.COMPONENTS)
 
     def _qkv(self, x, positions, inv_freq):
         b, s, _ = x.shape
@@ -179,8 +184,9 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, inv_freq, *, impl: str, packed: bool, block: int):
         """Full-sequence attention: (x [B,S,D] → [B,S,D], (k, v) [B,S,Hkv,hd] each, after RoPE)."""
         q, k, v = self._qkv(x, positions, inv_freq)
-        o = self_attention(q, k, v, segment_ids, impl=impl, packed=packed, block=block)
-        return self._out(o), (k, v)
+        dt = self.core_dtype
+        o = self_attention(q.astype(dt), k.astype(dt), v.astype(dt), segment_ids, impl=impl, packed=packed, block=block)
+        return self._out(o.astype(x.dtype)), (k, v)
 
     def decode(self, x, positions, inv_freq, cache_k, cache_v, key_mask, index, layer, *, block: int):
         """Write this step's keys/values into layer `layer` of the stacked cache at slot `index`, then
@@ -189,17 +195,18 @@ class Attention(nnx.Module):
         at = (layer, 0, index, 0, 0)
         cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
         cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
-        o = cached_attention(q, cache_k, cache_v, key_mask, index, layer, block=block)
-        return self._out(o), cache_k, cache_v
+        o = cached_attention(q.astype(self.core_dtype), cache_k, cache_v, key_mask, index, layer, block=block)
+        return self._out(o.astype(x.dtype)), cache_k, cache_v
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: W_down (silu(x W_gate) ⊙ x W_up) (Shazeer 2020, eq. 6)."""
 
     def __init__(self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, policy, rngs)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, policy, rngs)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, policy, rngs)
+        dt = policy.dtype_of("mlp")
+        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, policy, rngs, dtype=dt)
+        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, policy, rngs, dtype=dt)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, policy, rngs, dtype=dt)
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -216,6 +223,13 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         self.sparse = bool(sparse)
         self.mlp = SparseMoE(cfg, policy, rngs) if sparse else MLP(cfg, policy, rngs)
+        self.cast_ffn = bool(policy.fp32_components & {"mlp", "router"})  # keep the residual stream's dtype
+        self.capture = False  # sow per-component outputs as nnx.Intermediate (`capture_intermediates`)
+
+    def _sow(self, **values):
+        if getattr(self, "capture", False):
+            for name, value in values.items():
+                self.sow(nnx.Intermediate, name, value)
 
     def _ffn(self, x, valid, forced, mesh):
         if self.sparse:
@@ -223,18 +237,41 @@ class Block(nnx.Module):
         return self.mlp(x), None
 
     def __call__(self, x, positions, segment_ids, inv_freq, *, forced=None, mesh=None, **attn_kw):
-        h, kv = self.attn(self.input_norm(x), positions, segment_ids, inv_freq, **attn_kw)
+        a = self.input_norm(x)
+        h, kv = self.attn(a, positions, segment_ids, inv_freq, **attn_kw)
         x = x + h
-        m, router = self._ffn(self.post_attn_norm(x), segment_ids > 0, forced, mesh)
+        n = self.post_attn_norm(x)
+        m, router = self._ffn(n, segment_ids > 0, forced, mesh)
+        m = m.astype(x.dtype) if getattr(self, "cast_ffn", False) else m
+        self._sow(attn_norm_out=a, attn_out=h, mlp_norm_out=n, mlp_out=m, block_out=x + m)
         return x + m, kv, router
 
     def decode(self, x, positions, inv_freq, cache_k, cache_v, key_mask, index, layer, *, block: int):
-        h, cache_k, cache_v = self.attn.decode(self.input_norm(x), positions, inv_freq, cache_k, cache_v, key_mask,
-                                               index, layer, block=block)
+        a = self.input_norm(x)
+        h, cache_k, cache_v = self.attn.decode(a, positions, inv_freq, cache_k, cache_v, key_mask, index, layer,
+                                               block=block)
         x = x + h
         valid = jnp.ones(x.shape[:2], bool)
-        m, router = self._ffn(self.post_attn_norm(x), valid, None, None)
+        n = self.post_attn_norm(x)
+        m, router = self._ffn(n, valid, None, None)
+        m = m.astype(x.dtype) if getattr(self, "cast_ffn", False) else m
+        self._sow(attn_norm_out=a, attn_out=h, mlp_norm_out=n, mlp_out=m, block_out=x + m)
         return x + m, cache_k, cache_v, router
+
+
+CAPTURED = ("attn_norm_out", "attn_out", "mlp_norm_out", "mlp_out", "block_out")  # per block, in order
+
+
+def capture_intermediates(model: "Transformer", on: bool = True) -> None:
+    """Make every `Block` sow `CAPTURED` (its input norm, attention, post-attention norm, MLP and block
+    outputs) as `nnx.Intermediate`; run the model under `nnx.capture(fn, nnx.Intermediate)` to get them.
+
+    Off by default, so training programs and their state are untouched. Only the unrolled layout with
+    remat "none" keeps them (scan bodies and checkpointed blocks run on copies of the block)."""
+    if model.scan_layers or model.remat != "none":
+        raise ValueError("capture_intermediates needs scan_layers=False and remat='none'")
+    for layer in model.layers:
+        layer.capture = bool(on)
 
 
 def _stacked_blocks(cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs) -> Block:

@@ -207,7 +207,8 @@ class SparseMoE(nnx.Module):
     `mlp/experts/{gate,up,down}_proj`."""
 
     def __init__(self, cfg: ModelConfig, policy: DTypePolicy, rngs: nnx.Rngs):
-        dtype = policy.compute_dtype
+        dtype = policy.dtype_of("router")
+        self.expert_dtype = None if "mlp" not in policy.fp32_components else jnp.float32  # precision.COMPONENTS
         self.router = nnx.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, dtype=dtype,
                                  param_dtype=policy.param_dtype, precision=matmul_precision(dtype),
                                  kernel_init=_INIT, rngs=rngs)
@@ -225,6 +226,9 @@ class SparseMoE(nnx.Module):
         forced = None if forced_ids is None else forced_ids.reshape(b * s, self.top_k)
         ids, gates, probs, own = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob, forced_ids=forced)
         w = (self.experts.gate_proj[...], self.experts.up_proj[...], self.experts.down_proj[...])
+        if getattr(self, "expert_dtype", None) is not None:
+            dt = self.expert_dtype
+            x, gates, w = x.astype(dt), gates.astype(dt), [t.astype(dt) for t in w]
         shaped = (ids.reshape(b, s, -1), gates.reshape(b, s, -1))
         y = None if mesh is None else _expert_parallel(mesh, x, *shaped, *w)
         if y is None:

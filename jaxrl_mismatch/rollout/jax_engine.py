@@ -309,7 +309,7 @@ def _sample_program(
     route_dtype = _routing_dtype(cfg.num_experts)
     route_shape = (len(cfg.sparse_layers), cfg.num_experts_per_tok) if routing else (0, 0)
     runner = _RoutingRecorder(model, route_dtype) if routing else model
-    cache = kv_cache.init_cache(cfg, rows, prompt_len + new_len, model.policy.compute_dtype)
+    cache = kv_cache.init_cache(cfg, rows, prompt_len + new_len, model.policy.dtype_of("attention"))
     logits, cache = kv_cache.prefill(runner, prompt_ids, prompt_mask, cache)
     prompt_routes = runner.last if routing else jnp.zeros((rows, 0) + route_shape, route_dtype)
     keys = _row_keys(base_key, prompt_idx, sample_idx)

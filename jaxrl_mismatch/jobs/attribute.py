@@ -1,0 +1,377 @@
+"""`jaxrl-mismatch analyze attribute`: where the training–inference mismatch comes from, layer by layer and op by op.
+
+For the same rows (prompts + responses the built-in engine sampled, `rollout.JaxEngine` at the engine dtype):
+
+- the **engine path** replays the rows teacher-forced through the engine's own program pieces (`kv_cache.prefill`,
+  then one `kv_cache.decode_step` per response token, the engine's dtype, its KV cache, and `jax_engine.step_logprobs`
+  for log μ), and
+- the **trainer path** scores them as the θ_old forward of train/step.py does (`models.token_logprobs`: one full
+  forward at the trainer precision, float32 master weights),
+
+both with `Block`s sowing their input norm, attention, post-attention norm, MLP and block outputs as
+`nnx.Intermediate` (`model.capture_intermediates`). Per layer and component it reports the relative divergence
+‖a − b‖₂ / ‖b‖₂ (a = engine, b = trainer, over the real tokens of all rows; the embedding and the response
+log-probs too).
+
+Ablation matrix: the rows are re-scored with one component at a time in float32 on both sides
+(`precision.COMPONENTS`: LM head, attention scores/softmax, RMSNorm, MLP, MoE router) and the mismatch left is
+computed by the trainer's own `metrics.step_metrics` (`mismatch/log_ppl_abs_diff`, `mismatch/rho_std`; through
+`analyze.summarize`). The trainer's master weights are the checkpoint's values rounded to the engine's parameter
+dtype — the weights the engine holds after a sync — so the table attributes *compute* precision, not the
+rounding of stored weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.jobs import analyze
+from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf
+from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
+from jaxrl_mismatch.outputs import staged_dir
+from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
+from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file
+
+KIND = "analyze-attribute"  # the output directory's marker (outputs.py)
+METRICS = ("mismatch/log_ppl_abs_diff", "mismatch/rho_std")
+BASELINE = "none"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("attribute", prog=f"{analyze.PROG} attribute",
+                       help="per-layer/per-op divergence of the engine's vs the trainer's forward, and fp32 ablations")
+    p.add_argument("--model", required=True, help="local HF checkpoint (config.json + safetensors)")
+    p.add_argument("--prompt-ids", default=None, help="JSONL of token-id prompts (one JSON list a line)")
+    p.add_argument("--task", default=None, help="instead of --prompt-ids: prompts of this task (data.TASKS), "
+                                                "rendered with the checkpoint's tokenizer")
+    p.add_argument("--file", default=None, help="JSONL of a file-backed --task")
+    p.add_argument("--split", default="train", help="split of --task (default train)")
+    p.add_argument("--template", default=None, help="prompt template of --task (default: the task's)")
+    p.add_argument("--pairs", default="fp32:bfloat16",
+                   help="TRAINER:ENGINE pairs, e.g. fp32:bfloat16,fp16:float16 (default fp32:bfloat16)")
+    p.add_argument("--components", default=None,
+                   help=f"ablations, comma-separated from {','.join(precision.COMPONENTS)} (default: all that apply; "
+                        "router only for MoE)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=2, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="response length (no stop tokens: every row is full)")
+    p.add_argument("--temperature", type=float, default=1.0, help="> 0; the trainer scores π at the same T")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="new or empty output directory")
+    p.add_argument("--force", action="store_true", help="replace an earlier `analyze attribute` output in --out")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Validate every flag before any work; UsageError (one line, exit 2) naming the flag."""
+    a.pairs = analyze.parse_pairs(a.pairs)
+    existing_dir("--model", a.model)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise UsageError(f"--model {a.model}: no config.json; expected a Hugging Face checkpoint directory")
+    if (a.prompt_ids is None) == (a.task is None):
+        raise UsageError("--prompt-ids or --task: give exactly one of them")
+    if a.prompt_ids is not None:
+        existing_file("--prompt-ids", a.prompt_ids)
+    for flag, value in (("--num-prompts", a.num_prompts), ("--n", a.n), ("--max-tokens", a.max_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(a.temperature) and a.temperature > 0):
+        raise UsageError(f"--temperature must be > 0, got {a.temperature}")
+    if not 0 <= a.seed < 2**31:
+        raise UsageError(f"--seed must be in [0, 2^31), got {a.seed}")
+    try:
+        cfg = ModelConfig.from_hf(a.model)
+    except Exception as e:  # noqa: BLE001 - any unreadable config is the user's --model
+        raise UsageError(f"--model {a.model}: cannot read config.json ({type(e).__name__}: {e})") from None
+    a.is_moe = bool(cfg.is_moe)
+    default = [c for c in precision.COMPONENTS if c != "router" or a.is_moe]
+    if a.components is None:
+        a.components = default
+    else:
+        a.components = [c.strip() for c in a.components.split(",") if c.strip()]
+        bad = [c for c in a.components if c not in precision.COMPONENTS]
+        if bad or not a.components:
+            raise UsageError(f"--components: unknown {bad or 'empty list'}; valid: {','.join(precision.COMPONENTS)}")
+        if "router" in a.components and not a.is_moe:
+            raise UsageError(f"--components router: {a.model} is a dense model (no MoE router)")
+        if len(set(a.components)) != len(a.components):
+            raise UsageError("--components: a component is listed twice")
+    if a.prompt_ids is not None:
+        a.prompts = analyze._read_prompt_ids(a.prompt_ids, cfg.vocab_size, a.num_prompts)
+    else:
+        a.prompts = analyze._task_prompts(a)[0]
+    longest = max(len(p) for p in a.prompts) + a.max_tokens
+    if longest > cfg.max_position_embeddings:
+        raise UsageError(f"--max-tokens {a.max_tokens}: the longest prompt + response ({longest}) exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+
+
+# -- the two paths -------------------------------------------------------------------------------------------------
+
+
+def _flat_intermediates(state: nnx.State) -> dict[str, Array]:
+    """`nnx.capture`'s intermediates → {"layers.<i>.<name>": array} (each sow holds a 1-tuple)."""
+    flat = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        flat[".".join(keys[:-1] if keys[-1] == "0" else keys)] = value
+    return flat
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _engine_prefill(graphdef, state, prompt_ids, prompt_mask, cache):
+    model = nnx.merge(graphdef, state)
+    (logits, cache), inter = nnx.capture(kv_cache.prefill, nnx.Intermediate)(model, prompt_ids, prompt_mask, cache)
+    return logits, cache, _flat_intermediates(inter)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _engine_decode(graphdef, state, token, cache):
+    model = nnx.merge(graphdef, state)
+    (logits, cache), inter = nnx.capture(kv_cache.decode_step, nnx.Intermediate)(model, token, cache)
+    return logits, cache, _flat_intermediates(inter)
+
+
+def engine_path(model, prompt_ids: np.ndarray, prompt_mask: np.ndarray, response: np.ndarray, temperature: float
+                ) -> tuple[Float[np.ndarray, "rows resp"], dict[str, np.ndarray]]:
+    """Teacher-forced replay through the engine's prefill + decode steps: (log μ of each response token, the
+    intermediates `[rows, prompt + resp - 1, hidden]` at the input positions the trainer's forward sees)."""
+    capture_intermediates(model, True)
+    graphdef, state = nnx.split(model)
+    rows, plen = prompt_ids.shape
+    r = response.shape[1]
+    cache = kv_cache.init_cache(model.cfg, rows, plen + r, model.policy.dtype_of("attention"))
+    logits, cache, inter = _engine_prefill(graphdef, state, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), cache)
+    parts = {k: [np.asarray(v)] for k, v in inter.items()}
+    logps = []
+    for t in range(r):
+        lp_all = step_logprobs(logits, jnp.float32(temperature), 0, 1.0, filtering=False)
+        logps.append(np.take_along_axis(np.asarray(lp_all), response[:, t:t + 1], axis=1)[:, 0])
+        if t == r - 1:
+            break
+        logits, cache, inter = _engine_decode(graphdef, state, jnp.asarray(response[:, t]), cache)
+        for k, v in inter.items():
+            parts[k].append(np.asarray(v))
+    capture_intermediates(model, False)
+    return np.stack(logps, axis=1), {k: np.concatenate(v, axis=1) for k, v in parts.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("capturing",))
+def _trainer_capture(capturing, state, tokens, mask):
+    inputs, input_mask = tokens[:, :-1], mask[:, :-1]
+    forward = nnx.capture(lambda m: m(inputs, positions_from_mask(input_mask), input_mask), nnx.Intermediate)
+    _, inter = forward(nnx.merge(capturing, state))
+    return _flat_intermediates(inter)
+
+
+def trainer_path(model, tokens: np.ndarray, mask: np.ndarray, temperature: float
+                 ) -> tuple[Float[np.ndarray, "rows seq"], dict[str, np.ndarray]]:
+    """The trainer's θ_old forward on the whole rows: (log π of every next token from `models.token_logprobs` in
+    `analyze.trainer_logprobs`' program — the one `analyze rollouts` scores with, no capture in it — and the
+    intermediates `[rows, seq - 1, hidden]` of the same forward, captured in a program of its own)."""
+    graphdef, state = nnx.split(model)
+    capture_intermediates(model, True)
+    capturing = nnx.graphdef(model)
+    capture_intermediates(model, False)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    logp = analyze.trainer_logprobs(graphdef, state, tokens, mask, chunk_size=256, temperature=float(temperature))
+    inter = _trainer_capture(capturing, state, tokens, mask)
+    return np.asarray(logp), {k: np.asarray(v) for k, v in inter.items()}
+
+
+def relative_divergence(a: np.ndarray, b: np.ndarray, valid: np.ndarray) -> float:
+    """‖a − b‖₂ / ‖b‖₂ over the valid positions (float64); 0 when both are 0."""
+    a64 = np.asarray(a, np.float64)[valid]
+    b64 = np.asarray(b, np.float64)[valid]
+    num, den = np.linalg.norm(a64 - b64), np.linalg.norm(b64)
+    return float(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def divergence_table(eng: dict[str, np.ndarray], tr: dict[str, np.ndarray], valid: np.ndarray, num_layers: int
+                     ) -> dict[str, dict[str, float]]:
+    """{layer name: {component: ‖a−b‖/‖b‖}} for every block (`model.CAPTURED`)."""
+    out = {}
+    for i in range(num_layers):
+        out[f"layer {i}"] = {c: relative_divergence(eng[f"layers.{i}.{c}"], tr[f"layers.{i}.{c}"], valid)
+                             for c in CAPTURED}
+    return out
+
+
+# -- one pair ------------------------------------------------------------------------------------------------------
+
+
+def _rows(prompts: list[list[int]], completions) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Left-padded prompt ids/mask, the responses, engine log μ, and the prompt index of each row."""
+    flat = [(i, c) for i, cs in enumerate(completions) for c in cs]
+    plen = max(len(p) for p in prompts)
+    ids = np.zeros((len(flat), plen), np.int32)
+    pmask = np.zeros((len(flat), plen), np.int32)
+    for r, (i, _) in enumerate(flat):
+        ids[r, plen - len(prompts[i]):] = prompts[i]
+        pmask[r, plen - len(prompts[i]):] = 1
+    resp = np.asarray([c.token_ids for _, c in flat], np.int32)
+    mu = np.asarray([c.logprobs for _, c in flat], np.float32)
+    return ids, pmask, resp, mu, np.asarray([i for i, _ in flat], np.int32)
+
+
+def _round_to(state: nnx.State, dtype) -> nnx.State:
+    """Master weights as the engine holds them after a sync: rounded to its parameter dtype, kept in float32."""
+    return jax.tree.map(lambda x: x.astype(dtype).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        state)
+
+
+def _load_pair(model_dir: str, trainer: str, engine: str, components):
+    eng_pol = precision.policy(_POLICY[engine], fp32_components=components)
+    _, eng_model = load_hf(model_dir, policy=eng_pol)
+    tr_pol = precision.policy(trainer, param_dtype="float32", fp32_components=components)
+    _, tr_model = load_hf(model_dir, policy=tr_pol)
+    graphdef, params, rest = nnx.split(tr_model, nnx.Param, ...)
+    tr_model = nnx.merge(graphdef, _round_to(params, eng_pol.param_dtype), rest)
+    return eng_model, tr_model
+
+
+def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list[int]], *, components, n: int,
+                   max_tokens: int, temperature: float, seed: int) -> dict:
+    """Sample with the engine, then the per-layer divergence and the ablation matrix of one (trainer, engine) pair."""
+    completions = JaxEngine(model_dir, dtype=engine).generate(
+        prompts, SamplingSpec(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed))
+    ids, pmask, resp, mu_engine, prompt_idx = _rows(prompts, completions)
+    tokens = np.concatenate([ids, resp], axis=1)
+    mask = np.concatenate([pmask, np.ones_like(resp)], axis=1)
+    plen, r = ids.shape[1], resp.shape[1]
+    valid = mask[:, :-1] > 0  # input positions of the trainer's forward
+    response_mask = np.zeros(valid.shape, np.float32)
+    response_mask[:, plen - 1:] = 1.0
+    sample_id = np.arange(len(ids), dtype=np.int32)
+
+    result = {"trainer": trainer, "engine": engine, "rows": int(len(ids)), "response_tokens": int(resp.size)}
+    ablations = {}
+    for setting in [BASELINE, *components]:
+        comps = () if setting == BASELINE else (setting,)
+        eng_model, tr_model = _load_pair(model_dir, trainer, engine, comps)
+        mu, eng_inter = engine_path(eng_model, ids, pmask, resp, temperature)
+        logp, tr_inter = trainer_path(tr_model, tokens, mask, temperature)
+        pi = np.zeros_like(logp)
+        pi[:, plen - 1:] = logp[:, plen - 1:]
+        mu_full = np.zeros_like(logp)
+        mu_full[:, plen - 1:] = mu
+        summary = analyze.summarize(analyze.token_dump(response_mask, tokens[:, 1:], pi, mu_full, prompt_idx,
+                                                       sample_id))
+        ablations[setting] = {k: summary[k] for k in METRICS}
+        if setting == BASELINE:
+            num_layers = eng_model.cfg.num_hidden_layers
+            result["divergence"] = divergence_table(eng_inter, tr_inter, valid, num_layers)
+            result["divergence_model"] = {
+                "embed": relative_divergence(*_embed_pair(eng_model, tr_model, tokens), valid),
+                "logp (response)": relative_divergence(mu, logp[:, plen - 1:], np.ones_like(mu, bool)),
+            }
+            result["replay_vs_engine_logp_max_abs"] = float(np.max(np.abs(mu - mu_engine)))
+    base = ablations[BASELINE]["mismatch/log_ppl_abs_diff"]
+    for setting, row in ablations.items():
+        left = row["mismatch/log_ppl_abs_diff"]
+        row["removed_frac"] = float(1.0 - left / base) if base > 0 else 0.0
+    result["ablations"] = ablations
+    fixes = {k: v for k, v in ablations.items() if k != BASELINE}
+    result["most_removed"] = min(fixes, key=lambda k: fixes[k]["mismatch/log_ppl_abs_diff"]) if fixes else None
+    return result
+
+
+def _embed_pair(eng_model, tr_model, tokens):
+    x = jnp.asarray(tokens[:, :-1])
+    return np.asarray(eng_model.embed(x)), np.asarray(tr_model.embed(x))
+
+
+# -- output --------------------------------------------------------------------------------------------------------
+
+
+def tables(results: list[dict]) -> str:
+    """Markdown: per pair, the divergence table (layers × components) and the ablation matrix."""
+    lines = []
+    for res in results:
+        name = f"{res['trainer']}:{res['engine']}"
+        lines += [f"## {name} ({res['rows']} rows, {res['response_tokens']} response tokens)", "",
+                  "Relative divergence ‖engine − trainer‖ / ‖trainer‖:", "",
+                  "| layer | " + " | ".join(CAPTURED) + " |", "|---" * (len(CAPTURED) + 1) + "|"]
+        for layer, row in res["divergence"].items():
+            lines.append(f"| {layer} | " + " | ".join(f"{row[c]:.3e}" for c in CAPTURED) + " |")
+        lines += ["", " · ".join(f"{k}: {v:.3e}" for k, v in res["divergence_model"].items()), "",
+                  "Ablation (component in float32 on both sides):", "",
+                  "| fp32 component | log_ppl_abs_diff | rho_std | mismatch removed |", "|---|---|---|---|"]
+        for setting, row in res["ablations"].items():
+            lines.append(f"| {setting} | {row['mismatch/log_ppl_abs_diff']:.3e} | {row['mismatch/rho_std']:.3e} | "
+                         f"{100 * row['removed_frac']:.1f} % |")
+        if res["most_removed"]:
+            lines += ["", f"Most mismatch removed by fp32 **{res['most_removed']}**."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> str:
+    """Heat map of the divergence (layers × components) and a bar chart of the ablation matrix, one row per pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
+    for (ax_h, ax_b), res in zip(axes, results):
+        name = f"{res['trainer']}:{res['engine']}"
+        layers = list(res["divergence"])
+        grid = np.array([[res["divergence"][l][c] for c in CAPTURED] for l in layers])
+        im = ax_h.imshow(np.log10(np.maximum(grid, 1e-12)), aspect="auto", cmap="viridis")
+        ax_h.set_xticks(range(len(CAPTURED)), CAPTURED, rotation=30, ha="right", fontsize=8)
+        ax_h.set_yticks(range(len(layers)), layers, fontsize=8)
+        ax_h.set_title(f"{name}: log10 ‖engine − trainer‖/‖trainer‖", fontsize=9)
+        fig.colorbar(im, ax=ax_h)
+        settings = list(res["ablations"])
+        vals = [res["ablations"][s]["mismatch/log_ppl_abs_diff"] for s in settings]
+        ax_b.bar(settings, vals, color=["grey"] + ["C0"] * (len(settings) - 1))
+        ax_b.set_ylabel("mismatch/log_ppl_abs_diff")
+        ax_b.set_title(f"{name}: mismatch left with one component in fp32", fontsize=9)
+        ax_b.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(a: argparse.Namespace) -> int:
+    check_args(a)
+    with staged_dir("--out", a.out, KIND, force=a.force) as tmp:
+        results = []
+        for trainer, engine in a.pairs:
+            t0 = time.perf_counter()
+            res = attribute_pair(a.model, trainer, engine, a.prompts, components=a.components, n=a.n,
+                                 max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
+            res["seconds"] = round(time.perf_counter() - t0, 1)
+            base = res["ablations"][BASELINE]["mismatch/log_ppl_abs_diff"]
+            print(f"attribute: {trainer}:{engine}: log_ppl_abs_diff {base:.3e}; fp32 {res['most_removed']} leaves "
+                  f"{res['ablations'][res['most_removed']]['mismatch/log_ppl_abs_diff']:.3e}", flush=True)
+            results.append(res)
+        md = tables(results)
+        print(md, flush=True)
+        settings = {k: getattr(a, k) for k in ("model", "prompt_ids", "task", "split", "num_prompts", "n",
+                                                "max_tokens", "temperature", "seed", "components")}
+        with open(os.path.join(tmp, "attribution.json"), "w") as f:
+            json.dump({"settings": settings, "pairs": results}, f, indent=1)
+        with open(os.path.join(tmp, "attribution.md"), "w") as f:
+            f.write("# analyze attribute\n\n" + md)
+        plot(results, os.path.join(tmp, "attribution.png"))
+    print(f"attribute: wrote attribution.json, attribution.md, attribution.png in {a.out}", flush=True)
+    return 0
+
+
+__all__ = ["add_parser", "attribute_pair", "check_args", "divergence_table", "engine_path", "relative_divergence",
+           "run", "trainer_path"]
