@@ -139,6 +139,27 @@ def _quiet_closed_loop_hook(previous):
     return hook
 
 
+def _quiet_orbax_unraisable_hook(previous):
+    """sys.unraisablehook that drops orbax's abandoned read coroutines: after a damaged checkpoint fails to
+    restore (reported as one warning, and set aside), the coroutines still reading its other shards are
+    garbage-collected later and Python prints each one's traceback ("Exception ignored in: <coroutine object
+    _read_array_index_and_device_put ...>"). Anything else goes to the previous hook."""
+
+    def hook(unraisable):
+        tb = unraisable.exc_traceback
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        where = " ".join(frames) + " " + repr(unraisable.object)
+        if f"{os.sep}orbax{os.sep}" in where or "_read_array_index_and_device_put" in where:
+            return
+        previous(unraisable)
+
+    hook.jaxrl_quiet = True
+    return hook
+
+
 def leaf_path(path: Sequence[Any]) -> str:
     """`params/layers/0/attn/q_proj/kernel`-style name of a pytree leaf (dict keys, attributes, indices)."""
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
@@ -275,6 +296,8 @@ class Checkpointer:
             absl_log.addFilter(_ORBAX_FILTER)
         if not getattr(sys.excepthook, "jaxrl_quiet", False):
             sys.excepthook = _quiet_closed_loop_hook(sys.excepthook)
+        if not getattr(sys.unraisablehook, "jaxrl_quiet", False):
+            sys.unraisablehook = _quiet_orbax_unraisable_hook(sys.unraisablehook)
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
