@@ -398,9 +398,21 @@ class RolloutClient:
 
     def _push_shm(self, wire: dict[str, np.ndarray], version: int, md) -> rollout_pb2.UpdateWeightsResponse | None:
         """Push through shared memory; None (after a warning) when the server cannot open it and mode is auto."""
-        if self._shm is None:
-            self._shm = shm.ShmWriter()
-        msg = self._shm.write(wire, version)
+        try:
+            if self._shm is None:
+                self._shm = shm.ShmWriter()
+            msg = self._shm.write(wire, version)
+        except OSError as e:  # no memory for the buffer, a file-size limit: the stream still works
+            if self._shm is not None:
+                self._shm.close()
+                self._shm = None
+            if self.weight_transport == "shm":
+                raise RolloutError(f"weight_transport 'shm': cannot write the shared-memory buffer for "
+                                   f"{self.target} ({e.strerror or e}); use 'auto' or 'grpc'") from e
+            log.warning("shared-memory buffer for %s could not be written (%s); using the gRPC stream from now on",
+                        self.target, e.strerror or e)
+            self.weight_transport = "grpc"
+            return None
         try:
             return self._call("UpdateWeightsShm",
                               lambda: self._stub.UpdateWeightsShm(msg, timeout=self._timeout_s, metadata=md))

@@ -143,7 +143,8 @@ def _quiet_orbax_unraisable_hook(previous):
     """sys.unraisablehook that drops orbax's abandoned read coroutines: after a damaged checkpoint fails to
     restore (reported as one warning, and set aside), the coroutines still reading its other shards are
     garbage-collected later and Python prints each one's traceback ("Exception ignored in: <coroutine object
-    _read_array_index_and_device_put ...>"). Anything else goes to the previous hook."""
+    _read_array_index_and_device_put ...>"); after a failed save, tensorstore's late callbacks into orbax's
+    closed asyncio loop end here too ("Event loop is closed"). Anything else goes to the previous hook."""
 
     def hook(unraisable):
         tb = unraisable.exc_traceback
@@ -153,6 +154,9 @@ def _quiet_orbax_unraisable_hook(previous):
             tb = tb.tb_next
         where = " ".join(frames) + " " + repr(unraisable.object)
         if f"{os.sep}orbax{os.sep}" in where or "_read_array_index_and_device_put" in where:
+            return
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":  # as _quiet_closed_loop_hook
             return
         previous(unraisable)
 

@@ -154,6 +154,22 @@ def test_transport_choice_follows_config_and_host_id(served, tiny_checkpoints, m
     assert "using the gRPC stream from now on" in caplog.text
 
 
+def test_a_buffer_that_cannot_be_written_falls_back_to_the_stream(served, tiny_checkpoints, monkeypatch, caplog):
+    """No memory for the buffer or a file-size limit (EFBIG) on the trainer's side: auto pushes over gRPC and says
+    so once; a forced 'shm' is refused naming the transport."""
+    import errno
+
+    weights = _perturbed(tiny_checkpoints, 0.0)
+    monkeypatch.setattr(served.servicer, "shm_host_id", shm.host_id())
+    monkeypatch.setattr(shm.ShmWriter, "write", lambda *a: (_ for _ in ()).throw(OSError(errno.EFBIG, "File too large")))
+    with _client(served) as client:
+        client.push_weights(weights, version=served.engine.info().weight_version + 1)
+        assert client.last_push_transport == "grpc" and client.weight_transport == "grpc"
+    assert "could not be written (File too large)" in caplog.text
+    with _client(served, weight_transport="shm") as client, pytest.raises(RolloutError, match="weight_transport 'shm'"):
+        client.push_weights(weights, version=served.engine.info().weight_version + 1)
+
+
 TRAINER = textwrap.dedent("""
     import sys, numpy as np
     from jaxrl_mismatch.rollout.client import RolloutClient
