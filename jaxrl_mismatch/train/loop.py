@@ -138,15 +138,14 @@ class Trainer:
             self.is_lead, self._take_rollout if asynchronous else self._rollout,
             rollout_fields(with_routing=self.collect_routing,
                            with_kept=self.c.rollout.top_p < 1.0 or self.c.rollout.top_k > 0) + ("sample_version",),
-            STAT_KEYS + (ASYNC_STAT_KEYS if asynchronous else ()))
+            STAT_KEYS + ("rollout/mismatch_scale",) + (ASYNC_STAT_KEYS if asynchronous else ()))
         versions = arrays.pop("sample_version")[:, 0]
         batch = from_wire(arrays, routing_shape=self.learner.routing_shape if self.collect_routing else None)
         batch = batch.replace(version_lag=(self.version - versions).astype(np.int32))
         t_rollout = time.perf_counter() - t0
         batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
         metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
-        metrics.update(stats)
-        metrics["rollout/mismatch_scale"] = self._mismatch_scale(self.step)
+        metrics.update(stats)  # incl. rollout/mismatch_scale: the strength the batch was sampled with
         metrics["lr"] = self.learner.lr
         if self.controller is not None:
             # The controller sees step s's metrics; the scale it returns drives the next step's updates.
@@ -227,7 +226,10 @@ class Trainer:
 
         batch = to_batch(collected.groups, advantages, pad_id=self.data.pad_id, with_routing=self.collect_routing)
         versions = np.array([[cm.weight_version] for g in collected.groups for cm in g.completions], np.int32)
-        return {**to_wire(batch.arrays()), "sample_version": versions}, collected.stats
+        # The strength travels with the batch: after a dropped batch the producer's indices run ahead of the
+        # trainer's step, and the logged scale must be the one the batch was sampled with.
+        stats = {**collected.stats, "rollout/mismatch_scale": self._mismatch_scale(step)}
+        return {**to_wire(batch.arrays()), "sample_version": versions}, stats
 
     def _spec(self, seed: int, step: int) -> SamplingSpec:
         """Step `step`'s training rollout sampling: the configured exact mode and injected mismatch apply here

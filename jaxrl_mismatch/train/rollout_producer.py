@@ -110,7 +110,10 @@ class RolloutProducer:
         """`fixed_staleness`: hold the next push until the batch that must come from the current weights is made."""
         if not self.fixed or self._pushed_at is None:
             return
-        target = min(self._taken - 1 + self.s, self.last_index)
+        # The batches the previous push allowed (up to pushed_at + s): one step after a push that is
+        # taken − 1 + s, but after a dropped batch the trainer has taken one more than it pushed for, and
+        # waiting for taken − 1 + s would wait for a batch that only this push lets start.
+        target = min(self._pushed_at + self.s, self.last_index)
         with self._cv:
             self._wait(lambda: self._next > target)
 

@@ -222,3 +222,37 @@ def test_external_server_lost_mid_async_run_checkpoints_and_the_rerun_finishes(b
     assert [r["step"] for r in rows] == list(range(5))
     assert all(r["staleness/version_lag_max"] <= 2 for r in rows)
     _check_no_prompt_used_twice(rows, c.batch.prompts_per_step)
+
+
+@pytest.mark.slow
+def test_a_dropped_batch_is_replaced_and_its_replacement_logs_the_scale_it_was_sampled_with(base_model, tmp_path,
+                                                                                              monkeypatch):
+    """A second writer pushes to the server just before the trainer's push of step 2 (the version jumps by
+    2): batch 2, made from step 1's weights, is then 2 versions behind and dropped; step 2 trains on batch 3.
+    With an int8 onset at 3 in exact mode, batch 3 is quantized and batch 2 would not have been: the logged
+    `rollout/mismatch_scale` and the precision part of the mismatch must both be batch 3's."""
+    from jaxrl_mismatch.train.loop import Trainer
+
+    c = config(base_model, tmp_path / "run", max_staleness=1, fixed_staleness=True, exact=True, quantize="int8",
+               mismatch_onset_step=3)
+    from jaxrl_mismatch.train.rollout_producer import LockedSession
+
+    t = Trainer(c)
+    push = LockedSession.push
+
+    def push_after_another_writer(session, weights):
+        if t.step == 2:
+            push(session, weights)  # the other writer's push lands first
+        return push(session, weights)
+
+    monkeypatch.setattr(LockedSession, "push", push_after_another_writer)
+    try:
+        t.run()
+    finally:
+        t.close()
+    rows = [r for r in read_jsonl(os.path.join(c.run_dir, "metrics.jsonl")) if r["step"] >= 0]
+    assert [r["rollout/batch_index"] for r in rows] == [0, 1, 3, 4]
+    assert [r["rollout/dropped_batches"] for r in rows] == [0, 0, 1, 1]
+    assert [r["rollout/mismatch_scale"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    assert rows[1]["staleness/precision_rho_std"] == 0 and rows[2]["staleness/precision_rho_std"] > 0
+    assert all(r["staleness/version_lag_max"] <= 1 for r in rows)

@@ -133,6 +133,23 @@ def test_a_dropped_batch_is_counted_and_replaced():
         p.close()
 
 
+def test_a_drop_under_fixed_staleness_does_not_hold_the_next_push_forever():
+    # Taking batch 0, dropping it and taking batch 1 between two pushes: the push must wait only for the
+    # batches the previous push allowed (0..s), not for batch 2, which only this push lets start.
+    rec = Recorder()
+    p = _producer(rec, s=1, fixed=True, last=3)
+    try:
+        _push(rec, p)
+        p.drop(p.take(), current_version=5)
+        assert p.take().index == 1
+        done = threading.Event()
+        threading.Thread(target=lambda: (_push(rec, p), done.set()), daemon=True).start()
+        assert done.wait(10.0), "the push after a dropped batch waited forever"
+        assert p.take().index == 2 and rec.seen[2] == 2  # made from the new push's weights
+    finally:
+        p.close()
+
+
 def test_staleness_zero_is_not_a_producer():
     with pytest.raises(ValueError, match="max_staleness"):
         RolloutProducer(lambda i, d: None, max_staleness=0, fixed=False, start_index=0, last_index=1,
