@@ -40,6 +40,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze
 from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
+from jaxrl_mismatch.models.sharding import tree_path
 from jaxrl_mismatch.outputs import staged_dir
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
@@ -125,7 +126,7 @@ def _flat_intermediates(state: nnx.State) -> dict[str, Array]:
     """`nnx.capture`'s intermediates → {"layers.<i>.<name>": array} (each sow holds a 1-tuple)."""
     flat = {}
     for path, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        keys = tree_path(path).split("/")
         flat[".".join(keys[:-1] if keys[-1] == "0" else keys)] = value
     return flat
 

@@ -40,7 +40,7 @@ from safetensors.numpy import save_file
 
 from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.models.model import Transformer
-from jaxrl_mismatch.models.sharding import stacked_layer_param
+from jaxrl_mismatch.models.sharding import stacked_layer_param, tree_path
 from jaxrl_mismatch.precision import DTypePolicy
 
 _EXPERT_STACK = re.compile(r"layers/\d+/mlp/experts/(gate|up|down)_proj")
@@ -90,22 +90,6 @@ def _slices(path: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...
     return [(path, ())]
 
 
-def param_path(keys) -> str:
-    """`/`-joined path of a `jax.tree_util` key path into an `nnx.State` or a plain nested dict."""
-    parts = []
-    for k in keys:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            if k.name != "value":  # the array inside an nnx Variable
-                parts.append(k.name)
-        else:
-            parts.append(str(getattr(k, "key", k)))
-    return "/".join(parts)
-
-
 def _expected_extras(cfg: ModelConfig) -> set[str]:
     # Tied checkpoints sometimes still store lm_head.weight (a copy of the embedding); we use the embedding.
     return {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -140,7 +124,7 @@ def hf_to_params(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, abstract_p
         return np.asarray(x, dtype=dtype)
 
     def place(keys, leaf):
-        path = param_path(keys)
+        path = tree_path(keys)
         shape = tuple(leaf.shape)
         parts = _slices(path, shape)
         if parts == [(path, ())]:
@@ -196,7 +180,7 @@ class _LayerSlice:
 def _iter_hf(params: PyTree) -> Iterator[tuple[str, str, bool, Any]]:
     """(HF name, our path, transposed?, leaf or `_LayerSlice`) of every HF tensor, per layer and expert."""
     for keys, leaf in jax.tree_util.tree_leaves_with_path(params):
-        path = param_path(keys)
+        path = tree_path(keys)
         parts = _slices(path, tuple(leaf.shape))
         if parts == [(path, ())]:
             name, transposed = hf_name(path)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxrl_mismatch.models.sharding import tree_path
+
 METHODS = ("none", "int8", "fp8")
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -67,13 +69,9 @@ def fake_quantize(w: Float[Array, "... d_in d_out"], method: str) -> Float[Array
     return (q.astype(jnp.float32) * s).astype(w.dtype)
 
 
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def is_quantized(path) -> bool:
     """Whether the parameter at a `jax.tree_util` key path is a decoder linear weight (module docstring)."""
-    names = tuple(n for n in _names(path) if n != "value")
+    names = tree_path(path).split("/")
     return (bool(names) and names[0] == "layers" and "router" not in names
             and names[-1] in ("kernel",) + _EXPERT_WEIGHTS)
 

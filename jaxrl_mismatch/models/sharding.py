@@ -181,22 +181,29 @@ def param_partition_spec(path: str, shape: Sequence[int], mesh: Mesh | None = No
     return P(*resolved)
 
 
-def _key_name(key: Any) -> str | None:
+def _key_name(key: Any, keep_value: bool) -> str | None:
     """One path component; ``None`` for the ``.value`` attribute that wraps an nnx Variable's array."""
     if isinstance(key, jax.tree_util.DictKey):
         return str(key.key)
     if isinstance(key, jax.tree_util.SequenceKey):
         return str(key.idx)
     if isinstance(key, jax.tree_util.GetAttrKey):
-        return None if key.name == "value" else key.name
+        return None if key.name == "value" and not keep_value else key.name
     if isinstance(key, jax.tree_util.FlattenedIndexKey):
         return str(key.key)
     return str(key)
 
 
-def tree_path(keys: Sequence[Any]) -> str:
-    """``"/"``-joined parameter path of a ``jax.tree_util`` key path, as in ``docs/contracts.md``."""
-    return "/".join(name for name in map(_key_name, keys) if name is not None)
+def tree_path(keys: Sequence[Any], *, keep_value: bool = False) -> str:
+    """``"/"``-joined path of a ``jax.tree_util`` key path: the one leaf naming of the package.
+
+    By default the parameter path of ``docs/contracts.md`` (``layers/0/attn/q_proj/kernel``), which the
+    sharding rules, the HF name table and the quantizer match on: an nnx Variable's ``.value`` is left out.
+    ``keep_value=True`` keeps it (``params/layers/0/attn/q_proj/kernel/value``, i.e.
+    ``jax.tree_util.keystr(keys, simple=True, separator="/")``): the spelling checkpoint layout records and
+    fingerprints are keyed by, so checkpoints already written keep matching.
+    """
+    return "/".join(name for name in (_key_name(k, keep_value) for k in keys) if name is not None)
 
 
 def param_shardings(params: PyTree, mesh: Mesh) -> PyTree:

@@ -29,8 +29,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
-from jaxrl_mismatch.rollout.validation import Limits
+from jaxrl_mismatch.rollout import protocol, rollout_pb2, rollout_pb2_grpc
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     EngineInfo,
@@ -40,13 +39,20 @@ from jaxrl_mismatch.rollout.engine import (
     check_finite_logprobs,
 )
 from jaxrl_mismatch.rollout import shm
-from jaxrl_mismatch.rollout.protocol import ERROR_KIND_KEY, MAX_MESSAGE_BYTES, NON_FINITE, NON_FINITE_DETAIL_KEY, SERVICE_NAME, SHM_UNREACHABLE
+from jaxrl_mismatch.rollout.protocol import (
+    ERROR_KIND_KEY,
+    MAX_MESSAGE_BYTES,
+    NON_FINITE,
+    NON_FINITE_DETAIL_KEY,
+    SERVICE_NAME,
+    SHM_UNREACHABLE,
+    Limits,
+)
 from jaxrl_mismatch.rollout.validation import wire_dtype
 
 log = logging.getLogger(__name__)
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_FINISH = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 CHANNEL_OPTIONS = [
@@ -119,34 +125,6 @@ def weight_chunks(
             yield rollout_pb2.WeightChunk(offset=0, data=b"", **header)
         for off in range(0, raw.size, chunk_bytes):
             yield rollout_pb2.WeightChunk(offset=off, data=raw[off : off + chunk_bytes].tobytes(), **header)
-
-
-def routing_from_proto(pb: rollout_pb2.Routing, num_tokens: int) -> np.ndarray:
-    """The `[tokens, layers, k]` expert ids of a `Routing` message (uint8 / uint16); RolloutError when malformed."""
-    dtype = {1: np.dtype("<u1"), 2: np.dtype("<u2")}.get(pb.itemsize)
-    if dtype is None or pb.num_layers < 1 or pb.top_k < 1:
-        raise RolloutError(f"malformed routing: itemsize {pb.itemsize}, num_layers {pb.num_layers}, top_k {pb.top_k}")
-    want = num_tokens * pb.num_layers * pb.top_k * dtype.itemsize
-    if len(pb.expert_ids) != want:
-        raise RolloutError(f"malformed routing: {len(pb.expert_ids)} bytes for {num_tokens} tokens x "
-                           f"{pb.num_layers} layers x top-{pb.top_k} ({want} expected)")
-    return np.frombuffer(pb.expert_ids, dtype).reshape(num_tokens, pb.num_layers, pb.top_k).astype(dtype.newbyteorder("="))
-
-
-def _completion(pb: rollout_pb2.Completion) -> Completion:
-    routing = None
-    if pb.HasField("routing"):
-        routing = routing_from_proto(pb.routing, pb.routing.num_prompt_tokens + len(pb.token_ids))
-    if pb.kept_counts and len(pb.kept_counts) != len(pb.token_ids):
-        raise RolloutError(f"malformed completion: {len(pb.kept_counts)} kept_counts for {len(pb.token_ids)} tokens")
-    return Completion(
-        token_ids=list(pb.token_ids),
-        logprobs=list(pb.logprobs),
-        finish_reason=_FINISH.get(pb.finish_reason, "unspecified"),
-        weight_version=pb.weight_version,
-        routing=routing,
-        kept_counts=list(pb.kept_counts) if pb.kept_counts else None,
-    )
 
 
 class RolloutClient:
@@ -271,28 +249,16 @@ class RolloutClient:
     def info(self) -> EngineInfo:
         r = self._get_info(False)
         self._observe_server(r.server_id)
-        return EngineInfo(
-            architecture=r.architecture,
-            vocab_size=r.vocab_size,
-            dtype=r.dtype,
-            engine=r.engine,
-            weight_version=r.weight_version,
-            max_model_len=r.max_model_len,
-            options=tuple(r.options),
-            quantize=r.quantize or "none",
-        )
+        return protocol.info_from_proto(r)
 
     def request_limits(self) -> Limits:
         """The server's per-request token limits (a larger Generate must be split by the caller)."""
-        r = self._get_info(False)
-        return Limits(max_request_prompt_tokens=r.max_request_prompt_tokens,
-                      max_request_completion_tokens=r.max_request_completion_tokens)
+        return protocol.limits_from_proto(self._get_info(False))
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         """HF name -> (shape, wire dtype) the engine expects in UpdateWeights (cached per server process)."""
         if self._weight_specs is None:
-            r = self._get_info(True)
-            self._weight_specs = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in r.weight_specs}
+            self._weight_specs = protocol.weight_specs_from_proto(self._get_info(True))
         return self._weight_specs
 
     def check_compatible(
@@ -433,21 +399,7 @@ class RolloutClient:
         min_version: the oldest acceptable weight version (default: the last pushed version minus
         `max_staleness`; no check before the first push).
         """
-        req = rollout_pb2.GenerateRequest(
-            prompts=[rollout_pb2.Prompt(token_ids=list(p)) for p in prompts],
-            n=spec.n,
-            max_tokens=spec.max_tokens,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k,
-            seed=spec.seed,
-            stop_token_ids=list(spec.stop_token_ids),
-            exact=spec.exact,
-            logit_noise_std=spec.logit_noise_std,
-            return_routing=spec.return_routing,
-            quantize_strength=spec.quantize_strength if spec.quantize_strength != 1.0 else None,
-            prompt_offset=spec.prompt_offset,
-        )
+        req = protocol.request_to_proto(prompts, spec)
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"prompts: the request is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
@@ -456,7 +408,10 @@ class RolloutClient:
         if self._observe_server(resp.server_id) or self.weights_lost:
             raise ServerRestartedError(f"Generate on {self.target}: the server restarted (new server_id "
                                        f"{resp.server_id}); push the weights again and retry")
-        completions = [[_completion(c) for c in pc.samples] for pc in resp.prompts]
+        try:
+            completions = protocol.completions_from_proto(resp)
+        except protocol.MalformedMessageError as e:
+            raise RolloutError(f"Generate on {self.target}: {e}") from None
         if len(completions) != len(prompts) or any(len(s) != spec.n for s in completions):
             raise RolloutError(f"Generate on {self.target}: response shape does not match {len(prompts)} prompts x n={spec.n}")
         if spec.return_routing:

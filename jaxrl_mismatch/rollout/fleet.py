@@ -38,7 +38,7 @@ import numpy as np
 from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec
 from jaxrl_mismatch.rollout.session import RolloutSession, request_chunks
-from jaxrl_mismatch.rollout.validation import Limits
+from jaxrl_mismatch.rollout.protocol import Limits
 
 log = logging.getLogger(__name__)
 

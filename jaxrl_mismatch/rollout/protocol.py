@@ -1,13 +1,23 @@
-"""Wire constants of the Rollout service that both ends must agree on (client, server, launcher).
+"""The Rollout service's wire protocol, owned in one place: the constants both ends must agree on and the
+mapping between the engine's types (`SamplingSpec`, `Completion`, `EngineInfo`) and the messages of
+rollout.proto, in both directions.
 
-Kept apart from `server.py` and `client.py` so that neither imports the other: the service name for
-health checks, the token's environment variable, the trailing-metadata keys that carry machine-readable
-error kinds, the ready/listening lines a launcher waits for, and the transport's message-size limit.
+Kept apart from `server.py` and `client.py` so that neither imports the other, and so that a field added to
+a message is encoded and decoded by the same module: the client encodes a request and decodes a response,
+the server (through `validation.parse_generate`) decodes the request and encodes the response. Nothing here
+validates values (that is `validation.py`, before anything reaches an engine); what cannot be decoded at all
+raises `MalformedMessageError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
 from jaxrl_mismatch.rollout import rollout_pb2
+from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec, TensorSpec
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name
 TOKEN_ENV = "JAXRL_ROLLOUT_TOKEN"
@@ -25,6 +35,187 @@ SHM_UNREACHABLE = "shm-unreachable"  # FAILED_PRECONDITION on UpdateWeightsShm: 
 READY_PREFIX = "JAXRL_ROLLOUT_READY"
 LISTENING_PREFIX = "JAXRL_ROLLOUT_LISTENING"
 
-# Transport limit on both sides. Requests are bounded far below it by `validation.Limits`; weight tensors
+# Transport limit on both sides. Requests are bounded far below it by `Limits`; weight tensors
 # travel in chunks of a few MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# A prompt token costs at most 5 bytes on the wire (varint int32, packed), a completion token at most
+# 9 (token varint + float32 logprob). These defaults keep requests and responses below ~40 MiB.
+DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21
+DEFAULT_MAX_REQUEST_COMPLETION_TOKENS = 1 << 22
+
+FINISH_REASONS = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
+_FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+_SPEC_DEFAULTS = SamplingSpec()
+
+
+class MalformedMessageError(ValueError):
+    """A message from the other end that cannot be decoded (the client reports it as a `RolloutError`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """A server's per-request token limits, advertised in GetInfo: a client splits a larger batch over requests."""
+
+    max_request_prompt_tokens: int = DEFAULT_MAX_REQUEST_PROMPT_TOKENS
+    max_request_completion_tokens: int = DEFAULT_MAX_REQUEST_COMPLETION_TOKENS
+
+
+# -- Generate ------------------------------------------------------------------------------------------------------
+
+
+def request_to_proto(prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> rollout_pb2.GenerateRequest:
+    """The GenerateRequest of `spec.n` samples per prompt (`quantize_strength` sent only when not 1)."""
+    return rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=list(p)) for p in prompts],
+        n=spec.n,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        seed=spec.seed,
+        stop_token_ids=list(spec.stop_token_ids),
+        exact=spec.exact,
+        logit_noise_std=spec.logit_noise_std,
+        return_routing=spec.return_routing,
+        quantize_strength=spec.quantize_strength if spec.quantize_strength != 1.0 else None,
+        prompt_offset=spec.prompt_offset,
+    )
+
+
+def _optional(req: rollout_pb2.GenerateRequest, field: str):
+    return getattr(req, field) if req.HasField(field) else getattr(_SPEC_DEFAULTS, field)
+
+
+def spec_from_proto(req: rollout_pb2.GenerateRequest) -> SamplingSpec:
+    """The request's SamplingSpec as sent, unchecked: unset optional fields take `SamplingSpec`'s defaults."""
+    return SamplingSpec(
+        n=int(_optional(req, "n")),
+        max_tokens=int(req.max_tokens),
+        temperature=float(_optional(req, "temperature")),
+        top_p=float(_optional(req, "top_p")),
+        top_k=int(_optional(req, "top_k")),
+        seed=int(_optional(req, "seed")),
+        stop_token_ids=tuple(int(t) for t in req.stop_token_ids),
+        exact=bool(req.exact),
+        logit_noise_std=float(_optional(req, "logit_noise_std")),
+        return_routing=bool(req.return_routing),
+        quantize_strength=float(_optional(req, "quantize_strength")),
+        prompt_offset=int(req.prompt_offset),
+    )
+
+
+def routing_to_proto(routing, num_prompt_tokens: int) -> rollout_pb2.Routing:
+    """`Completion.routing` ([tokens, layers, k] uint8/uint16) as the packed `Routing` message."""
+    arr = np.ascontiguousarray(routing)
+    if arr.ndim != 3 or arr.dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"routing must be a [tokens, layers, k] uint8/uint16 array, got {arr.dtype}{arr.shape}")
+    return rollout_pb2.Routing(expert_ids=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(),
+                               num_layers=arr.shape[1], top_k=arr.shape[2], itemsize=arr.dtype.itemsize,
+                               num_prompt_tokens=num_prompt_tokens)
+
+
+def routing_from_proto(pb: rollout_pb2.Routing, num_tokens: int) -> np.ndarray:
+    """The `[tokens, layers, k]` expert ids of a `Routing` message (uint8 / uint16)."""
+    dtype = {1: np.dtype("<u1"), 2: np.dtype("<u2")}.get(pb.itemsize)
+    if dtype is None or pb.num_layers < 1 or pb.top_k < 1:
+        raise MalformedMessageError(f"malformed routing: itemsize {pb.itemsize}, num_layers {pb.num_layers}, "
+                                    f"top_k {pb.top_k}")
+    want = num_tokens * pb.num_layers * pb.top_k * dtype.itemsize
+    if len(pb.expert_ids) != want:
+        raise MalformedMessageError(f"malformed routing: {len(pb.expert_ids)} bytes for {num_tokens} tokens x "
+                                    f"{pb.num_layers} layers x top-{pb.top_k} ({want} expected)")
+    return np.frombuffer(pb.expert_ids, dtype).reshape(num_tokens, pb.num_layers, pb.top_k).astype(dtype.newbyteorder("="))
+
+
+def completions_to_proto(completions: list[list[Completion]], server_id: str,
+                         prompts: list[list[int]] | None = None) -> rollout_pb2.GenerateResponse:
+    """The GenerateResponse of `completions[i][j]` (sample j of prompt i)."""
+    resp = rollout_pb2.GenerateResponse(server_id=server_id)
+    for i, samples in enumerate(completions):
+        pc = resp.prompts.add()
+        for c in samples:
+            pb = pc.samples.add(
+                token_ids=c.token_ids,
+                logprobs=c.logprobs,
+                finish_reason=FINISH_REASONS[c.finish_reason],
+                weight_version=c.weight_version,
+            )
+            if c.kept_counts is not None:
+                pb.kept_counts.extend(c.kept_counts)
+            if c.routing is not None:
+                n_prompt = len(prompts[i]) if prompts is not None else c.routing.shape[0] - len(c.token_ids)
+                pb.routing.CopyFrom(routing_to_proto(c.routing, n_prompt))
+    return resp
+
+
+def completion_from_proto(pb: rollout_pb2.Completion) -> Completion:
+    """One sample of a GenerateResponse."""
+    routing = None
+    if pb.HasField("routing"):
+        routing = routing_from_proto(pb.routing, pb.routing.num_prompt_tokens + len(pb.token_ids))
+    if pb.kept_counts and len(pb.kept_counts) != len(pb.token_ids):
+        raise MalformedMessageError(f"malformed completion: {len(pb.kept_counts)} kept_counts for "
+                                    f"{len(pb.token_ids)} tokens")
+    return Completion(
+        token_ids=list(pb.token_ids),
+        logprobs=list(pb.logprobs),
+        finish_reason=_FINISH_NAMES.get(pb.finish_reason, "unspecified"),
+        weight_version=pb.weight_version,
+        routing=routing,
+        kept_counts=list(pb.kept_counts) if pb.kept_counts else None,
+    )
+
+
+def completions_from_proto(resp: rollout_pb2.GenerateResponse) -> list[list[Completion]]:
+    """`result[i][j]` = sample j of prompt i of a GenerateResponse."""
+    return [[completion_from_proto(c) for c in pc.samples] for pc in resp.prompts]
+
+
+# -- GetInfo -------------------------------------------------------------------------------------------------------
+
+
+def info_to_proto(info: EngineInfo, *, server_id: str, limits: Limits, shm_host_id: str,
+                  weight_specs: Mapping[str, TensorSpec] | None = None) -> rollout_pb2.GetInfoResponse:
+    """The GetInfoResponse of an engine behind a server (`weight_specs` only when the caller asked for them)."""
+    resp = rollout_pb2.GetInfoResponse(
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        engine=info.engine,
+        weight_version=info.weight_version,
+        max_model_len=info.max_model_len,
+        server_id=server_id,
+        max_request_prompt_tokens=limits.max_request_prompt_tokens,
+        max_request_completion_tokens=limits.max_request_completion_tokens,
+        options=list(info.options),
+        quantize=info.quantize,
+        shm_host_id=shm_host_id,
+    )
+    for name, spec in sorted((weight_specs or {}).items()):
+        resp.weight_specs.add(name=name, shape=list(spec.shape), dtype=spec.dtype)
+    return resp
+
+
+def info_from_proto(resp: rollout_pb2.GetInfoResponse) -> EngineInfo:
+    """The served engine's `EngineInfo` (an empty `quantize`, from a server before the field, reads "none")."""
+    return EngineInfo(
+        architecture=resp.architecture,
+        vocab_size=resp.vocab_size,
+        dtype=resp.dtype,
+        engine=resp.engine,
+        weight_version=resp.weight_version,
+        max_model_len=resp.max_model_len,
+        options=tuple(resp.options),
+        quantize=resp.quantize or "none",
+    )
+
+
+def limits_from_proto(resp: rollout_pb2.GetInfoResponse) -> Limits:
+    return Limits(max_request_prompt_tokens=resp.max_request_prompt_tokens,
+                  max_request_completion_tokens=resp.max_request_completion_tokens)
+
+
+def weight_specs_from_proto(resp: rollout_pb2.GetInfoResponse) -> dict[str, TensorSpec]:
+    """HF name -> (shape, wire dtype) of every tensor the engine expects in UpdateWeights."""
+    return {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in resp.weight_specs}

@@ -45,13 +45,11 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, port
 from jaxrl_mismatch.rollout.engine import (
-    Completion,
     Engine,
     EngineUnusableError,
     NonFiniteLogprobsError,
@@ -70,14 +68,12 @@ from jaxrl_mismatch.rollout.protocol import (
     SHM_UNREACHABLE,
     TOKEN_ENV,
     WEIGHT_RELOAD_FAILED,
+    Limits,
+    completions_to_proto,
+    info_to_proto,
 )
 from jaxrl_mismatch.rollout import shm
-from jaxrl_mismatch.rollout.validation import (
-    Limits,
-    RequestError,
-    TensorAssembler,
-    parse_generate,
-)
+from jaxrl_mismatch.rollout.validation import RequestError, TensorAssembler, parse_generate
 
 log = logging.getLogger(__name__)
 
@@ -88,39 +84,6 @@ GRPC_OPTIONS = [
     # A restarted server must not be able to share the port with a dying one.
     ("grpc.so_reuseport", 0),
 ]
-
-_FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
-
-
-def routing_to_proto(routing, num_prompt_tokens: int) -> rollout_pb2.Routing:
-    """`Completion.routing` ([tokens, layers, k] uint8/uint16) as the packed `Routing` message."""
-    arr = np.ascontiguousarray(routing)
-    if arr.ndim != 3 or arr.dtype not in (np.uint8, np.uint16):
-        raise ValueError(f"routing must be a [tokens, layers, k] uint8/uint16 array, got {arr.dtype}{arr.shape}")
-    return rollout_pb2.Routing(expert_ids=arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes(),
-                               num_layers=arr.shape[1], top_k=arr.shape[2], itemsize=arr.dtype.itemsize,
-                               num_prompt_tokens=num_prompt_tokens)
-
-
-def completions_to_proto(completions: list[list[Completion]], server_id: str,
-                         prompts: list[list[int]] | None = None) -> rollout_pb2.GenerateResponse:
-    resp = rollout_pb2.GenerateResponse(server_id=server_id)
-    for i, samples in enumerate(completions):
-        pc = resp.prompts.add()
-        for c in samples:
-            pb = pc.samples.add(
-                token_ids=c.token_ids,
-                logprobs=c.logprobs,
-                finish_reason=_FINISH[c.finish_reason],
-                weight_version=c.weight_version,
-            )
-            if c.kept_counts is not None:
-                pb.kept_counts.extend(c.kept_counts)
-            if c.routing is not None:
-                n_prompt = len(prompts[i]) if prompts is not None else c.routing.shape[0] - len(c.token_ids)
-                pb.routing.CopyFrom(routing_to_proto(c.routing, n_prompt))
-    return resp
-
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Validates every call, then delegates to the engine; the engine is attached once it has loaded."""
@@ -235,24 +198,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def GetInfo(self, request, context):
         engine = self._require_engine(context)
         info = engine.info()
-        resp = rollout_pb2.GetInfoResponse(
-            architecture=info.architecture,
-            vocab_size=info.vocab_size,
-            dtype=info.dtype,
-            engine=info.engine,
-            weight_version=info.weight_version,
-            max_model_len=info.max_model_len,
-            server_id=self.server_id,
-            max_request_prompt_tokens=self._limits.max_request_prompt_tokens,
-            max_request_completion_tokens=self._limits.max_request_completion_tokens,
-            options=list(info.options),
-            quantize=info.quantize,
-            shm_host_id=self.shm_host_id,
-        )
-        if request.include_weight_specs:
-            for name, spec in sorted(engine.weight_specs().items()):
-                resp.weight_specs.add(name=name, shape=list(spec.shape), dtype=spec.dtype)
-        return resp
+        specs = engine.weight_specs() if request.include_weight_specs else None
+        return info_to_proto(info, server_id=self.server_id, limits=self._limits, shm_host_id=self.shm_host_id,
+                             weight_specs=specs)
 
     def Shutdown(self, request, context):
         self._authenticate(context)

@@ -26,7 +26,7 @@ import numpy as np
 from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError, ServerRestartedError
 from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec
 from jaxrl_mismatch.rollout.launcher import ManagedServer
-from jaxrl_mismatch.rollout.validation import Limits
+from jaxrl_mismatch.rollout.protocol import Limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -7,25 +7,21 @@ a huge max_tokens allocates a huge KV cache) or poison the weights in service. E
 
 Oversize requests: gRPC itself answers RESOURCE_EXHAUSTED when a message exceeds the transport limit, and
 that happens before our code runs. So the server enforces its own, lower, limits on the number of prompt
-tokens and completion tokens per request (`Limits`), chosen so that any request within them fits well
-inside the transport limit. An oversize request up to the transport limit gets INVALID_ARGUMENT naming
+tokens and completion tokens per request (`protocol.Limits`, advertised in GetInfo), chosen so that any
+request within them fits well inside the transport limit. An oversize request up to the transport limit gets INVALID_ARGUMENT naming
 `prompts` or `max_tokens`; only a message beyond the transport limit (64 MiB) gets gRPC's code.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
 from jaxrl_mismatch.rollout import rollout_pb2
 from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
+from jaxrl_mismatch.rollout.protocol import Limits, spec_from_proto
 
-# A prompt token costs at most 5 bytes on the wire (varint int32, packed), a completion token at most
-# 9 (token varint + float32 logprob). These defaults keep requests and responses below ~40 MiB.
-DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21
-DEFAULT_MAX_REQUEST_COMPLETION_TOKENS = 1 << 22
 MAX_STOP_TOKEN_IDS = 64
 GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollout/sampling.py and vLLM)
 # Elements per block of the finiteness scan: bounds its temporary boolean array (16 MiB) for any tensor size.
@@ -40,12 +36,6 @@ class RequestError(ValueError):
         self.field = field
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Limits:
-    max_request_prompt_tokens: int = DEFAULT_MAX_REQUEST_PROMPT_TOKENS
-    max_request_completion_tokens: int = DEFAULT_MAX_REQUEST_COMPLETION_TOKENS
-
-
 def _check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
@@ -55,7 +45,8 @@ def _check_token_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
 def parse_generate(
     req: rollout_pb2.GenerateRequest, info: EngineInfo, limits: Limits
 ) -> tuple[list[list[int]], SamplingSpec]:
-    """Validate a GenerateRequest against the engine and the limits; return prompts and the spec."""
+    """Validate a GenerateRequest against the engine and the limits; return prompts and the spec
+    (decoded by `protocol.spec_from_proto`, the one request mapping)."""
     if len(req.prompts) == 0:
         raise RequestError("prompts", "no prompts given")
     total = sum(len(p.token_ids) for p in req.prompts)
@@ -73,76 +64,57 @@ def parse_generate(
         _check_token_ids(ids, info.vocab_size, f"prompts[{i}].token_ids")
         prompts.append(ids.tolist())
 
-    n = req.n if req.HasField("n") else 1
-    if n < 1:
-        raise RequestError("n", f"must be >= 1, got {n}")
-    if req.max_tokens < 1:
-        raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before decoding: bounded work on a hostile request
+        raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(req.stop_token_ids)}")
+    spec = spec_from_proto(req)
+    if spec.n < 1:
+        raise RequestError("n", f"must be >= 1, got {spec.n}")
+    if spec.max_tokens < 1:
+        raise RequestError("max_tokens", f"must be >= 1, got {spec.max_tokens}")
     longest = max(len(p) for p in prompts)
-    if longest + req.max_tokens > info.max_model_len:
+    if longest + spec.max_tokens > info.max_model_len:
         raise RequestError(
             "max_tokens",
-            f"longest prompt ({longest} tokens) + max_tokens ({req.max_tokens}) exceeds max_model_len "
+            f"longest prompt ({longest} tokens) + max_tokens ({spec.max_tokens}) exceeds max_model_len "
             f"{info.max_model_len}",
         )
-    completion_tokens = len(prompts) * n * req.max_tokens
+    completion_tokens = len(prompts) * spec.n * spec.max_tokens
     if completion_tokens > limits.max_request_completion_tokens:
         raise RequestError(
             "max_tokens",
             f"prompts x n x max_tokens = {completion_tokens} exceeds the server limit of "
             f"{limits.max_request_completion_tokens} completion tokens per request; split the batch",
         )
-    temperature = req.temperature if req.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise RequestError("temperature", f"must be finite and >= 0 (below 1e-5: greedy), got {temperature}")
-    top_p = req.top_p if req.HasField("top_p") else 1.0
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise RequestError("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = req.top_k if req.HasField("top_k") else 0
-    if top_k < 0:
-        raise RequestError("top_k", f"must be >= 0 (0 disables), got {top_k}")
-    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(req.stop_token_ids)}")
-    stop = np.asarray(req.stop_token_ids, dtype=np.int64)
-    _check_token_ids(stop, info.vocab_size, "stop_token_ids")
-    seed = req.seed if req.HasField("seed") else 0
-    if req.prompt_offset < 0:
-        raise RequestError("prompt_offset", f"must be >= 0, got {req.prompt_offset}")
-    noise = req.logit_noise_std if req.HasField("logit_noise_std") else 0.0
+    if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
+        raise RequestError("temperature", f"must be finite and >= 0 (below 1e-5: greedy), got {spec.temperature}")
+    if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
+        raise RequestError("top_p", f"must be in (0, 1], got {spec.top_p}")
+    if spec.top_k < 0:
+        raise RequestError("top_k", f"must be >= 0 (0 disables), got {spec.top_k}")
+    _check_token_ids(np.asarray(spec.stop_token_ids, dtype=np.int64), info.vocab_size, "stop_token_ids")
+    if spec.prompt_offset < 0:
+        raise RequestError("prompt_offset", f"must be >= 0, got {spec.prompt_offset}")
+    noise = spec.logit_noise_std
     if not (math.isfinite(noise) and noise >= 0.0):
         raise RequestError("logit_noise_std", f"must be finite and >= 0 (0 = off), got {noise}")
-    for field, option, on in (("exact", "exact", req.exact), ("logit_noise_std", "logit_noise_std", noise > 0),
-                              ("return_routing", "routing", req.return_routing)):
+    for field, option, on in (("exact", "exact", spec.exact), ("logit_noise_std", "logit_noise_std", noise > 0),
+                              ("return_routing", "routing", spec.return_routing)):
         if on and option not in info.options:
             raise RequestError(field, f"not supported by the {info.engine} engine (it supports: "
                                       f"{', '.join(info.options) or 'no optional features'})")
-    strength = req.quantize_strength if req.HasField("quantize_strength") else 1.0
+    strength = spec.quantize_strength
     if not (math.isfinite(strength) and 0.0 <= strength <= 1.0):
         raise RequestError("quantize_strength", f"must be in [0, 1] (1 = the served quantized weights), got {strength}")
     if strength != 1.0 and info.quantize != "none" and "quantize_strength" not in info.options:
         raise RequestError("quantize_strength", f"not supported by the {info.engine} engine (it serves {info.quantize} "
                                                 "weights as they are)")
-    if noise > 0 and temperature < GREEDY_TEMPERATURE:
+    if noise > 0 and spec.temperature < GREEDY_TEMPERATURE:
         raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
-    if req.exact and req.return_routing:
+    if spec.exact and spec.return_routing:
         raise RequestError("return_routing", "not available in exact mode (exact mode already gives μ = π(θ_old); "
                                              "routing replay is for the normal sampler)")
-    if req.exact and temperature < GREEDY_TEMPERATURE:
+    if spec.exact and spec.temperature < GREEDY_TEMPERATURE:
         raise RequestError("exact", f"exact mode samples at temperature > 0: needs temperature >= {GREEDY_TEMPERATURE}")
-    spec = SamplingSpec(
-        n=n,
-        max_tokens=req.max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
-        stop_token_ids=tuple(int(t) for t in stop),
-        exact=bool(req.exact),
-        logit_noise_std=float(noise),
-        return_routing=bool(req.return_routing),
-        quantize_strength=float(strength),
-        prompt_offset=int(req.prompt_offset),
-    )
     return prompts, spec
 
 

@@ -59,7 +59,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -67,6 +67,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import options as ocp_options
 
+from jaxrl_mismatch.models.sharding import tree_path
 from jaxrl_mismatch.usage import EnvironmentFailure
 
 log = logging.getLogger(__name__)
@@ -164,11 +165,6 @@ def _quiet_orbax_unraisable_hook(previous):
     return hook
 
 
-def leaf_path(path: Sequence[Any]) -> str:
-    """`params/layers/0/attn/q_proj/kernel`-style name of a pytree leaf (dict keys, attributes, indices)."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
 def state_layout(tree: Any) -> dict[str, dict[str, Any]]:
     """{leaf path: {"shape": [...], "dtype": "float32"}} for every leaf of a state or abstract state.
 
@@ -177,7 +173,7 @@ def state_layout(tree: Any) -> dict[str, dict[str, Any]]:
     """
     layout: dict[str, dict[str, Any]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = leaf_path(path)
+        name = tree_path(path, keep_value=True)
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             raise TypeError(
                 f"state leaf {name!r} is of type {type(leaf).__name__}, not an array; keep every leaf of the "
@@ -220,7 +216,7 @@ def state_fingerprints(state: Any) -> dict[str, int]:
     after a restore: tensorstore reads a data file with garbled bytes without complaint when it still
     decodes, and this catches it. One jitted pass over the state (cheap next to writing it)."""
     values = jax.device_get(_fingerprints_jit(state))
-    return {leaf_path(p): int(v) for p, v in jax.tree_util.tree_flatten_with_path(values)[0]}
+    return {tree_path(p, keep_value=True): int(v) for p, v in jax.tree_util.tree_flatten_with_path(values)[0]}
 
 
 def abstract_state_of(state: Any) -> Any:
@@ -460,7 +456,7 @@ class Checkpointer:
         step_dir = os.path.join(self.directory, str(step))
         wanted = state_layout(abstract_state)
         unsharded = [
-            leaf_path(p)
+            tree_path(p, keep_value=True)
             for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
             if getattr(leaf, "sharding", None) is None
         ]
@@ -571,6 +567,5 @@ __all__ = [
     "CheckpointNotFoundError",
     "abstract_state_of",
     "describe_failure",
-    "leaf_path",
     "state_layout",
 ]

@@ -176,6 +176,24 @@ def test_rank_mismatch_raises():
         sh.param_partition_spec("final_norm/scale", (4, 4))
 
 
+def test_tree_path_names_parameters_and_checkpoint_leaves():
+    """One leaf naming: the contract path without an nnx Variable's `.value` (sharding rules, HF names), and with
+    it the spelling checkpoint layout records and fingerprints are keyed by (old checkpoints must keep matching)."""
+    from flax import nnx
+
+    from jaxrl_mismatch.train.checkpoint import state_layout
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    tree = {"params": {"layers": [nnx.state(model, nnx.Param)]}}
+    paths = [keys for keys, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert [sh.tree_path(k) for k in paths] == ["params/layers/0/bias", "params/layers/0/kernel"]
+    assert [sh.tree_path(k, keep_value=True) for k in paths] == ["params/layers/0/bias/value",
+                                                                  "params/layers/0/kernel/value"]
+    assert [sh.tree_path(k, keep_value=True) for k in paths] == [
+        jax.tree_util.keystr(k, simple=True, separator="/") for k in paths]
+    assert list(state_layout(tree)) == ["params/layers/0/bias/value", "params/layers/0/kernel/value"]
+
+
 def test_param_shardings_places_dict_tree(mesh222):
     shapes = contract_shapes("qwen2", tied=False, layers=1)
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.fleet import NoServerLeftError, RolloutFleet, token_pieces
 from jaxrl_mismatch.rollout.server import RolloutServer
 from jaxrl_mismatch.rollout.session import RolloutSession
-from jaxrl_mismatch.rollout.validation import Limits
+from jaxrl_mismatch.rollout.protocol import Limits
 
 from .conftest import TOKEN, read_checkpoint
 

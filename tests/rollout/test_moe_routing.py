@@ -1,7 +1,7 @@
 """MoE routing over gRPC (issue 11 item 3): the built-in engine returns the experts each sparse layer chose for
 every prompt and completion token, packed as uint8 bytes; replaying them in the trainer's teacher-forced
 forward (R3) reproduces the engine's own log-probs (fp32, ≤ 1e-5); engines without the option (vLLM, dense
-models) and exact mode refuse the request by name; a malformed routing message is a RolloutError.
+models) and exact mode refuse the request by name; a malformed routing message is refused by name.
 
 A real in-process `RolloutServer` + `RolloutClient` on loopback, a tiny random Qwen3-MoE checkpoint saved by
 transformers (a dense middle layer, so the layer axis of the routing is the sparse layers only).
@@ -16,11 +16,12 @@ from tests.models.moe_tiny import make_moe_model
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import hf_io, logprobs_from_hidden, positions_from_mask
 from jaxrl_mismatch.rollout import rollout_pb2
-from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError, routing_from_proto
+from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine
-from jaxrl_mismatch.rollout.server import RolloutServer, routing_to_proto
-from jaxrl_mismatch.rollout.validation import Limits, RequestError, parse_generate
+from jaxrl_mismatch.rollout.protocol import Limits, MalformedMessageError, routing_from_proto, routing_to_proto
+from jaxrl_mismatch.rollout.server import RolloutServer
+from jaxrl_mismatch.rollout.validation import RequestError, parse_generate
 
 TOKEN = "moe-routing-token"
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [7]]
@@ -109,7 +110,7 @@ def test_routing_wire_format_round_trip_and_malformed():
         pb = routing_to_proto(r, num_prompt_tokens=5)
         assert pb.itemsize == np.dtype(dtype).itemsize and len(pb.expert_ids) == r.nbytes
         np.testing.assert_array_equal(routing_from_proto(pb, 9), r)
-    with pytest.raises(RolloutError, match="malformed routing: 107 bytes for 9 tokens x 3 layers x top-4"):
+    with pytest.raises(MalformedMessageError, match="malformed routing: 107 bytes for 9 tokens x 3 layers x top-4"):
         routing_from_proto(rollout_pb2.Routing(expert_ids=b"\0" * 107, num_layers=3, top_k=4, itemsize=1), 9)
-    with pytest.raises(RolloutError, match="malformed routing: itemsize 3"):
+    with pytest.raises(MalformedMessageError, match="malformed routing: itemsize 3"):
         routing_from_proto(rollout_pb2.Routing(expert_ids=b"", num_layers=3, top_k=4, itemsize=3), 0)

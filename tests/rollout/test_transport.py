@@ -221,6 +221,17 @@ def test_non_finite_logprob_is_reported_not_passed_on(served):
     assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].logprobs == [-1.0, -1.0]
 
 
+def test_malformed_response_is_a_rollout_error_naming_it(served, monkeypatch):
+    """A response the client cannot decode (4 kept_counts for 2 tokens) is a RolloutError naming the RPC and field."""
+    engine, server, _ = served
+    bad = Completion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="length", weight_version=0,
+                     kept_counts=[1, 2, 3, 4])
+    monkeypatch.setattr(engine, "generate", lambda prompts, spec: [[bad]])
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    with pytest.raises(RolloutError, match=r"Generate on 127\.0\.0\.1:\d+: malformed completion: 4 kept_counts"):
+        client.generate([[1]], SamplingSpec(max_tokens=2))
+
+
 def test_client_check_names_the_first_non_finite_logprob():
     """The client's own check of every response (independent of the server's): crafted completions."""
     ok = Completion(token_ids=[1, 2], logprobs=[-0.5, -1.5], finish_reason="length", weight_version=4)

@@ -120,17 +120,16 @@ def test_config_accepts_top_p_top_k_and_refuses_what_cannot_carry_them():
 
 
 def test_kept_counts_cross_the_wire():
-    from jaxrl_mismatch.rollout.client import RolloutError, _completion
     from jaxrl_mismatch.rollout.engine import Completion
-    from jaxrl_mismatch.rollout.server import completions_to_proto
+    from jaxrl_mismatch.rollout.protocol import MalformedMessageError, completion_from_proto, completions_to_proto
 
     comps = [[Completion(token_ids=[4, 5, 6], logprobs=[-0.1, -0.2, -0.3], finish_reason="length", weight_version=2,
                          kept_counts=[3, 1, 7]),
               Completion(token_ids=[4], logprobs=[-0.5], finish_reason="stop", weight_version=2)]]
     pb = completions_to_proto(comps, "srv")
-    back = [_completion(s) for s in pb.prompts[0].samples]
+    back = [completion_from_proto(s) for s in pb.prompts[0].samples]
     assert back[0].kept_counts == [3, 1, 7] and back[1].kept_counts is None
     bad = pb.prompts[0].samples[0]
     bad.kept_counts.append(2)  # 4 sizes for 3 tokens: a malformed RPC
-    with pytest.raises(RolloutError, match="kept_counts"):
-        _completion(bad)
+    with pytest.raises(MalformedMessageError, match="kept_counts"):
+        completion_from_proto(bad)

@@ -1,0 +1,70 @@
+"""The one mapping between the engine's types and rollout.proto (rollout/protocol.py): what the client encodes,
+the server decodes to the same value, field by field, and back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.rollout import protocol, rollout_pb2
+from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec, TensorSpec
+
+PROMPTS = [[5, 6, 7], [1]]
+
+
+def test_every_sampling_field_crosses_the_wire():
+    """Every field of SamplingSpec, set away from its default, comes back equal: a field added to the spec but
+    not to the mapping fails here (the guard below makes the test name every field)."""
+    spec = SamplingSpec(n=3, max_tokens=9, temperature=0.75, top_p=0.5, top_k=4, seed=2**40 + 3,
+                        stop_token_ids=(2, 0), exact=True, logit_noise_std=0.25, return_routing=True,
+                        quantize_strength=0.125, prompt_offset=17)
+    default = SamplingSpec()
+    assert [f.name for f in dataclasses.fields(SamplingSpec) if getattr(spec, f.name) == getattr(default, f.name)] == []
+    req = protocol.request_to_proto(PROMPTS, spec)
+    assert [list(p.token_ids) for p in req.prompts] == PROMPTS
+    assert protocol.spec_from_proto(rollout_pb2.GenerateRequest.FromString(req.SerializeToString())) == spec
+
+
+def test_unset_fields_take_the_specs_defaults():
+    req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[1])], max_tokens=5)
+    assert protocol.spec_from_proto(req) == SamplingSpec(max_tokens=5)
+    # The default strength is not sent, so a server that does not quantize never sees the field.
+    assert not protocol.request_to_proto(PROMPTS, SamplingSpec()).HasField("quantize_strength")
+    assert protocol.request_to_proto(PROMPTS, SamplingSpec(quantize_strength=0.0)).HasField("quantize_strength")
+
+
+def test_completions_round_trip():
+    routing = np.arange(5 * 2 * 3, dtype=np.uint16).reshape(5, 2, 3) * 97
+    comps = [[Completion(token_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="stop", weight_version=3,
+                         routing=routing, kept_counts=[2, 9])],
+             [Completion(token_ids=[6], logprobs=[-1.0], finish_reason="length", weight_version=3)]]
+    resp = protocol.completions_to_proto(comps, "srv", prompts=[[1, 2, 3], [1]])
+    assert resp.server_id == "srv" and resp.prompts[0].samples[0].routing.num_prompt_tokens == 3
+    back = protocol.completions_from_proto(rollout_pb2.GenerateResponse.FromString(resp.SerializeToString()))
+    np.testing.assert_array_equal(back[0][0].routing, routing)
+    assert back[0][0].routing.dtype == np.uint16
+    assert dataclasses.replace(back[0][0], routing=None) == dataclasses.replace(comps[0][0], routing=None)
+    assert back[1] == comps[1]
+
+
+def test_engine_info_limits_and_weight_specs_round_trip():
+    info = EngineInfo(architecture="Qwen3ForCausalLM", vocab_size=151936, dtype="bfloat16", engine="jax",
+                      weight_version=7, max_model_len=4096, options=("exact", "routing"), quantize="int8")
+    limits = protocol.Limits(max_request_prompt_tokens=123, max_request_completion_tokens=456)
+    specs = {"model.norm.weight": TensorSpec((8,), "bfloat16"), "lm_head.weight": TensorSpec((16, 8), "bfloat16")}
+    resp = protocol.info_to_proto(info, server_id="abc", limits=limits, shm_host_id="host", weight_specs=specs)
+    resp = rollout_pb2.GetInfoResponse.FromString(resp.SerializeToString())
+    assert protocol.info_from_proto(resp) == info
+    assert protocol.limits_from_proto(resp) == limits
+    assert protocol.weight_specs_from_proto(resp) == specs
+    assert (resp.server_id, resp.shm_host_id) == ("abc", "host")
+    bare = protocol.info_to_proto(dataclasses.replace(info, quantize=""), server_id="", limits=limits, shm_host_id="")
+    assert protocol.weight_specs_from_proto(bare) == {} and protocol.info_from_proto(bare).quantize == "none"
+
+
+@pytest.mark.parametrize("finish", [99, rollout_pb2.FINISH_REASON_UNSPECIFIED])
+def test_unknown_finish_reason_reads_unspecified(finish):
+    pb = rollout_pb2.Completion(token_ids=[1], logprobs=[-1.0], finish_reason=finish)
+    assert protocol.completion_from_proto(pb).finish_reason == "unspecified"
