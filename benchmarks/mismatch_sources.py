@@ -43,7 +43,7 @@ from jaxrl_mismatch.objectives import objective_config  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine  # noqa: E402
 from jaxrl_mismatch.train.batch import from_completions  # noqa: E402
-from jaxrl_mismatch.train.config import load_config  # noqa: E402
+from jaxrl_mismatch.train.config_overrides import load_config  # noqa: E402
 from jaxrl_mismatch.train.step import forward_logprobs  # noqa: E402
 from jaxrl_mismatch.train.task_data import TaskData  # noqa: E402
 from jaxrl_mismatch.usage import UsageError  # noqa: E402

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_mismatch.train.config import validate
+from jaxrl_mismatch.train.config_checks import validate
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.py"))
 

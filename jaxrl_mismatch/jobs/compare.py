@@ -49,7 +49,7 @@ when its last attempt ran the same command, exited 0, and its metrics.jsonl reac
 step; any other run is (re)started with the same command, and `train` resumes it from its checkpoint.
 Ctrl-C stops the running trainers gracefully (SIGTERM: they checkpoint the current step), so the same
 command continues the grid. The whole spec is validated before anything runs: every variant's config is
-loaded with its overrides and checked by `train.config.validate` and `check_paths`; a bad field is one
+loaded with its overrides and checked by `train.config_checks.validate` and `check_paths`; a bad field is one
 line naming it (`spec S: variants.cosine: config.optim.schedul: unknown field (did you mean ...)`).
 
 Parallel runs: `--jobs N` trainers at a time (default `default_jobs()`: one per core); with more than one,
@@ -130,7 +130,7 @@ def _error(path: str, field: str, message: str) -> UsageError:
 
 
 def _flag_text(value: Any) -> str:
-    """The command-line text of an override value (`train.config.load_config` parses it back)."""
+    """The command-line text of an override value (`train.config_overrides.load_config` parses it back)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -216,7 +216,8 @@ def _plain(v: Any) -> Any:
 def _variant_config(spec: Spec, variant: str):
     """The variant's config with the harness defaults, the spec's and the variant's overrides applied
     through the same parser `train` uses, validated; UsageError naming the spec field at fault."""
-    from jaxrl_mismatch.train.config import apply_override, check_paths, load_config, validate
+    from jaxrl_mismatch.train.config_checks import check_paths, validate
+    from jaxrl_mismatch.train.config_overrides import apply_override, load_config
 
     try:
         c = load_config(spec.config)

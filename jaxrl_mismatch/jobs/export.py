@@ -44,7 +44,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
     from jaxrl_mismatch.models import ModelConfig, save_hf
     from jaxrl_mismatch.models.hf_io import abstract_model
     from jaxrl_mismatch.train.checkpoint import Checkpointer, CheckpointDamagedError, CheckpointMismatchError
-    from jaxrl_mismatch.train.config import build_optimizer
+    from jaxrl_mismatch.train.optimizer import build_optimizer
     from jaxrl_mismatch.train.state import init_state
 
     ckpt_dir = os.path.join(run_dir, "checkpoints")

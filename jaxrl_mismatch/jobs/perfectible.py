@@ -54,7 +54,7 @@ def parse_args(argv: Sequence[str]):
     file_flag = a.file
     c = None
     if a.config:
-        from jaxrl_mismatch.train.config import load_config
+        from jaxrl_mismatch.train.config_overrides import load_config
 
         c = load_config(a.config)
     pick = lambda flag, from_config, default: flag if flag is not None else (from_config(c) if c is not None else default)  # noqa: E731

@@ -41,7 +41,8 @@ def parse(argv: Sequence[str]):
             if value is None:
                 raise UsageError(f"{PROG}: --config.{key} needs a value (--config.{key}=VALUE)")
         overrides.append((key, value))
-    from jaxrl_mismatch.train.config import check_paths, load_config, validate
+    from jaxrl_mismatch.train.config_checks import check_paths, validate
+    from jaxrl_mismatch.train.config_overrides import load_config
 
     c = load_config(args.config, overrides)
     validate(c)
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train: process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} of "
               f"{jax.device_count()} devices", flush=True)
 
-    from jaxrl_mismatch.train.config import check_mesh
+    from jaxrl_mismatch.train.config_checks import check_mesh
 
     check_mesh(c)  # the devices are known only now (multi-host); before any warm start or load
 

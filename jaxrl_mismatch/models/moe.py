@@ -56,6 +56,9 @@ from jaxrl_mismatch.models.sharding import batch_axes, param_partition_spec
 from jaxrl_mismatch.precision import DTypePolicy
 
 _INIT = nnx.initializers.normal(0.02)
+# Routing replay modes (`trainer.routing_replay`): "off" = every forward routes freely; "R2" = the update's θ
+# forwards replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the rollout engine's routing.
+REPLAY_MODES = ("off", "R2", "R3")
 
 
 @jax.tree_util.register_dataclass

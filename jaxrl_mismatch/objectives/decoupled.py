@@ -10,7 +10,7 @@ Three policies meet in an asynchronous run (``rollout.max_staleness`` > 0):
 
 AReaL's decoupled PPO objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
 System for Language Reasoning", arXiv:2505.24298, §5.2, the decoupled objective — eq. 5 of the arXiv
-version; the paper is not in ``shared/papers``, so the number is the public version's) is
+version) is
 
     J(θ) = E_{y∼μ} [ Σ_t  (π_prox(y_t)/μ(y_t)) · min( u_t A_t, clip(u_t, 1−ε, 1+ε) A_t ) ],   u_t = π(y_t)/π_prox(y_t).
 

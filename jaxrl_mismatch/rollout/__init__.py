@@ -1,8 +1,10 @@
 """Rollout: the gRPC service between the trainer and a generation engine (built-in JAX or vLLM).
 
-The trainer uses `RolloutClient`; `jaxrl-mismatch serve` runs `server.main`. Importing this package
-loads neither JAX nor vLLM (the engines and `sampling` are imported where they are used), so a vLLM
-server process and a light client stay light. See docs/rollout.md.
+The trainer uses a `RolloutSession` (`session.py`: a launched or attached server, the typed `RolloutClient`,
+weight versions and the recovery policy; several servers through `fleet.RolloutFleet`); `jaxrl-mismatch serve`
+runs `server.main` around one engine (`jax_engine`, `vllm_engine`). Importing this package loads neither
+JAX nor vLLM (the engines and `sampling` are imported where they are used), so a vLLM server process and a
+light client stay light. See docs/rollout.md.
 """
 
 from jaxrl_mismatch.rollout.client import (

@@ -24,8 +24,8 @@ What this engine guarantees, and how:
   the old or the new weights, never a mix, and every completion carries the version it was made with.
 
 This engine seeds torch's global RNG and lowers torch's thread count in its process (the in-process
-engine does that); keep it in the rollout-server process, never in the trainer. See
-shared/notes/vllm-cpu.md for the measurements behind the CPU-specific choices.
+engine does that); keep it in the rollout-server process, never in the trainer. The CPU-specific choices
+are measured in `tests/rollout/test_vllm_engine.py` (log-prob agreement, the tied-head reload below).
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def _retie_cpu_lm_head(worker) -> None:
     their weight (oneDNN / sgl kernels), made by `dispatch_cpu_unquantized_gemm` when a layer's weights
     are processed. `reload_weights` re-processes a layer only when one of its own tensors is loaded. A
     tied checkpoint has no `lm_head.weight`, so after a reload the embedding holds the new values but the
-    LM head keeps computing with the packed copy of the *old* ones (logprobs off by nats; measured in
-    shared/notes/vllm-cpu.md). Untied heads load their own tensor and are re-packed; GPU kernels read the
+    LM head keeps computing with the packed copy of the *old* ones (logprobs off by nats; the tied case of
+    `tests/rollout/test_vllm_engine.py` catches it). Untied heads load their own tensor and are re-packed; GPU kernels read the
     shared Parameter directly. So this runs only for tied heads with a CPU-dispatched GEMM.
     """
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm

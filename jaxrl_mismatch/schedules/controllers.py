@@ -1,6 +1,7 @@
 """Host-side LR controllers: small deterministic objects that watch training metrics and scale the LR.
 
-They implement the LR paper's closed-loop idea (`../shared/papers/lr-schedule-fixes-mismatch-blog.txt`):
+They implement the closed-loop idea of the LR paper (Zhang, Li et al., "Beyond Precision: Training-Inference
+Mismatch is an Optimization Problem and Simple LR Scheduling Fixes It", arXiv:2602.01826):
 a fixed, epoch-timed schedule decays too early or too late because the collapse step does not scale
 with the dataset (Sec. 2 "Key Finding 2", Figs. 6–7), so the decay is timed from what the run observes.
 

@@ -6,7 +6,8 @@
   optimizer state as a float32 scalar (`hyperparam_dtype=float32`, so bf16/fp16 params never round
   the LR), so the host can change it between steps without retracing the jitted update — provided
   the new value has the same dtype, weak-typedness and sharding, which `set_hyperparams` guarantees by
-  placing a float32 array with the caller's replicated sharding (see `shared/notes/jax-stack.md`);
+  placing a float32 array with the caller's replicated sharding (`tests/schedules/test_schedules_optim.py`
+  counts the traces);
 * `learning_rate` may be a float (host-settable) or an in-graph schedule (`pure.py`). A scheduled
   hyperparameter is recomputed from the step count inside the update, so a host write to it would be
   silently ignored: `set_learning_rate` refuses it, and the host steers through `lr_scale` instead,
@@ -154,7 +155,7 @@ def set_hyperparams(opt_state: PyTree, sharding: jax.sharding.Sharding | Mesh, *
     Each value becomes a float32 0-d array placed with `sharding` (a `Mesh` means replicated on it),
     i.e. exactly the abstract value and sharding the jitted update was compiled for. A Python float
     here would be weak-typed and an unplaced numpy scalar would land on one device: both retrace or
-    recompile the step (`shared/notes/jax-stack.md`). Scheduled hyperparameters are refused, since
+    recompile the step (`test_counters_do_detect_a_retrace` shows both). Scheduled hyperparameters are refused, since
     the update would overwrite them from the schedule.
     """
     inject = _inject_state(opt_state)

@@ -3,8 +3,9 @@
 They run inside `jax.jit` (through `optax.inject_hyperparams`), so they must be pure functions of the
 step count, and they compose with `optax.join_schedules` (the second schedule sees `count - boundary`).
 
-The step decay is the LR paper's scheduler (`../shared/papers/lr-schedule-fixes-mismatch-blog.txt`,
-Sec. 2 "Our Approach", Fig. 1(c)): halve the LR every `decay_period` steps until it reaches a floor
+The step decay is the LR paper's scheduler (Zhang, Li et al., "Beyond Precision: Training-Inference Mismatch
+is an Optimization Problem and Simple LR Scheduling Fixes It", arXiv:2602.01826; Sec. 2 "Our Approach",
+Fig. 1(c)): halve the LR every `decay_period` steps until it reaches a floor
 (1/10 of the initial LR). It is a *fixed* schedule once `decay_period` is known; the paper times it
 from the response-length surge (Sec. 3, `decay_period ≈ 1.8 × surge step`), which needs observations,
 so the length-triggered version lives on the host in `controllers.LengthTriggeredDecay` and uses the

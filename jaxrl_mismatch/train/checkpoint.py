@@ -219,13 +219,6 @@ def state_fingerprints(state: Any) -> dict[str, int]:
     return {tree_path(p, keep_value=True): int(v) for p, v in jax.tree_util.tree_flatten_with_path(values)[0]}
 
 
-def abstract_state_of(state: Any) -> Any:
-    """Abstract state (shape, dtype, sharding per leaf) of a live state: restore into the same layout."""
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
-
-
 def _layout_mismatches(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
     problems = []
     for name, want in wanted.items():
@@ -449,7 +442,7 @@ class Checkpointer:
 
         abstract_state: the pytree to restore into, each leaf a `jax.ShapeDtypeStruct` (or array) with
         the *target* sharding, e.g. `jax.eval_shape(init)` with shardings attached, or
-        `abstract_state_of(fresh_state)`. Its structure, shapes and dtypes must equal the saved ones;
+        `train.state.abstract_state_of(fresh_state)`. Its structure, shapes and dtypes must equal the saved ones;
         any difference raises `CheckpointMismatchError` listing each tensor path with both shapes.
         """
         step = self._resolve_step(step)
@@ -565,7 +558,6 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "CheckpointNotFoundError",
-    "abstract_state_of",
     "describe_failure",
     "state_layout",
 ]

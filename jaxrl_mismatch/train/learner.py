@@ -25,17 +25,12 @@ from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
-from jaxrl_mismatch.train.checkpoint import abstract_state_of
-from jaxrl_mismatch.train.config import (
-    build_optimizer,
-    build_schedule,
-    check_mesh,
-    check_model,
-    exact_forward_enabled,
-)
+from jaxrl_mismatch.train.config import exact_forward_enabled
+from jaxrl_mismatch.train.config_checks import check_mesh, check_model
 from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
+from jaxrl_mismatch.train.optimizer import build_optimizer, build_schedule
 from jaxrl_mismatch.train.packing import pack_batch
-from jaxrl_mismatch.train.state import TrainState, init_state, split_model
+from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import (
     jit_prepare,
     jit_update,

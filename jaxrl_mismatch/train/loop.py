@@ -28,8 +28,10 @@ from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import from_wire, rollout_fields, to_wire
 from jaxrl_mismatch.train.checkpoint import Checkpointer
 from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
-from jaxrl_mismatch.train.config import ConfigError, build_controller, check_paths, config_changes, validate
+from jaxrl_mismatch.train.config import ConfigError
+from jaxrl_mismatch.train.config_resume import config_changes
 from jaxrl_mismatch.train.learner import Learner
+from jaxrl_mismatch.train.optimizer import build_controller
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
 from jaxrl_mismatch.train.runlock import RunDirLock
 from jaxrl_mismatch.train.task_data import TaskData
@@ -48,8 +50,7 @@ class RolloutFailure(RuntimeError):
 
 class Trainer:
     def __init__(self, c: ml_collections.ConfigDict, *, accept_config_changes: bool = False) -> None:
-        validate(c)
-        check_paths(c)
+        """`c` has passed `config_checks.validate` and `check_paths` (where it was read: `jobs/train.py`)."""
         self.c, self.accept_config_changes = c, accept_config_changes
         self.is_lead = jax.process_index() == 0
         os.makedirs(c.run_dir, exist_ok=True)

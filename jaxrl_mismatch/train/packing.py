@@ -1,4 +1,4 @@
-"""Sequence packing for the update step: many short (prompt + response) rows of an RL batch in fewer rows.
+"""Sequence packing for the step's forwards: many short (prompt + response) rows of an RL batch in fewer rows.
 
 RL batches are very uneven: a group of 8 samples may hold a 12-token and a 60-token response, and every row
 is padded to the batch's bucketed length, so most of the compute of the θ_old forward and of the update
@@ -8,9 +8,10 @@ within its sequence. The model attends only within a segment (`models.attention`
 same segment and j ≤ i) and rotates by those positions, so a packed sequence's log-probs equal its
 unpacked ones (`tests/train/test_packing.py`, fp32, ≤ 1e-5).
 
-The trainer packs when `trainer.packing = True`: `Learner.optimize` calls `pack_batch` on each minibatch
-(groups = microbatches) and the update's θ forward (`train.step.forward_packed_logprobs`) does what this
-sketch shows (host side, then inside jit):
+The trainer packs when `trainer.packing = True`, twice per step: `Learner.prepare` packs the whole batch
+(one group per batch shard) for the θ_old and reference forwards, and `Learner.optimize` packs each
+minibatch (one group per microbatch) for the update's θ forward. Both forwards
+(`train.step.forward_packed_logprobs`) do what this sketch shows (host side, then inside jit):
 
     packed = pack_rows(batch.tokens, batch.attention_mask, num_groups=microbatches).rows  # numpy, host
     # in the jitted update/prepare, per microbatch (or with num_groups for the whole batch):

@@ -72,6 +72,12 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     )
 
 
+def abstract_state_of(state: Any) -> Any:
+    """Abstract state (shape, dtype, sharding per leaf) of a live state: what a checkpoint restores into, in
+    the same layout (`Checkpointer.restore(abstract_state=...)`)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params): the static structure and the parameter pytree the pure step works on."""
     graphdef, params = nnx.split(model, nnx.Param)

@@ -44,7 +44,7 @@ from jaxrl_mismatch.metrics.staleness import staleness_metrics
 from jaxrl_mismatch.models import sharding as shd
 from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
-from jaxrl_mismatch.models.moe import RouterOutput
+from jaxrl_mismatch.models.moe import REPLAY_MODES, RouterOutput
 from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
 from jaxrl_mismatch.train.exact_forward import exact_forward_logprobs, exact_valued
 from jaxrl_mismatch.train.packing import unpack_targets
@@ -65,9 +65,6 @@ class Objective(Protocol):
     def step_metrics(self, batch: RolloutBatch) -> dict[str, jax.Array]: ...
 
     def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None: ...
-
-
-REPLAY_MODES = ("off", "R2", "R3")
 
 
 def forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,

@@ -63,7 +63,8 @@ def test_exact_forward_equals_the_exact_scorer_bitwise(tiny_checkpoints, dtype):
 
 
 def _learner(ckpt, tmp_path, precision_name, **trainer):
-    from jaxrl_mismatch.train.config import base_config, validate
+    from jaxrl_mismatch.train.config import base_config
+    from jaxrl_mismatch.train.config_checks import validate
     from jaxrl_mismatch.train.learner import Learner
 
     c = base_config()
@@ -101,7 +102,8 @@ def test_first_minibatch_ratio_is_exactly_one(tiny_checkpoints, tmp_path, dtype)
 
 
 def test_exact_forward_refuses_packing_by_name():
-    from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+    from jaxrl_mismatch.train.config import ConfigError, base_config
+    from jaxrl_mismatch.train.config_checks import validate
 
     c = base_config()
     c.model.path, c.rollout.exact, c.trainer.packing = "x", True, True

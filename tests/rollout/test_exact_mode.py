@@ -151,7 +151,8 @@ def test_training_step_metrics_are_exactly_zero_in_exact_mode_and_noise_reaches_
 
 
 def test_exact_mode_config_is_checked(tiny_checkpoints, tmp_path):
-    from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+    from jaxrl_mismatch.train.config import ConfigError, base_config
+    from jaxrl_mismatch.train.config_checks import validate
 
     c = base_config()
     c.model.path = "x"

@@ -213,7 +213,8 @@ def test_trainer_killed_mid_push_leaves_nothing_behind(served, tiny_checkpoints)
 
 def test_session_passes_the_configured_transport(served, tiny_checkpoints):
     from jaxrl_mismatch.rollout.session import RolloutSession
-    from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+    from jaxrl_mismatch.train.config import ConfigError, base_config
+    from jaxrl_mismatch.train.config_checks import validate
 
     weights = read_checkpoint(tiny_checkpoints["untied"])
     for transport in ("grpc", "shm"):

@@ -79,7 +79,8 @@ def test_normal_sampler_top_k_trainer_renormalises_over_the_same_support(tiny_ch
 
 
 def test_exact_top_p_training_step_ratio_is_one(tiny_checkpoints, tmp_path):
-    from jaxrl_mismatch.train.config import base_config, validate
+    from jaxrl_mismatch.train.config import base_config
+    from jaxrl_mismatch.train.config_checks import validate
     from jaxrl_mismatch.train.learner import Learner
 
     ckpt = tiny_checkpoints["untied"]
@@ -101,7 +102,8 @@ def test_exact_top_p_training_step_ratio_is_one(tiny_checkpoints, tmp_path):
 
 
 def test_config_accepts_top_p_top_k_and_refuses_what_cannot_carry_them():
-    from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+    from jaxrl_mismatch.train.config import ConfigError, base_config
+    from jaxrl_mismatch.train.config_checks import validate
 
     c = base_config()
     c.model.path, c.rollout.top_p, c.rollout.top_k = "x", 0.9, 20

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from jaxrl_mismatch.runlog import read_jsonl
-from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import check_paths, validate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,10 +61,17 @@ def config(model: Path, run_dir: Path, **rollout):
     return c
 
 
+def checked(c):
+    """`c` validated as `jobs/train.py` validates it before building a `Trainer` (which takes it as it is)."""
+    validate(c)
+    check_paths(c)
+    return c
+
+
 def _run(c) -> list[dict]:
     from jaxrl_mismatch.train.loop import Trainer
 
-    t = Trainer(c)
+    t = Trainer(checked(c))
     try:
         t.run()
     finally:
@@ -105,7 +113,7 @@ def test_dynamic_sampling_and_a_server_killed_mid_run(base_model, tmp_path):
     c = config(base_model, tmp_path / "run", max_staleness=1)
     c.steps = 5
     c.batch.dynamic_sampling = True
-    t = Trainer(c)
+    t = Trainer(checked(c))
     killed = threading.Event()
 
     def kill_after_step_1():
@@ -165,11 +173,11 @@ def test_kill_9_of_the_trainer_resumes_without_reusing_a_sample(base_model, tmp_
 
 def _config_file(path: Path, c) -> Path:
     """A config file whose get_config() rebuilds `c` (every field that differs from base_config)."""
-    from jaxrl_mismatch.train.config import _flatten
+    from jaxrl_mismatch.train.config import flatten
 
-    base = _flatten(base_config())
+    base = flatten(base_config())
     lines = ["from jaxrl_mismatch.train.config import base_config", "", "def get_config():", "    c = base_config()"]
-    lines += [f"    c.{k} = {v!r}" for k, v in _flatten(c).items() if base.get(k) != v]
+    lines += [f"    c.{k} = {v!r}" for k, v in flatten(c).items() if base.get(k) != v]
     path.write_text("\n".join(lines + ["    return c", ""]))
     return path
 
@@ -199,7 +207,7 @@ def test_external_server_lost_mid_async_run_checkpoints_and_the_rerun_finishes(b
     run_dir = tmp_path / "run"
     c = config(base_model, run_dir, max_staleness=2, address=server.address, token_file=server.token_file)
     c.steps = 5
-    t = Trainer(c)
+    t = Trainer(checked(c))
 
     def kill_after_step_1():
         while t.step < 2:

@@ -18,8 +18,8 @@ from jaxrl_mismatch.train.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
     CheckpointNotFoundError,
-    abstract_state_of,
 )
+from jaxrl_mismatch.train.state import abstract_state_of
 
 # orbax 0.12.8 runs each blocking call on a short-lived asyncio loop; now and then a tensorstore
 # callback arrives after that loop is closed and Python reports "Event loop is closed" as an

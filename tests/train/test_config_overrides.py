@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxrl_mismatch.train.config import (
-    ConfigError,
-    apply_override,
-    base_config,
-    build_controller,
-    build_schedule,
-    config_changes,
-    load_config,
-)
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_overrides import apply_override, load_config
+from jaxrl_mismatch.train.config_resume import config_changes
+from jaxrl_mismatch.train.optimizer import build_controller, build_schedule
 
 CONFIG = "configs/tiny_cpu.py"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import validate
 
 
 def _config(**rollout):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import check_paths, validate
 from jaxrl_mismatch.runlog import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,6 +62,13 @@ def tiny_config(model: Path, run_dir: Path, **rollout):
     return c
 
 
+def checked(c):
+    """`c` validated as `jobs/train.py` validates it before building a `Trainer` (which takes it as it is)."""
+    validate(c)
+    check_paths(c)
+    return c
+
+
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -68,7 +76,7 @@ def _finite(v) -> bool:
 def _run(c) -> dict:
     from jaxrl_mismatch.train.loop import Trainer
 
-    t = Trainer(c)
+    t = Trainer(checked(c))
     try:
         return t.run()
     finally:
@@ -128,7 +136,7 @@ def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path):
 def test_server_killed_mid_run_is_restarted_and_training_goes_on(base_model, tmp_path):
     from jaxrl_mismatch.train.loop import Trainer
 
-    t = Trainer(tiny_config(base_model, tmp_path / "run"))
+    t = Trainer(checked(tiny_config(base_model, tmp_path / "run")))
     try:
         t.session = t._open_session()
         m1 = t.train_step()
@@ -234,7 +242,7 @@ def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishe
 
     killer = threading.Thread(target=kill_after_first_step, daemon=True)
     killer.start()
-    t = Trainer(c)
+    t = Trainer(checked(c))
     try:
         with pytest.raises(RolloutFailure, match=r"resumable checkpoint of step (\d+).*rerun the same command") as err:
             t.run()
@@ -262,7 +270,7 @@ def test_rollout_temperature_is_matched_by_the_trainer(base_model, tmp_path):
     measured mismatch stays at float32 rounding (scoring at T = 1 would put it near 0.1 nats)."""
     from jaxrl_mismatch.train.loop import Trainer
 
-    t = Trainer(tiny_config(base_model, tmp_path / "run", temperature=0.7))
+    t = Trainer(checked(tiny_config(base_model, tmp_path / "run", temperature=0.7)))
     try:
         t.session = t._open_session()
         m = t.train_step()
@@ -282,7 +290,7 @@ def test_stop_request_checkpoints_between_steps_and_resume_refuses_to_overwrite(
     c = tiny_config(base_model, run_dir)
     c.steps = 50
     c.checkpoint.every = 100
-    t = Trainer(c)
+    t = Trainer(checked(c))
 
     def stop_after_first_step():  # what run.py's SIGTERM handler does
         deadline = time.monotonic() + 300
@@ -305,7 +313,7 @@ def test_stop_request_checkpoints_between_steps_and_resume_refuses_to_overwrite(
     finally:
         ckpt.close()
     c.resume = False
-    t = Trainer(c)
+    t = Trainer(checked(c))
     try:
         with pytest.raises(ValueError, match="config.resume: False"):
             t.run()
@@ -315,11 +323,11 @@ def test_stop_request_checkpoints_between_steps_and_resume_refuses_to_overwrite(
 
 def _config_file(path: Path, c) -> Path:
     """A config file whose get_config() rebuilds `c` (every field that differs from base_config)."""
-    from jaxrl_mismatch.train.config import _flatten
+    from jaxrl_mismatch.train.config import flatten
 
-    base = _flatten(base_config())
+    base = flatten(base_config())
     lines = ["from jaxrl_mismatch.train.config import base_config", "", "def get_config():", "    c = base_config()"]
-    for key, value in _flatten(c).items():
+    for key, value in flatten(c).items():
         if base.get(key) != value:
             lines.append(f"    c.{key} = {value!r}")
     path.write_text("\n".join(lines + ["    return c", ""]))

@@ -7,7 +7,8 @@ import pytest
 
 from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.runlog import read_jsonl
-from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import validate
 from tests.train.test_loop_integration import _run, base_model, tiny_config  # noqa: F401 (fixture)
 
 

@@ -9,14 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_mismatch.train.config import (
-    ConfigError,
-    apply_override,
-    base_config,
-    check_model,
-    config_changes,
-    validate,
-)
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import check_model, validate
+from jaxrl_mismatch.train.config_overrides import apply_override
+from jaxrl_mismatch.train.config_resume import config_changes
 from tests.train.tiny_policy import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]

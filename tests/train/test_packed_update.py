@@ -22,7 +22,8 @@ from jaxrl_mismatch.metrics import metrics_config
 from jaxrl_mismatch.models.sharding import batch_axes
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.train.batch import RolloutBatch
-from jaxrl_mismatch.train.config import ConfigError, base_config, check_model, validate
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import check_model, validate
 from jaxrl_mismatch.train.objective import PolicyObjective
 from jaxrl_mismatch.train.packing import pack_batch
 from jaxrl_mismatch.train.step import jit_update, place_batch

@@ -24,8 +24,8 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import Transformer
 from jaxrl_mismatch.models.sharding import make_mesh
 from jaxrl_mismatch.schedules import LengthTriggeredDecay, get_lr, make_optimizer, set_lr_scale
-from jaxrl_mismatch.train.checkpoint import Checkpointer, CheckpointMismatchError, abstract_state_of
-from jaxrl_mismatch.train.state import init_state, split_model
+from jaxrl_mismatch.train.checkpoint import Checkpointer, CheckpointMismatchError
+from jaxrl_mismatch.train.state import abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import jit_update, place_state
 from tests.train.tiny_policy import build, full_batch, synthetic_batch, tiny_config
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
-from jaxrl_mismatch.train.config import ConfigError, base_config, validate
+from jaxrl_mismatch.train.config import ConfigError, base_config
+from jaxrl_mismatch.train.config_checks import validate
 from jaxrl_mismatch.train.task_data import TaskData
 
 

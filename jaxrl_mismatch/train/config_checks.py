@@ -1,0 +1,323 @@
+"""Checking a config before any work: `validate` (what the config alone decides, anywhere), then what needs
+this machine (`check_paths`, `check_mesh`) or the loaded model (`check_model`).
+
+Each check raises `ConfigError` naming the field. `validate` and `check_paths` run once, where a run's
+config is read (`jobs/train.py`, `jobs/compare.py`), before the warm start, the rollout server or JAX
+allocate anything; `Trainer` takes the checked config as it is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
+from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
+from jaxrl_mismatch.usage import UsageError, host_port
+
+_CHOICES = {
+    "rollout.engine": ("jax", "vllm"),
+    "rollout.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.quantize": ("none", "int8", "fp8"),
+    "rollout.weight_transport": ("auto", "shm", "grpc"),
+    "trainer.precision": precision.PRESETS,
+    "distributed.initialize": ("auto", "always", "never"),
+}
+
+
+def _model_choices() -> dict[str, tuple[str, ...]]:
+    """The trainer's model options, from the registries that implement them (imported here, not at module
+    load, so that reading a config does not import Flax)."""
+    from jaxrl_mismatch.models import ATTENTION_IMPLS, REMAT_POLICIES
+    from jaxrl_mismatch.models.moe import REPLAY_MODES
+
+    return {
+        "trainer.routing_replay": REPLAY_MODES,
+        "trainer.remat_policy": tuple(p for p in REMAT_POLICIES if p != "none"),  # "none" is trainer.remat = False
+        "trainer.attention_impl": ATTENTION_IMPLS,
+    }
+
+
+_POSITIVE_INTS = (
+    "steps", "rollout.group_size", "rollout.max_tokens", "batch.prompts_per_step", "batch.ppo_epochs",
+    "batch.minibatches", "batch.microbatches", "trainer.chunk_size", "task.num_val", "eval.k",
+    "checkpoint.keep", "task.max_prompt_len", "rollout.num_servers",
+)
+_NON_NEGATIVE = (
+    "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
+    "rollout.max_model_len", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
+    "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
+    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness",
+)
+
+
+def _get(c: ml_collections.ConfigDict, path: str):
+    node = c
+    for part in path.split("."):
+        if part not in node:
+            raise ConfigError(f"config.{path}: missing field")
+        node = node[part]
+    return node
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Check every field that can be checked without loading anything; raise ConfigError naming it."""
+    check_schema(c)
+    _check_types_and_ranges(c)
+    _check_sampling(c)
+    _check_mismatch_sources(c)
+    _check_exact_and_replay(c)
+    _check_rollout_and_batch(c)
+    _check_registries(c)
+
+
+def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
+    """Choices, integer and sign constraints of single fields (the later checks rely on them)."""
+    for path, choices in {**_CHOICES, **_model_choices()}.items():
+        v = _get(c, path)
+        if v not in choices:
+            raise ConfigError(f"config.{path}: {v!r} is not one of {list(choices)}")
+    for path in _POSITIVE_INTS:
+        v = _get(c, path)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"config.{path}: must be an integer >= 1, got {v!r}")
+    for path in _NON_NEGATIVE:
+        v = _get(c, path)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"config.{path}: must be a number >= 0, got {v!r}")
+    if not c.optim.lr > 0:
+        raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
+    if c.rollout.max_staleness != int(c.rollout.max_staleness):
+        raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
+
+
+def _check_sampling(c: ml_collections.ConfigDict) -> None:
+    """Sampling, evaluation, fleet and timeout fields, and what each engine can sample."""
+    if not c.rollout.temperature >= 1e-5:
+        raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
+                          f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")
+    # With top-p / top-k the engine's log-probs are renormalised over the kept tokens; the trainer renormalises
+    # π over the same support from the kept-set sizes the engine returns (TRL #6789). vLLM does not return them.
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        raise ConfigError(f"config.rollout.top_p: must be in (0, 1], got {c.rollout.top_p!r}")
+    if not (isinstance(c.rollout.top_k, int) and c.rollout.top_k >= 0):
+        raise ConfigError(f"config.rollout.top_k: must be an integer >= 0 (0 = off), got {c.rollout.top_k!r}")
+    if c.rollout.top_p < 1.0 or c.rollout.top_k > 0:
+        field = "rollout.top_p" if c.rollout.top_p < 1.0 else "rollout.top_k"
+        if c.rollout.engine != "jax":
+            raise ConfigError(f"config.{field}: needs the jax engine, which returns each token's kept-set size for "
+                              f"the trainer to renormalise π over (the {c.rollout.engine} engine does not)")
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: must be False with {field} (packed rows do not carry the "
+                              "kept-set sizes)")
+    from jaxrl_mismatch.rollout.validation import Limits
+
+    limit = Limits().max_request_completion_tokens
+    for what, n in (("rollout.group_size", c.rollout.group_size), ("eval.k", c.eval.k)):
+        if n * c.rollout.max_tokens > limit:
+            raise ConfigError(f"config.{what}: {n} samples × rollout.max_tokens {c.rollout.max_tokens} exceed one "
+                              f"Generate request's {limit} completion tokens")
+    if not c.eval.temperature >= 0:
+        raise ConfigError(f"config.eval.temperature: must be >= 0 (0 = greedy), got {c.eval.temperature!r}")
+    if not 0 < c.diagnostics.weight_distortion_pi_low <= 1:
+        raise ConfigError("config.diagnostics.weight_distortion_pi_low: must be in (0, 1], got "
+                          f"{c.diagnostics.weight_distortion_pi_low!r}")
+    if c.rollout.address and c.rollout.num_servers != 1:
+        raise ConfigError(f"config.rollout.num_servers: {c.rollout.num_servers} servers are started only when managed "
+                          "(rollout.address empty); to use several external servers, list their addresses in "
+                          "rollout.address, comma-separated")
+    for path in ("rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.startup_timeout_s",
+                 "rollout.stall_timeout_s"):
+        if not _get(c, path) > 0:
+            raise ConfigError(f"config.{path}: must be > 0, got {_get(c, path)!r}")
+    if (c.rollout.exact or c.rollout.logit_noise_std) and c.rollout.engine != "jax":
+        field = "rollout.exact" if c.rollout.exact else "rollout.logit_noise_std"
+        raise ConfigError(f"config.{field}: needs the built-in jax engine (rollout.engine = 'jax'), got "
+                          f"{c.rollout.engine!r}")
+
+
+def _check_mismatch_sources(c: ml_collections.ConfigDict) -> None:
+    """rollout.quantize and the mismatch onset: what each engine can serve (docs/rollout.md)."""
+    for path in ("rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps"):
+        if not isinstance(_get(c, path), int) or isinstance(_get(c, path), bool):
+            raise ConfigError(f"config.{path}: must be an integer >= 0 (a step count), got {_get(c, path)!r}")
+    if c.rollout.engine == "vllm" and c.rollout.quantize == "int8":
+        raise ConfigError("config.rollout.quantize: 'int8' is not available with the vllm engine (vLLM's online "
+                          "'int8_per_channel_weight_only' quantizes MoE experts only, no linear layer); use "
+                          "rollout.engine = 'jax' or rollout.quantize = 'fp8'")
+    ramped = c.rollout.mismatch_onset_step > 0 or c.rollout.mismatch_ramp_steps > 0
+    if c.rollout.engine == "vllm" and c.rollout.quantize != "none" and ramped:
+        raise ConfigError("config.rollout.mismatch_onset_step: a quantization onset/ramp blends the full-precision "
+                          "and quantized weights per request, which only the built-in jax engine can do")
+
+
+def _check_exact_and_replay(c: ml_collections.ConfigDict) -> None:
+    """Routing replay R3, exact mode and the exact training forward: what each needs of the engine and trainer."""
+    if c.trainer.routing_replay == "R3":
+        if c.rollout.engine != "jax":
+            raise ConfigError(f"config.trainer.routing_replay: 'R3' replays the experts the rollout engine chose, and "
+                              f"the {c.rollout.engine} engine does not return them (vLLM's API exposes no per-token "
+                              "routing); use rollout.engine = 'jax', or 'R2' (θ_old's own routing)")
+        if c.rollout.exact:
+            raise ConfigError("config.trainer.routing_replay: 'R3' needs the normal sampler; exact mode returns no "
+                              "routing (it already gives μ = π(θ_old))")
+    if c.rollout.exact:
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.trainer.precision]
+        if c.rollout.dtype != dtype:
+            raise ConfigError(f"config.rollout.exact: the engine must compute in the trainer's precision: "
+                              f"rollout.dtype = {dtype!r} for trainer.precision = {c.trainer.precision!r}, got "
+                              f"{c.rollout.dtype!r}")
+        if c.trainer.fp32_lm_head:
+            raise ConfigError("config.rollout.exact: trainer.fp32_lm_head must be False (the engine has no fp32 head)")
+        if c.trainer.scan_layers:
+            raise ConfigError("config.trainer.scan_layers: must be False with rollout.exact (the exact scorer "
+                              "repeats the engine's unrolled layer program)")
+        split = {k: v for k, v in c.trainer.mesh.items() if k != "data" and v != 1}
+        if split:
+            raise ConfigError(f"config.rollout.exact: needs a single-device or data-parallel trainer mesh (FSDP and "
+                              f"tensor parallelism split reductions across devices), got trainer.mesh {split}")
+    v = c.trainer.exact_forward  # a None-valued field takes literals from the command line: also accept true/false
+    if not (v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in TRUE_WORDS + FALSE_WORDS)):
+        raise ConfigError(f"config.trainer.exact_forward: must be None, True or False, got {c.trainer.exact_forward!r}")
+    if exact_forward_enabled(c):
+        why = "trainer.exact_forward" + (" (implied by rollout.exact)" if c.trainer.exact_forward is None else "")
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: must be False with {why}: the exact forward scores every row "
+                              "alone at its canonical length (or set trainer.exact_forward = False)")
+        if c.trainer.scan_layers:
+            raise ConfigError(f"config.trainer.scan_layers: must be False with {why} (the exact scorer runs the "
+                              "unrolled layer program)")
+        split = {k: v for k, v in c.trainer.mesh.items() if k != "data" and v != 1}
+        if split:
+            raise ConfigError(f"config.trainer.mesh: {why} needs a single-device or data-parallel mesh, got {split}")
+
+
+def _check_rollout_and_batch(c: ml_collections.ConfigDict) -> None:
+    """Group size, rollout addresses, staleness, model path, the batch split and the mesh axes."""
+    if c.rollout.group_size < 2:
+        raise ConfigError("config.rollout.group_size: group-relative advantages need >= 2 samples per prompt")
+    if c.rollout.address:  # one host:port, or several separated by commas (a fleet, rollout/fleet.py)
+        addresses = [a.strip() for a in c.rollout.address.split(",")]
+        try:
+            for address in addresses:
+                host_port("config.rollout.address:", address)
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
+        if c.rollout.weight_transport == "shm":
+            remote = [a for a in addresses if host_port("", a)[0] not in ("127.0.0.1", "localhost", "::1")]
+            if remote:
+                raise ConfigError(f"config.rollout.weight_transport: 'shm' needs a server on this host (loopback "
+                                  f"address), got {', '.join(remote)}; use 'auto' or 'grpc'")
+    if c.rollout.fixed_staleness and not c.rollout.max_staleness:
+        raise ConfigError("config.rollout.fixed_staleness: needs rollout.max_staleness >= 1 (with 0 every batch "
+                          "is on the current weights already)")
+    if not c.model.path:
+        raise ConfigError("config.model.path: empty; point it to a local HF checkpoint directory")
+
+    rows = c.batch.prompts_per_step * c.rollout.group_size
+    split = c.batch.minibatches * c.batch.microbatches
+    if rows % split:
+        raise ConfigError(
+            f"config.batch: prompts_per_step × group_size = {rows} rows is not divisible by "
+            f"minibatches × microbatches = {split}"
+        )
+    for axis, size in c.trainer.mesh.items():
+        if axis not in ("data", "fsdp", "expert", "tensor"):
+            raise ConfigError(f"config.trainer.mesh: unknown axis {axis!r}; valid: data, fsdp, expert, tensor")
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(f"config.trainer.mesh.{axis}: must be a positive integer or -1, got {size!r}")
+
+
+def _check_registries(c: ml_collections.ConfigDict) -> None:
+    """Names resolved by their registries (each raises listing the valid names) and the arguments they take."""
+    from jaxrl_mismatch.data import TASKS
+    from jaxrl_mismatch.objectives import objective_config
+    from jaxrl_mismatch.schedules import CONTROLLERS, OPTIMIZERS, SCHEDULES
+
+    if c.task.name not in TASKS:
+        raise ConfigError(f"config.task.name: unknown task {c.task.name!r}; valid: {sorted(TASKS)}")
+    if c.task.name != "arithmetic":  # file-backed tasks read local JSONL files, one per split
+        for split in (c.task.train_split, c.task.val_split):
+            path = c.task.files.get(split)
+            if not path:
+                raise ConfigError(f"config.task.files.{split}: task {c.task.name!r} reads local JSONL files; "
+                                  f"set --config.task.files.{split}=PATH")
+
+    if c.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"config.optim.name: unknown optimizer {c.optim.name!r}; valid: {sorted(OPTIMIZERS)}")
+    if c.optim.schedule not in SCHEDULES:
+        raise ConfigError(f"config.optim.schedule: unknown schedule {c.optim.schedule!r}; valid: {sorted(SCHEDULES)}")
+    try:
+        build_schedule(c.optim)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.optim.schedule_kwargs: {e}") from None
+    try:
+        build_optimizer(c.optim)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.optim: {e}") from None
+    if c.controller.name != "none" and c.controller.name not in CONTROLLERS:
+        raise ConfigError(
+            f"config.controller.name: unknown controller {c.controller.name!r}; valid: ['none'] + {sorted(CONTROLLERS)}"
+        )
+    try:
+        objective_config(c.objective.preset, **c.objective.overrides.to_dict())
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.objective: {e}") from None
+    try:
+        build_controller(c.controller)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"config.controller.kwargs: {e}") from None
+
+
+def check_paths(c: ml_collections.ConfigDict) -> None:
+    """The local files a run reads exist (model checkpoint, task files); ConfigError naming the field.
+
+    Separate from `validate` so that configs for other machines (GPU/TPU paths) validate anywhere.
+    """
+    if os.path.lexists(c.run_dir) and not os.path.isdir(c.run_dir):
+        raise ConfigError(f"config.run_dir: {c.run_dir} is a file; expected a (new or existing) run directory")
+    existing = os.path.abspath(c.run_dir)
+    while not os.path.exists(existing):  # the run directory, or the ancestor it will be created in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"config.run_dir: {c.run_dir} cannot be written ({existing} is "
+                          f"{'not a directory' if not os.path.isdir(existing) else 'not writable'})")
+    if not c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
+        what = "does not exist" if not os.path.exists(c.model.path) else "has no config.json"
+        raise ConfigError(f"config.model.path: {c.model.path} {what}; point it to a local HF checkpoint directory")
+    if c.task.name != "arithmetic":
+        for split in (c.task.train_split, c.task.val_split):
+            path = c.task.files[split]
+            for p in [path] if isinstance(path, str) else list(path):
+                if not os.path.isfile(p):
+                    raise ConfigError(f"config.task.files.{split}: {p} does not exist")
+
+
+def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
+    """The options that need a mixture-of-experts policy are off for a dense one; ConfigError naming the field."""
+    if model_cfg.is_moe:
+        if exact_forward_enabled(c):
+            raise ConfigError(f"config.trainer.exact_forward: the exact training forward is for dense policies; "
+                              f"{c.model.path} is a mixture of experts (set trainer.exact_forward = False)")
+        if c.trainer.packing:
+            raise ConfigError(f"config.trainer.packing: not available for the mixture-of-experts {c.model.path} "
+                              "(packed rows do not carry routing); set it to False")
+        return
+    if c.trainer.routing_replay != "off":
+        raise ConfigError(f"config.trainer.routing_replay: {c.trainer.routing_replay!r} replays expert routing, but "
+                          f"{c.model.path} is a dense {model_cfg.architecture}; set it to 'off'")
+    if c.objective.router_aux_coef:
+        raise ConfigError(f"config.objective.router_aux_coef: {c.objective.router_aux_coef!r} weights the MoE "
+                          f"load-balancing loss, but {c.model.path} is a dense {model_cfg.architecture}; set it to 0")
+
+
+def check_mesh(c: ml_collections.ConfigDict):
+    """The trainer's mesh on this job's devices; ConfigError naming `trainer.mesh` if it does not fit."""
+    from jaxrl_mismatch.models.sharding import make_mesh
+
+    try:
+        return make_mesh(c.trainer.mesh.to_dict())
+    except ValueError as e:
+        raise ConfigError(f"config.trainer.mesh: {e}") from None

@@ -1,0 +1,37 @@
+"""What a resumed run may change: the config diff checked against the one saved in the checkpoint.
+
+A run restarted with another config trains something other than the run it continues; `Trainer` refuses it
+unless `--accept-config-changes` says so. Fields that only change length, logging, plumbing or memory
+(`RESUME_MAY_CHANGE`) are not reported.
+"""
+
+from __future__ import annotations
+
+from jaxrl_mismatch.train.config import base_config, flatten
+
+# Fields a resumed run may change without changing what it trains (length, logging, plumbing, memory knobs).
+RESUME_MAY_CHANGE = (
+    "steps", "resume", "run_dir", "log", "checkpoint", "eval.every", "distributed", "model.warmstart_if_missing",
+    "model.warmstart_args", "rollout.address", "rollout.token_file", "rollout.startup_timeout_s",
+    "rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.restart_on_failure", "trainer.mesh",
+    "rollout.num_servers", "rollout.stall_timeout_s", "rollout.weight_transport",
+    "trainer.chunk_size", "trainer.remat", "trainer.remat_policy", "trainer.attention_impl", "trainer.packing",
+)
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """`field: old → new` for every field that differs and changes what a resumed run trains. A field the saved
+    config lacks (added to the schema after the run started) counts only when it is not at its default."""
+    old, new, base = flatten(saved), flatten(current), flatten(base_config())
+    if "task.data_seed" not in old and "seed" in old:
+        old["task.data_seed"] = old["seed"]  # a run from before the field drew its problems from `seed`
+    out = []
+    for path in sorted(set(old) | set(new)):
+        if any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE):
+            continue
+        if path not in old and path in base and new.get(path) == base[path]:
+            continue  # a field added after the run started, at its default: the run trains as before
+        a, b = old.get(path, "<unset>"), new.get(path, "<unset>")
+        if a != b:
+            out.append(f"{path}: {a!r} → {b!r}")
+    return out
