@@ -41,6 +41,9 @@ def get_spec():
         },
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "constant",
+        # What could explain each result: the trigger's LR alone; the cost of σ = 3 at each LR.
+        "controls": {"mismatch_triggered": "constant_trigger_mean_lr", "constant": "no_mismatch",
+                     "constant_low": "no_mismatch_low"},
         "out": "runs/compare/e0_controls",
         "collapse": {"metric": "val/accuracy", "frac": 0.5, "window": 3, "patience": 3},
     }

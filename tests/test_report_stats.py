@@ -124,3 +124,20 @@ def test_paired_table_and_json(tmp_path):
     assert saved["paired"]["better"]["val_final"]["per_seed"] == pytest.approx({"0": 0.1, "1": 0.05, "2": -0.01})
     assert [r["stats"]["val_final"] for r in saved["variants"]["better"]["runs"]] == [0.3, 0.35, 0.24]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.md"]  # no temporary left behind
+
+
+def test_controls_are_paired_with_the_variant_they_could_explain(tmp_path):
+    # "better" beats "base" by +0.1 in every seed, but so does its control "lower_lr": against it, nothing.
+    finals = {"base": [0.2, 0.3, 0.25], "better": [0.3, 0.4, 0.35], "lower_lr": [0.31, 0.39, 0.36]}
+    table = summarize({v: [RunResult(seed=s, run_dir=f"{v}{s}", status="ok", ok=True,
+                                     records=_run([(-1, 0.1), (9, 0.4), (19, f)])) for s, f in enumerate(fs)]
+                       for v, fs in finals.items()}, CollapseRule())
+    md_path, json_path = tmp_path / "t.md", tmp_path / "t.json"
+    text = write_table(table, CollapseRule(), str(md_path), str(json_path), baseline="base",
+                       controls={"better": "lower_lr"})
+    saved = json.loads(json_path.read_text())
+    assert saved["controls"] == {"better": "lower_lr"}
+    c = saved["paired_controls"]["better vs lower_lr"]["val_final"]
+    assert c["per_seed"] == pytest.approx({"0": -0.01, "1": 0.01, "2": -0.01}) and (c["wins"], c["n"]) == (1, 3)
+    assert saved["paired"]["better"]["val_final"]["wins"] == 3
+    assert "| variant vs its control |" in text and "| better vs lower_lr | 3 | -0.003 [" in text

@@ -24,6 +24,8 @@ The spec file is a Python file whose `get_spec()` returns a dict (`FILE:ARG` cal
             "seeds": [0, 1, 2],                      # required: distinct integers >= 0 (config.seed)
             "baseline": "constant",                  # optional: the variant the others are paired against
                                                      # (default: the first variant)
+            "controls": {"cosine": "constant"},      # optional: variant -> the variant that could explain its
+                                                     # result, paired seed by seed in a second table
             "out": "runs/compare/schedulers",        # optional; default runs/compare/NAME
             "metrics": ["reward/mean", "val/accuracy",          # optional: the figure's panels, each a
                         {"metric": ["grad/norm_clipped_per_token", "grad/norm"],  # metric name or a dict
@@ -86,7 +88,8 @@ from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
 from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function
 
 PROG = "jaxrl-mismatch compare"
-SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "out", "metrics", "collapse")
+SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "controls", "out", "metrics",
+               "collapse")
 HARNESS_FIELDS = ("run_dir", "seed")  # set per run by the harness; a spec may not set them
 HARNESS_DEFAULTS = {"log.progress": False}  # a spec may override these
 LOG_FILE, STATUS_FILE = "compare.log", "compare.json"
@@ -120,6 +123,7 @@ class Spec:
     panels: tuple | None
     collapse: CollapseRule
     baseline: str
+    controls: dict[str, str] = dataclasses.field(default_factory=dict)  # variant -> its control variant
     jobs: list[Job] = dataclasses.field(default_factory=list)  # filled by `validate_spec`
     warmstarts: dict[str, str] = dataclasses.field(default_factory=dict)  # model.path -> warmstart args
 
@@ -187,6 +191,13 @@ def load_spec(path: str) -> Spec:
     baseline = d.get("baseline", next(iter(variants)))
     if not isinstance(baseline, str) or baseline not in variants:
         raise _error(path, "baseline", f"{baseline!r} is not a variant; variants: {', '.join(map(str, variants))}")
+    controls = d.get("controls", {})
+    if not isinstance(controls, dict):
+        raise _error(path, "controls", f"must be a dict variant -> control variant, got {controls!r}")
+    for v, c in controls.items():
+        if v not in variants or c not in variants or v == c:
+            raise _error(path, f"controls.{v}", f"{v!r} -> {c!r} must pair two different variants; variants: "
+                         f"{', '.join(map(str, variants))}")
     out = d.get("out", os.path.join("runs", "compare", name))
     if not isinstance(out, str) or not out:
         raise _error(path, "out", f"must be a directory path, got {out!r}")
@@ -204,7 +215,8 @@ def load_spec(path: str) -> Spec:
         raise UsageError(f"spec {path}: {e}") from None
     return Spec(path=path, name=name, config=config, overrides=_overrides(path, "overrides", d.get("overrides")),
                 variants={v: _overrides(path, f"variants.{v}", o) for v, o in variants.items()},
-                seeds=list(seeds), out=out, panels=panels, collapse=collapse, baseline=baseline)
+                seeds=list(seeds), out=out, panels=panels, collapse=collapse, baseline=baseline,
+                controls=dict(controls))
 
 
 def _plain(v: Any) -> Any:
@@ -454,7 +466,7 @@ def write_outputs(spec: Spec) -> tuple[str, bool]:
     md = write_table(table, spec.collapse, os.path.join(spec.out, "table.md"), os.path.join(spec.out, "table.json"),
                      extra={"name": spec.name, "spec": spec.path, "config": spec.config, "overrides": spec.overrides,
                             "variants_overrides": spec.variants, "seeds": spec.seeds},
-                     baseline=spec.baseline)
+                     baseline=spec.baseline, controls=spec.controls)
     groups = {v: [r.records for r in runs if r.records] for v, runs in results.items()}
     groups = {v: runs for v, runs in groups.items() if runs}
     if groups:

@@ -62,6 +62,18 @@ def paired_against(table: Mapping[str, Any], baseline: str,
             for name in table if name != baseline}
 
 
+def paired_controls(table: Mapping[str, Any], controls: Mapping[str, str],
+                    keys: Sequence[str] = tuple(k for k, _, _ in PAIRED)) -> dict[str, dict[str, Any]]:
+    """{"variant vs control": {stat: paired_difference}} for each (variant, control) pair of a spec's
+    `controls`: the comparison that could explain a variant's gain over the baseline (same mean LR, the same
+    schedule without mismatch), paired seed by seed like the baseline's."""
+    def by_seed(name: str, key: str) -> dict[int, float | None]:
+        return {r["seed"]: r["stats"].get(key) for r in table[name]["runs"] if r["ok"]}
+
+    return {f"{v} vs {c}": {key: paired_difference(by_seed(v, key), by_seed(c, key)) for key in keys}
+            for v, c in controls.items()}
+
+
 def _cell(p: Mapping[str, Any], fmt: str) -> str:
     if not p["n"]:
         return "–"
@@ -71,13 +83,17 @@ def _cell(p: Mapping[str, Any], fmt: str) -> str:
     return f"{text}, {p['wins']}/{p['n']}"
 
 
-def paired_markdown(paired: Mapping[str, Mapping[str, Any]], baseline: str) -> str:
-    """The Markdown table of `paired_against`'s output, with what its cells mean underneath."""
-    header = ["variant vs " + baseline, "paired seeds", *(h for _, h, _ in PAIRED)]
+def paired_markdown(paired: Mapping[str, Mapping[str, Any]], baseline: str | None) -> str:
+    """The Markdown table of `paired_against`'s output (or, with `baseline` None, of `paired_controls`'),
+    with what its cells mean underneath."""
+    header = ["variant vs " + (baseline or "its control"), "paired seeds", *(h for _, h, _ in PAIRED)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, stats in paired.items():
         n = max((p["n"] for p in stats.values()), default=0)
         lines.append("| " + " | ".join([name, str(n), *(_cell(stats[k], fmt) for k, _, fmt in PAIRED)]) + " |")
+    if baseline is None:
+        return "\n".join(lines + ["", "Controls: each row pairs a variant with the control named after \"vs\", "
+                                   "seed by seed, as above (table.json: `paired_controls`)."]) + "\n"
     lines += ["", f"Paired against `{baseline}` seed by seed (same seed: same data order, same held-out prompts): "
               f"mean of the per-seed differences variant − {baseline} [{CONFIDENCE:.0%} Student-t interval over the "
               f"paired seeds], then wins k/n = seeds where the variant is higher. Per-seed differences: table.json "

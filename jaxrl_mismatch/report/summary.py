@@ -225,9 +225,10 @@ def _cell(stat: Mapping[str, Any], fmt: str) -> str:
     return text if stat["std"] is None else f"{text} ± {format(stat['std'], fmt)}"
 
 
-def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str | None = None) -> str:
+def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str | None = None,
+                   controls: Mapping[str, str] | None = None) -> str:
     """The Markdown table of `summarize`'s output, with the definitions it uses underneath, and with a
-    `baseline` variant the paired table (`report.paired`) after it."""
+    `baseline` variant the paired table (`report.paired`) after it, then the `controls` pairs' table."""
     header = ["variant", "runs ok", "collapsed", *(h for _, h, _ in COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, v in table.items():
@@ -247,6 +248,10 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str |
         from jaxrl_mismatch.report.paired import paired_against, paired_markdown
 
         lines += ["", paired_markdown(paired_against(table, baseline), baseline).rstrip("\n")]
+    if controls:
+        from jaxrl_mismatch.report.paired import paired_controls, paired_markdown
+
+        lines += ["", paired_markdown(paired_controls(table, controls), None).rstrip("\n")]
     problems = [f"- {name} seed {r['seed']}: {r['status']} ({r['run_dir']})"
                 for name, v in table.items() for r in v["runs"] if not r["ok"]]
     if problems:
@@ -264,16 +269,21 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def write_table(table: Mapping[str, Any], rule: CollapseRule, md_path: str, json_path: str,
-                extra: Mapping[str, Any] | None = None, baseline: str | None = None) -> str:
+                extra: Mapping[str, Any] | None = None, baseline: str | None = None,
+                controls: Mapping[str, str] | None = None) -> str:
     """Write table.md and table.json (`extra` goes into the JSON's top level; with a `baseline` variant the
     JSON has `baseline` and `paired`: per variant and statistic, the per-seed differences, mean, interval
-    and wins); returns the Markdown."""
-    md = table_markdown(table, rule, baseline)
+    and wins; with `controls`, `paired_controls` likewise); returns the Markdown."""
+    md = table_markdown(table, rule, baseline, controls)
     content: dict[str, Any] = {**(extra or {}), "collapse": dataclasses.asdict(rule), "variants": table}
     if baseline is not None:
         from jaxrl_mismatch.report.paired import paired_against
 
         content.update(baseline=baseline, paired=paired_against(table, baseline))
+    if controls:
+        from jaxrl_mismatch.report.paired import paired_controls
+
+        content.update(controls=dict(controls), paired_controls=paired_controls(table, controls))
     write_atomic(json_path, json.dumps(content, indent=1))
     write_atomic(md_path, md)
     return md

@@ -97,6 +97,9 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"collapse": {"frac": 2}}, ["collapse.frac: must be a number in (0, 1)"]),
     ({"collapse": {"metrc": "x"}}, ["collapse.metrc: unknown field"]),
     ({"baseline": "c"}, ["baseline: 'c' is not a variant; variants: a, b"]),
+    ({"controls": {"a": "c"}}, ["controls.a: 'a' -> 'c' must pair two different variants; variants: a, b"]),
+    ({"controls": {"a": "a"}}, ["controls.a: 'a' -> 'a' must pair two different variants"]),
+    ({"controls": ["a", "b"]}, ["controls: must be a dict variant -> control variant"]),
     ({"metrics": ["reward/mean", {"metric": "lr", "scale": "cubic"}]}, ["metrics[1].scale"]),
 ])
 def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, needles):
