@@ -71,6 +71,8 @@ def get_spec(source: str = "int8"):
         },
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "triggered",
+        # What could explain each result: the mismatch's own cost at the high LR; the trigger's schedule alone.
+        "controls": {"constant_high": "constant_high_no_mismatch", "triggered": "staircase_onset_no_mismatch"},
         "out": f"runs/compare/e1_timing_{source}",
         "metrics": ["reward/mean", "val/accuracy", "mismatch/log_ppl_abs_diff", "mismatch/rho_std", "length/mean",
                     "lr", "controller/scale"],
