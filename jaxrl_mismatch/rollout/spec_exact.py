@@ -179,28 +179,17 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
     logits, cache = kv_cache.prefill(model, ctx_ids, ctx_mask, cache)
     keys = _row_keys(base_key, prompt_idx, sample_idx)
 
-    def cond(c):
-        s, _, _, _, done, _ = c
-        return (s < new_len) & ~jnp.all(done)
-
-    def body(c):
-        s, logits, cache, toks, done, lengths = c
+    def pick(s, logits):
         logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
         step_keys = jax.vmap(jax.random.fold_in)(keys, t0 + s)
         if inject:
             logp_all = perturb(logp_all, step_keys, sigma, temperature)
         if filtering:
             logp_all = truncate_logprobs(logp_all, top_k, top_p)[0]
-        tok = jnp.where(done, 0, jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32))
-        toks = toks.at[:, s].set(tok)
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) | (lengths >= limit)
-        logits, cache = kv_cache.decode_step(model, tok, cache)
-        return s + 1, logits, cache, toks, done, lengths
+        return jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32), {}
 
-    init = (jnp.zeros((), jnp.int32), logits, cache, jnp.zeros((rows, new_len), jnp.int32), limit <= 0,
-            jnp.zeros((rows,), jnp.int32))
-    _, _, _, toks, _, lengths = jax.lax.while_loop(cond, body, init)
+    toks, _, lengths, _ = kv_cache.decode_loop(model, logits, cache, pick, new_len=new_len, max_tokens=limit,
+                                               stop_ids=stop_ids)
     return toks, lengths
 
 
