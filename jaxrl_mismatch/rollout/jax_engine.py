@@ -248,11 +248,6 @@ def seed_key_data(seed: int) -> np.ndarray:
     return np.array([s >> 32, s & 0xFFFFFFFF], dtype=np.uint32)
 
 
-def _row_keys(base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"]):
-    key = jax.random.wrap_key_data(base_key, impl="threefry2x32")
-    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(prompt_idx, sample_idx)
-
-
 def step_logprobs(
     logits: Float[Array, "rows vocab"], temperature, top_k, top_p, *, filtering: bool
 ) -> Float[Array, "rows vocab"]:
@@ -312,7 +307,7 @@ def _sample_program(
     cache = kv_cache.init_cache(cfg, rows, prompt_len + new_len, model.policy.dtype_of("attention"))
     logits, cache = kv_cache.prefill(runner, prompt_ids, prompt_mask, cache)
     prompt_routes = runner.last if routing else jnp.zeros((rows, 0) + route_shape, route_dtype)
-    keys = _row_keys(base_key, prompt_idx, sample_idx)
+    keys = sampling.row_keys(base_key, prompt_idx, sample_idx)
 
     def pick(t, logits):
         logp_all = step_logprobs(logits, temperature, top_k, top_p, filtering=filtering)
