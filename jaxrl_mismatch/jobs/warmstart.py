@@ -38,7 +38,8 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.data import arithmetic
 from jaxrl_mismatch.data.batching import bucket_length, pad_rows
 from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokenizer, save_tokenizer
-from jaxrl_mismatch.models import ModelConfig, Transformer, decode_step, hf_io, init_cache, prefill, token_logprobs
+from jaxrl_mismatch.models import (ModelConfig, Transformer, decode_loop, hf_io, init_cache, prefill,
+                                   token_logprobs)
 from jaxrl_mismatch.outputs import check_out_dir, staged_dir
 from jaxrl_mismatch.usage import ArgumentParser, UsageError
 
@@ -110,7 +111,8 @@ def make_train_step(graphdef, optimizer):
 
 
 def make_generate(graphdef, cfg: ModelConfig, *, max_new_tokens: int, eos_id: int, pad_id: int):
-    """Jitted KV-cache decoding of left-padded prompts: greedy when ``temperature == 0`` else sampling.
+    """Jitted KV-cache decoding of left-padded prompts (``kv_cache.decode_loop``): greedy when ``temperature == 0``
+    else sampling.
 
     Returns ``tokens [B, max_new_tokens]``; positions after a row's EOS hold ``pad_id``.
     """
@@ -121,23 +123,17 @@ def make_generate(graphdef, cfg: ModelConfig, *, max_new_tokens: int, eos_id: in
         b, p = prompt_ids.shape
         cache = init_cache(cfg, b, p + max_new_tokens, jnp.float32)
         logits, cache = prefill(model, prompt_ids, prompt_mask, cache)
-
-        def pick(logits, k):
-            greedy = jnp.argmax(logits, axis=-1)
-            sampled = jax.random.categorical(k, logits / jnp.maximum(temperature, 1e-6), axis=-1)
-            return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
-
-        def body(carry, k):
-            logits, cache, done = carry
-            tok = pick(logits.astype(jnp.float32), k)
-            out = jnp.where(done, pad_id, tok)
-            done = done | (tok == eos_id)
-            logits, cache = decode_step(model, out, cache)
-            return (logits, cache, done), out
-
         keys = jax.random.split(key, max_new_tokens)
-        _, toks = jax.lax.scan(body, (logits, cache, jnp.zeros((b,), bool)), keys)
-        return toks.T
+
+        def pick(t, logits):
+            logits = logits.astype(jnp.float32)
+            greedy = jnp.argmax(logits, axis=-1)
+            sampled = jax.random.categorical(keys[t], logits / jnp.maximum(temperature, 1e-6), axis=-1)
+            return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), {}
+
+        tokens, _, _, _ = decode_loop(model, logits, cache, pick, new_len=max_new_tokens, max_tokens=max_new_tokens,
+                                      stop_ids=jnp.asarray([eos_id], jnp.int32), pad_id=pad_id)
+        return tokens
 
     return generate
 

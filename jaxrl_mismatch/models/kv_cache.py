@@ -12,7 +12,9 @@ its cost grows with the filled length, not with `max_len`. Prefill attends over 
 (`Transformer.forward_prefill`, the training forward's attention kernels) and writes the cache from slot 0.
 
 Everything is a pure function of a pytree cache, so `prefill` and `decode_step` jit (with the model
-split by `nnx.split` and merged inside) and the cache can be donated between steps.
+split by `nnx.split` and merged inside) and the cache can be donated between steps. `decode_loop` is the one
+token-by-token loop over them (the rollout engine's sampler, the exact sampler's draft, the warm start's
+evaluation); each caller brings only its choice of token.
 The caller sizes `max_len` ≥ prompt length + new tokens (`init_cache` rounds it up to a whole number of
 blocks): writes past the end are clamped by XLA to the last slot (a jitted step cannot raise), which would
 corrupt the newest entries.
@@ -21,6 +23,7 @@ corrupt the newest entries.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +108,65 @@ def decode_step(
     new_cache = dataclasses.replace(
         cache, k=k, v=v, key_mask=key_mask, index=cache.index + 1, next_position=cache.next_position + 1)
     return model.logits(hidden[:, 0, :]), new_cache
+
+
+def decode_loop(
+    model: Transformer,
+    logits: Float[Array, "batch vocab"],
+    cache: KVCache,
+    pick: Callable[[Int[Array, ""], Float[Array, "batch vocab"]], tuple[Int[Array, " batch"], dict[str, Array]]],
+    *,
+    new_len: int,
+    max_tokens: Int[Array, ""] | Int[Array, " batch"] | int,
+    stop_ids: Int[Array, " stops"],
+    pad_id: int = 0,
+    records: dict[str, Array] | None = None,
+    observe: Callable[[], dict[str, Array]] | None = None,
+) -> tuple[Int[Array, "batch new_len"], dict[str, Array], Int[Array, " batch"], Bool[Array, " batch"]]:
+    """The one per-token decode loop after `prefill`: every sampler that extends prompts through the cache runs it.
+
+    Step t: `pick(t, logits)` chooses each row's token (and values to record about the choice); a row that has
+    ended gets `pad_id` instead; the tokens go through `decode_step`. A row ends on a token in `stop_ids` or
+    after `max_tokens` tokens (a scalar or one limit per row; at most `new_len`, the width of the outputs); the
+    loop (a `lax.while_loop`) ends when every row has, so a batch that stops early does not pay for `new_len`.
+
+    `records`: zero buffers `[batch, new_len, ...]` by name; column t of each is set from the values `pick`
+    returns, or `observe()` reads after the decode step (e.g. what the model recorded about the token it just
+    consumed), and stays zero for rows that had ended.
+
+    Returns (tokens `[batch, new_len]`, padded with `pad_id`; the filled `records`; lengths; stopped: the row
+    ended on a stop id, not on its limit).
+    """
+    rows = logits.shape[0]
+    limit = jnp.broadcast_to(jnp.asarray(max_tokens, jnp.int32), (rows,))
+    records = {} if records is None else records
+
+    def cond(carry):
+        t, done = carry[0], carry[4]
+        return (t < new_len) & ~jnp.all(done)
+
+    def body(carry):
+        t, logits, cache, tokens, done, stopped, lengths, records = carry
+        token, values = pick(t, logits)
+        token = jnp.where(done, pad_id, token)
+        tokens = tokens.at[:, t].set(token)
+        lengths = lengths + (~done).astype(jnp.int32)
+        hit = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+        logits, cache = decode_step(model, token, cache)
+        if observe is not None:
+            values = {**values, **observe()}
+
+        def put(name, buf):
+            v = values[name]
+            keep = jnp.reshape(done, (rows,) + (1,) * (v.ndim - 1))
+            return buf.at[:, t].set(jnp.where(keep, jnp.zeros_like(v), v).astype(buf.dtype))
+
+        records = {name: put(name, buf) for name, buf in records.items()}
+        stopped = stopped | (hit & ~done)
+        done = done | hit | (lengths >= limit)
+        return t + 1, logits, cache, tokens, done, stopped, lengths, records
+
+    init = (jnp.zeros((), jnp.int32), logits, cache, jnp.full((rows, new_len), pad_id, jnp.int32), limit <= 0,
+            jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32), records)
+    _, _, _, tokens, _, stopped, lengths, records = jax.lax.while_loop(cond, body, init)
+    return tokens, records, lengths, stopped

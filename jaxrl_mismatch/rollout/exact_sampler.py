@@ -24,6 +24,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.exact import canonical_length, next_token_logprobs
+from jaxrl_mismatch.rollout.sampling import row_keys
 
 _NOISE_TAG = 0x6E6F6973  # folded into a step's key for the noise draw, so the categorical draw is unchanged
 
@@ -83,8 +84,7 @@ def _exact_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_pro
                    limit: Int[Array, " rows"], base_key, prompt_idx, sample_idx, temperature, sigma,
                    stop_ids: Int[Array, " stops"], *, new_len: int, inject: bool):
     model = nnx.merge(graphdef, params, rest)
-    key = jax.random.wrap_key_data(base_key, impl="threefry2x32")
-    keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(prompt_idx, sample_idx)
+    keys = row_keys(base_key, prompt_idx, sample_idx)
 
     def one_row(args):
         row, p, lim, row_key = args

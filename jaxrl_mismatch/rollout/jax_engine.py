@@ -5,8 +5,8 @@ training–inference mismatch left with identical weights and dtype is that of c
 evaluation (different matmul shapes, ~1e-6 in float32) — the zero-mismatch baseline the vexact review
 asks for, against which vLLM's mismatch is measured.
 
-One Generate call is one jitted program: prefill of the left-padded prompts, then a `lax.while_loop`
-of decode steps that ends when every row has stopped or `max_tokens` is reached. Shapes are bucketed
+One Generate call is one jitted program: prefill of the left-padded prompts, then `kv_cache.decode_loop`
+(decode steps) that ends when every row has stopped or `max_tokens` is reached. Shapes are bucketed
 (rows, prompt length and max_tokens to powers of two) so a training run compiles a handful of programs,
 not one per request; sampling settings (temperature, top-k, top-p, stop ids, max_tokens) are traced
 values, so changing them never recompiles, except that top-k/top-p select the variant with the sort.
@@ -248,11 +248,6 @@ def seed_key_data(seed: int) -> np.ndarray:
     return np.array([s >> 32, s & 0xFFFFFFFF], dtype=np.uint32)
 
 
-def _row_keys(base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"]):
-    key = jax.random.wrap_key_data(base_key, impl="threefry2x32")
-    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(prompt_idx, sample_idx)
-
-
 def step_logprobs(
     logits: Float[Array, "rows vocab"], temperature, top_k, top_p, *, filtering: bool
 ) -> Float[Array, "rows vocab"]:
@@ -312,37 +307,25 @@ def _sample_program(
     cache = kv_cache.init_cache(cfg, rows, prompt_len + new_len, model.policy.dtype_of("attention"))
     logits, cache = kv_cache.prefill(runner, prompt_ids, prompt_mask, cache)
     prompt_routes = runner.last if routing else jnp.zeros((rows, 0) + route_shape, route_dtype)
-    keys = _row_keys(base_key, prompt_idx, sample_idx)
+    keys = sampling.row_keys(base_key, prompt_idx, sample_idx)
 
-    def cond(carry):
-        t, _, _, _, _, done, _, _, _ = carry
-        return (t < max_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        t, logits, cache, tokens, logps, done, lengths, routes, kept = carry
+    def pick(t, logits):
         logp_all = step_logprobs(logits, temperature, top_k, top_p, filtering=filtering)
-        kept = kept.at[:, t].set(jnp.where(done, 0, jnp.sum(jnp.isfinite(logp_all), axis=-1).astype(jnp.int32)))
+        kept = jnp.sum(jnp.isfinite(logp_all), axis=-1).astype(jnp.int32)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
         if inject:  # controlled mismatch: sample from, and report, the perturbed distribution
             logp_all = perturb(logp_all, step_keys, sigma, temperature)
         tok = jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32)
         lp = jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0]
-        tok = jnp.where(done, 0, tok)
-        tokens = tokens.at[:, t].set(tok)
-        logps = logps.at[:, t].set(jnp.where(done, 0.0, lp))
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-        logits, cache = kv_cache.decode_step(runner, tok, cache)
-        if routing:  # the experts that processed token t (as the input of this decode step)
-            routes = routes.at[:, t].set(runner.last[:, 0])
-        return t + 1, logits, cache, tokens, logps, done, lengths, routes, kept
+        return tok, {"logps": lp, "kept": kept}
 
-    init = (
-        jnp.zeros((), jnp.int32), logits, cache,
-        jnp.zeros((rows, new_len), jnp.int32), jnp.zeros((rows, new_len), jnp.float32),
-        jnp.zeros((rows,), bool), jnp.zeros((rows,), jnp.int32),
-        jnp.zeros((rows, new_len if routing else 0) + route_shape, route_dtype),
-        jnp.zeros((rows, new_len), jnp.int32),
-    )
-    _, _, _, tokens, logps, done, lengths, routes, kept = jax.lax.while_loop(cond, body, init)
-    return tokens, logps, lengths, done, prompt_routes, routes, kept
+    records = {"logps": jnp.zeros((rows, new_len), jnp.float32), "kept": jnp.zeros((rows, new_len), jnp.int32)}
+    observe = None
+    if routing:  # the experts that processed token t (as the input of the decode step that consumed it)
+        records["routes"] = jnp.zeros((rows, new_len) + route_shape, route_dtype)
+        observe = lambda: {"routes": runner.last[:, 0]}  # noqa: E731
+    tokens, records, lengths, stopped = kv_cache.decode_loop(
+        runner, logits, cache, pick, new_len=new_len, max_tokens=max_tokens, stop_ids=stop_ids, records=records,
+        observe=observe)
+    routes = records.get("routes", jnp.zeros((rows, 0) + route_shape, route_dtype))
+    return tokens, records["logps"], lengths, stopped, prompt_routes, routes, records["kept"]

@@ -115,3 +115,10 @@ def truncate_logprobs(logp_all: Float[Array, "*batch vocab"], top_k, top_p
 def uses_filtering(top_k: int, top_p: float, temperature: float = 1.0) -> bool:
     """Whether top-k/top-p (or greedy) change anything; the engine compiles a sort-free path otherwise."""
     return top_k > 0 or top_p < 1.0 or temperature < GREEDY_TEMPERATURE
+
+
+def row_keys(base_key: Int[Array, " 2"], prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"]):
+    """The PRNG key of each row (prompt i, sample j): fold_in(fold_in(key(base_key), i), j). Every sampler (the
+    engine's, the exact one and its speculative draft) derives its randomness here, so all draw the same bits."""
+    key = jax.random.wrap_key_data(base_key, impl="threefry2x32")
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(prompt_idx, sample_idx)

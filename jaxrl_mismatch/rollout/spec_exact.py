@@ -44,7 +44,7 @@ from jaxtyping import Array, Float, Int
 from jaxrl_mismatch.models import kv_cache
 from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, head_logprobs, row_hidden
 from jaxrl_mismatch.rollout.exact_sampler import perturb
-from jaxrl_mismatch.rollout.sampling import truncate_logprobs
+from jaxrl_mismatch.rollout.sampling import row_keys, truncate_logprobs
 
 
 @dataclasses.dataclass
@@ -160,11 +160,6 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     return draft[:a], lengths[:a]
 
 
-def _row_keys(base_key, prompt_idx, sample_idx):
-    key = jax.random.wrap_key_data(base_key, impl="threefry2x32")
-    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(key, i), j))(prompt_idx, sample_idx)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "inject", "filtering"))
 def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_mask: Int[Array, "rows ctx"],
                    base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"],
@@ -177,30 +172,19 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
     rows, ctx_len = ctx_ids.shape
     cache = kv_cache.init_cache(model.cfg, rows, ctx_len + new_len, model.policy.compute_dtype)
     logits, cache = kv_cache.prefill(model, ctx_ids, ctx_mask, cache)
-    keys = _row_keys(base_key, prompt_idx, sample_idx)
+    keys = row_keys(base_key, prompt_idx, sample_idx)
 
-    def cond(c):
-        s, _, _, _, done, _ = c
-        return (s < new_len) & ~jnp.all(done)
-
-    def body(c):
-        s, logits, cache, toks, done, lengths = c
+    def pick(s, logits):
         logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
         step_keys = jax.vmap(jax.random.fold_in)(keys, t0 + s)
         if inject:
             logp_all = perturb(logp_all, step_keys, sigma, temperature)
         if filtering:
             logp_all = truncate_logprobs(logp_all, top_k, top_p)[0]
-        tok = jnp.where(done, 0, jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32))
-        toks = toks.at[:, s].set(tok)
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) | (lengths >= limit)
-        logits, cache = kv_cache.decode_step(model, tok, cache)
-        return s + 1, logits, cache, toks, done, lengths
+        return jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32), {}
 
-    init = (jnp.zeros((), jnp.int32), logits, cache, jnp.zeros((rows, new_len), jnp.int32), limit <= 0,
-            jnp.zeros((rows,), jnp.int32))
-    _, _, _, toks, _, lengths = jax.lax.while_loop(cond, body, init)
+    toks, _, lengths, _ = kv_cache.decode_loop(model, logits, cache, pick, new_len=new_len, max_tokens=limit,
+                                               stop_ids=stop_ids)
     return toks, lengths
 
 
@@ -234,7 +218,7 @@ def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_va
     categorical(fold_in(row_key, p + 1 − n_prompt), log π(· | ids[:p+1])) — and its log-prob. Row `p` of a
     head chunk is `models.exact.next_token_logprobs` for n_valid = p + 1, bit for bit."""
     model = nnx.merge(graphdef, params, rest)
-    keys = _row_keys(base_key, prompt_idx, sample_idx)
+    keys = row_keys(base_key, prompt_idx, sample_idx)
     length = ids.shape[1]
 
     def one_row(args):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrl_mismatch.models import ModelConfig, Transformer, decode_step, init_cache, positions_from_mask, prefill
+from jaxrl_mismatch.models import (ModelConfig, Transformer, decode_loop, decode_step, init_cache,
+                                   positions_from_mask, prefill)
 from jaxrl_mismatch.precision import policy
 from tests.models.hf_tiny import LLAMA3_SCALING
 
@@ -77,3 +78,47 @@ def test_greedy_decode_matches_full_forward(family):
     np.testing.assert_allclose(cached, ref, atol=1e-5, rtol=0)
     assert int(cache.index) == prompt_len + new
     np.testing.assert_array_equal(np.asarray(cache.next_position), full_mask.sum(axis=1))
+
+
+def test_decode_loop_ends_rows_on_stop_ids_and_limits_and_feeds_what_it_returns():
+    """`decode_loop`'s bookkeeping with scripted tokens: row 0 stops on a stop id, row 1 at its limit, row 2 on a stop
+    id that is also its last allowed token, row 3 runs the full width; ended rows get `pad_id` and zero records,
+    and every step's logits are those of the tokens the loop returned (checked against explicit decode steps)."""
+    model = _model("qwen3")
+    graphdef, state = nnx.split(model)
+    b, prompt_len, new, stop, pad = 4, 5, 6, 9, 77
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(10, 128, (b, prompt_len)).astype(np.int32)
+    mask = np.ones((b, prompt_len), np.int32)
+    mask[1, :3] = 0
+    script = rng.integers(10, 128, (b, new)).astype(np.int32)
+    script[0, 2], script[2, 3] = stop, stop
+    limits = np.array([6, 2, 4, 6], np.int32)
+
+    @jax.jit
+    def run(state, ids, m, script, limits):
+        mod = nnx.merge(graphdef, state)
+        logits, cache = prefill(mod, ids, m, init_cache(mod.cfg, b, prompt_len + new, jnp.float32))
+
+        def pick(t, logits):
+            return script[:, t], {"top": jnp.argmax(logits, axis=-1), "seen": jnp.ones((b, 2), jnp.float32)}
+
+        records = {"top": jnp.zeros((b, new), jnp.int32), "seen": jnp.zeros((b, new, 2), jnp.float32),
+                   "after": jnp.zeros((b, new), jnp.int32)}
+        return decode_loop(mod, logits, cache, pick, new_len=new, max_tokens=limits, stop_ids=jnp.array([stop, -1]),
+                           pad_id=pad, records=records, observe=lambda: {"after": jnp.full((b,), 5, jnp.int32)})
+
+    tokens, records, lengths, stopped = jax.device_get(run(state, prompt, mask, script, limits))
+    np.testing.assert_array_equal(lengths, [3, 2, 4, 6])
+    np.testing.assert_array_equal(stopped, [True, False, True, False])
+    live = np.arange(new)[None, :] < lengths[:, None]
+    np.testing.assert_array_equal(tokens, np.where(live, script, pad))
+    np.testing.assert_array_equal(records["seen"], np.repeat(live[..., None], 2, axis=-1).astype(np.float32))
+    np.testing.assert_array_equal(records["after"], np.where(live, 5, 0))
+
+    # The argmax the loop recorded at step t is that of the logits after feeding its own tokens 0..t-1.
+    logits, cache = prefill(model, prompt, mask, init_cache(model.cfg, b, prompt_len + new, jnp.float32))
+    for t in range(new):
+        want = np.asarray(jnp.argmax(logits, axis=-1))
+        np.testing.assert_array_equal(records["top"][:, t][live[:, t]], want[live[:, t]])
+        logits, cache = decode_step(model, jnp.asarray(tokens[:, t]), cache)
