@@ -101,6 +101,7 @@ def bypass_saving(a, work: Path) -> dict:
     from tiny_cpu import get_config
 
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     learners = {}
     for preset in ("decoupled", "naive_ppo"):
@@ -108,7 +109,7 @@ def bypass_saving(a, work: Path) -> dict:
         c.model.path, c.run_dir = str(a.model), str(work / f"bypass_{preset}")
         c.objective.preset = preset
         c.objective.overrides = {}
-        learners[preset] = Learner(c)
+        learners[preset] = Learner(learner_config(c))
     vocab = learners["decoupled"].model_cfg.vocab_size
     times: dict[str, list[float]] = {p: [] for p in learners}
     for i in range(a.bypass_repeats + 1):

@@ -78,12 +78,13 @@ def learner_for(ckpt: Path, run_dir: Path, shape: dict, packing: bool):
     from tiny_cpu import get_config
 
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     c = get_config()
     c.model.path, c.run_dir = str(ckpt), str(run_dir)
     c.batch.prompts_per_step, c.rollout.group_size = shape["prompts"], shape["group"]
     c.trainer.packing = packing
-    return Learner(c)
+    return Learner(learner_config(c))
 
 
 def run_shape(name: str, shape: dict, repeats: int, work: Path) -> dict:
@@ -95,8 +96,8 @@ def run_shape(name: str, shape: dict, repeats: int, work: Path) -> dict:
     theta0 = jax.tree.map(np.array, learners["unpacked"].state.params)
 
     batches = [make_batch(shape, cfg.vocab_size, seed=i) for i in range(repeats + 1)]  # new lengths every step
-    shards, micro = learners["packed"]._batch_shards, learners["packed"].c.batch.microbatches
-    mb_rows = batches[0].num_rows // learners["packed"].c.batch.minibatches
+    shards, micro = learners["packed"]._batch_shards, learners["packed"].cfg.microbatches
+    mb_rows = batches[0].num_rows // learners["packed"].cfg.minibatches
     padding: dict[str, list] = {"prepare (a group per device)": [], "update (a group per microbatch)": []}
     for b in batches:  # (real tokens, unpacked slots, packed rows x length) of each step's packing
         mb = b.rows(np.arange(mb_rows))

@@ -3,7 +3,8 @@
 The loop hands it a host `RolloutBatch` and gets host numbers back: `prepare` (θ_old forward,
 diagnostics, step metrics — one jitted call), `optimize` (PPO epochs × minibatches of the jitted update,
 statistics combined over all of them), `set_lr_scale` (the controller's multiplier, no retrace) and
-`hf_weights` (the weights to push, in HF naming).
+`hf_weights` (the weights to push, in HF naming). It reads only its typed part of the run config
+(`train/learner_config.py`).
 """
 
 from __future__ import annotations
@@ -12,23 +13,18 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.metrics import StatsAccumulator, metrics_config
+from jaxrl_mismatch.metrics import StatsAccumulator
 from jaxrl_mismatch.models import load_hf, params_to_hf
 from jaxrl_mismatch.models.exact import score_exact
 from jaxrl_mismatch.models.sharding import batch_axes
-from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
-from jaxrl_mismatch.train.config import exact_forward_enabled
-from jaxrl_mismatch.train.config_checks import check_mesh, check_model
-from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
-from jaxrl_mismatch.train.optimizer import build_optimizer, build_schedule
+from jaxrl_mismatch.train.learner_config import LearnerConfig
 from jaxrl_mismatch.train.packing import pack_batch
 from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import (
@@ -42,53 +38,37 @@ from jaxrl_mismatch.train.step import (
 )
 
 
-def build_objective(c: ml_collections.ConfigDict) -> PolicyObjective:
-    """The configured objective: preset + overrides, metrics bounds taken from it, diagnostics."""
-    obj_cfg = objective_config(c.objective.preset, **c.objective.overrides.to_dict())
-    d = c.diagnostics
-    on = d.weight_distortion_delta >= 0  # surrogate J measures the configured φ, else the paper's δ = 2
-    metrics_cfg = metrics_config(obj_cfg, phi_delta=d.weight_distortion_delta if on else None,
-                                 phi_pi_low=d.weight_distortion_pi_low if on else None)
-    return PolicyObjective(
-        cfg=obj_cfg, metrics_cfg=metrics_cfg, kl_coef=c.objective.kl_coef, entropy_coef=c.objective.entropy_coef,
-        router_aux_coef=c.objective.router_aux_coef,
-        diagnostics=Diagnostics(weight_distortion_delta=d.weight_distortion_delta,
-                                weight_distortion_pi_low=d.weight_distortion_pi_low, variance_sigma=d.variance_sigma))
-
-
 class Learner:
-    def __init__(self, c: ml_collections.ConfigDict) -> None:
-        self.c = c
-        self.mesh = check_mesh(c)
-        policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
-        self.model_cfg, model = load_hf(c.model.path, policy=policy, mesh=self.mesh,
-                                        scan_layers=c.trainer.scan_layers, attention_impl=c.trainer.attention_impl)
-        check_model(c, self.model_cfg)
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.cfg = cfg
+        self.mesh = cfg.mesh
+        policy = precision.policy(cfg.precision, fp32_lm_head=cfg.fp32_lm_head, param_dtype="float32")
+        self.model_cfg, model = load_hf(cfg.model_path, policy=policy, mesh=self.mesh,
+                                        scan_layers=cfg.scan_layers, attention_impl=cfg.attention_impl)
         model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
         self._exact_graphdef = split_model(model)[0]
-        model.remat = c.trainer.remat_policy if c.trainer.remat else "none"
+        model.remat = cfg.remat_policy
         graphdef, params = split_model(model)
         self._graphdef = graphdef
-        opt = build_optimizer(c.optim)
-        self.objective = build_objective(c)
+        self.objective = cfg.objective
         # π is scored at the rollout temperature: the distribution μ actually sampled from.
-        kw = dict(chunk_size=c.trainer.chunk_size, temperature=c.rollout.temperature)
-        self.exact_forward = exact_forward_enabled(c)  # the update's π(θ) by the exact scorer's program
-        self._update_fn = make_update_fn(graphdef, opt, self.objective, num_microbatches=c.batch.microbatches,
-                                         max_grad_norm=c.optim.max_grad_norm, **kw, exact_forward=(
-                                             (self._exact_graphdef, c.rollout.max_tokens) if self.exact_forward else None))
+        kw = dict(chunk_size=cfg.chunk_size, temperature=cfg.temperature)
+        self.exact_forward = cfg.exact_forward  # the update's π(θ) by the exact scorer's program
+        self._update_fn = make_update_fn(graphdef, cfg.optimizer, self.objective, num_microbatches=cfg.microbatches,
+                                         max_grad_norm=cfg.max_grad_norm, **kw, exact_forward=(
+                                             (self._exact_graphdef, cfg.max_tokens) if self.exact_forward else None))
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
-        self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=c.trainer.routing_replay,
+        self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=cfg.routing_replay,
                                                     moe_layers=moe_layers, **kw), self.mesh)
         self.state: TrainState = place_state(
-            init_state(params, opt, precision.loss_scale_for(policy), seed=c.seed), self.mesh)
-        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if c.objective.kl_coef else None
-        self.minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
+            init_state(params, cfg.optimizer, precision.loss_scale_for(policy), seed=cfg.seed), self.mesh)
+        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if self.objective.kl_coef else None
+        self.minibatch_rows = cfg.minibatch_rows
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
         # Asynchronous rollouts: π_behav of stale rows, scored like π(θ_old) (train/behaviour.py).
-        self._forward = make_old_logprobs(graphdef, self.mesh, **kw) if c.rollout.max_staleness else None
-        self.behaviour = BehaviourScorer(c.rollout.max_staleness, self._score)
+        self._forward = make_old_logprobs(graphdef, self.mesh, **kw) if cfg.max_staleness else None
+        self.behaviour = BehaviourScorer(cfg.max_staleness, self._score)
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -110,12 +90,12 @@ class Learner:
             batch = batch.replace(behav_logp=behav)
         if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)
             batch = batch.replace(old_logp=batch.rollout_logp)
-        elif self.c.rollout.exact or self.exact_forward:
+        elif self.cfg.scores_exactly:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
-                batch.response_mask, max_tokens=self.c.rollout.max_tokens, temperature=self.c.rollout.temperature,
+                batch.response_mask, max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
                 kept=batch.kept_count))
-        if self.c.trainer.packing and (batch.old_logp is None or self.ref_params is not None):
+        if self.cfg.packing and (batch.old_logp is None or self.ref_params is not None):
             # θ_old / reference forwards on packed rows: one group per batch shard keeps each device's rows local.
             batch = pack_batch(batch, num_groups=self._batch_shards, shards=self._batch_shards)
         key = jax.random.key_data(jax.random.key(seed))
@@ -126,10 +106,10 @@ class Learner:
         """log π(y_t) of the batch's targets under `params`, masked, on the host: the exact scorer in exact
         mode, else the teacher-forced forward (what `prepare` computes for π(θ_old)), over the engine's
         top-k/top-p support when it truncated."""
-        if self.c.rollout.exact or self.exact_forward:
+        if self.cfg.scores_exactly:
             return score_exact(self._exact_graphdef, distributed.gather_params(params), batch.tokens,
-                               batch.attention_mask, batch.response_mask, max_tokens=self.c.rollout.max_tokens,
-                               temperature=self.c.rollout.temperature, kept=batch.kept_count)
+                               batch.attention_mask, batch.response_mask, max_tokens=self.cfg.max_tokens,
+                               temperature=self.cfg.temperature, kept=batch.kept_count)
         kept = None if batch.kept_count is None else np.asarray(batch.kept_count)
         logp = self._forward(params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), kept)[0]
         return distributed.to_host(logp) * np.asarray(batch.response_mask)
@@ -145,14 +125,14 @@ class Learner:
 
     def optimize(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
         """`batch.ppo_epochs` passes of `minibatches` optimizer steps; statistics over all of them."""
-        c, acc = self.c, StatsAccumulator()
-        for epoch in range(c.batch.ppo_epochs):
+        cfg, acc = self.cfg, StatsAccumulator()
+        for epoch in range(cfg.ppo_epochs):
             order = (np.random.default_rng([seed, epoch]).permutation(batch.num_rows)
-                     if c.batch.minibatches > 1 else np.arange(batch.num_rows))
-            for m in range(c.batch.minibatches):
+                     if cfg.minibatches > 1 else np.arange(batch.num_rows))
+            for m in range(cfg.minibatches):
                 mb = batch.rows(order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows])
-                if c.trainer.packing:  # one group per microbatch; the packed rows split evenly over the batch shards
-                    mb = pack_batch(mb, num_groups=c.batch.microbatches, shards=self._batch_shards)
+                if cfg.packing:  # one group per microbatch; the packed rows split evenly over the batch shards
+                    mb = pack_batch(mb, num_groups=cfg.microbatches, shards=self._batch_shards)
                 mb = place_batch(mb, self.mesh)
                 if self._update is None:
                     self._update = jit_update(self._update_fn, self.state, mb, self.mesh)
@@ -180,6 +160,6 @@ class Learner:
         """Adopt a restored state. A constant LR lives in the Optax state as a hyperparameter, so the
         configured value is set again: a resume that changed `optim.lr` trains at the new LR."""
         self.state = state
-        if not callable(build_schedule(self.c.optim)):
+        if self.cfg.constant_lr is not None:
             self.state = self.state.replace(
-                opt_state=set_learning_rate(self.state.opt_state, float(self.c.optim.lr), self.mesh))
+                opt_state=set_learning_rate(self.state.opt_state, self.cfg.constant_lr, self.mesh))

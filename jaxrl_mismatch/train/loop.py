@@ -31,6 +31,7 @@ from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError
 from jaxrl_mismatch.train.config_resume import config_changes
 from jaxrl_mismatch.train.learner import Learner
+from jaxrl_mismatch.train.learner_config import learner_config
 from jaxrl_mismatch.train.optimizer import build_controller
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
 from jaxrl_mismatch.train.runlock import RunDirLock
@@ -56,7 +57,7 @@ class Trainer:
         os.makedirs(c.run_dir, exist_ok=True)
         # Before anything touches the directory (the checkpointer tidies it): one trainer per run_dir.
         self.lock = RunDirLock(c.run_dir).acquire() if self.is_lead else None
-        self.learner = Learner(c)
+        self.learner = Learner(learner_config(c))
         # A MoE policy sampled by the built-in engine brings the engine's routing into the batch (routing
         # replay R3, and the moe/router_disagree_* metrics for any replay mode); vLLM does not return it.
         self.collect_routing = (self.learner.routing_shape is not None and c.rollout.engine == "jax"

@@ -37,6 +37,7 @@ def _logprobs(learner, tokens, mask):
 def trained_run(tmp_path_factory):
     """A base checkpoint, then two checkpoints of a learner that took real update steps from it."""
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     root = tmp_path_factory.mktemp("export")
     base = make_tiny_qwen3(root / "base", tied=False)
@@ -44,7 +45,7 @@ def trained_run(tmp_path_factory):
     c.model.path, c.run_dir = str(base), str(root / "run")
     c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 2, 4, 8
     c.optim.lr = 3e-2
-    learner = Learner(c)
+    learner = Learner(learner_config(c))
     tokens, mask = _batch().tokens, _batch().attention_mask
     lp = {}
     with Checkpointer(str(root / "run" / "checkpoints")) as ckpt:

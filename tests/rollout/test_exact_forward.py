@@ -4,6 +4,8 @@ fp16, with microbatches; without it the bf16/fp16 ratios are not 1; packing is r
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,6 +68,7 @@ def _learner(ckpt, tmp_path, precision_name, **trainer):
     from jaxrl_mismatch.train.config import base_config
     from jaxrl_mismatch.train.config_checks import validate
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     c = base_config()
     c.model.path, c.run_dir = str(ckpt), str(tmp_path)
@@ -77,7 +80,7 @@ def _learner(ckpt, tmp_path, precision_name, **trainer):
     c.rollout.exact = True  # π(θ_old) from the exact scorer; trainer.exact_forward decides the update's π(θ)
     c.trainer.update(trainer)
     validate(c)
-    return Learner(c)
+    return Learner(learner_config(c))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -91,7 +94,7 @@ def test_first_minibatch_ratio_is_exactly_one(tiny_checkpoints, tmp_path, dtype)
     for exact in (True, False):
         learner = _learner(ckpt, tmp_path / f"{dtype}{exact}", PRESETS[dtype], exact_forward=exact)
         prepared, _ = learner.prepare(b, seed=0)
-        learner.c.batch.minibatches = 1  # one minibatch (two microbatches) at θ = θ_old
+        learner.cfg = dataclasses.replace(learner.cfg, minibatches=1)  # one minibatch (two microbatches) at θ = θ_old
         learner.minibatch_rows = b.num_rows
         stats = learner.optimize(prepared, seed=0)
         ratios[exact] = (stats["ppo/ratio_min"], stats["ppo/ratio_max"], stats["ppo/clip_frac_low"],

@@ -105,13 +105,14 @@ def test_injected_noise_changes_the_sampled_tokens_and_rho_grows_with_sigma(tiny
 def _learner(ckpt, tmp_path, **rollout):
     from jaxrl_mismatch.train.config import base_config
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     c = base_config()
     c.model.path, c.run_dir = str(ckpt), str(tmp_path)
     c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 4, len(PROMPTS), 8
     c.rollout.max_tokens, c.optim.lr = MAX_TOKENS, 1e-2
     c.rollout.update(rollout)
-    return Learner(c)
+    return Learner(learner_config(c))
 
 
 def _rl_batch(engine, sigma):

@@ -29,6 +29,7 @@ from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.train.collect import sample_groups, to_batch
 from jaxrl_mismatch.train.config import base_config
 from jaxrl_mismatch.train.learner import Learner
+from jaxrl_mismatch.train.learner_config import learner_config
 
 TOKEN = "moe-replay-train-token"
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [7, 1], [200, 17, 4, 4]]
@@ -75,7 +76,7 @@ def _learner(moe_dir, replay: str, optim: dict | None = None, **trainer) -> Lear
     c.trainer.routing_replay = replay
     for k, v in trainer.items():
         c.trainer[k] = v
-    return Learner(c)
+    return Learner(learner_config(c))
 
 
 def test_r3_prepare_reproduces_mu_in_fp32(moe_dir):

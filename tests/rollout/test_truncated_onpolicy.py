@@ -82,6 +82,7 @@ def test_exact_top_p_training_step_ratio_is_one(tiny_checkpoints, tmp_path):
     from jaxrl_mismatch.train.config import base_config
     from jaxrl_mismatch.train.config_checks import validate
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     ckpt = tiny_checkpoints["untied"]
     c = base_config()
@@ -94,7 +95,7 @@ def test_exact_top_p_training_step_ratio_is_one(tiny_checkpoints, tmp_path):
     b = _batch(out)
     adv = np.array([len(x.token_ids) for g in out for x in g], np.float32)
     b = b.replace(advantages=((adv - adv.mean())[:, None] * b.response_mask).astype(np.float32))
-    learner = Learner(c)
+    learner = Learner(learner_config(c))
     prepared, metrics = learner.prepare(b, seed=0)
     assert metrics["mismatch/rho_std"] == 0.0 and metrics["mismatch/log_ppl_abs_diff"] == 0.0
     stats = learner.optimize(prepared, seed=0)

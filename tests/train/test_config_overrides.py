@@ -29,7 +29,7 @@ def test_schedule_kwargs_override_reaches_the_schedule():
 
 
 def test_objective_overrides_reach_the_objective():
-    from jaxrl_mismatch.train.learner import build_objective
+    from jaxrl_mismatch.train.learner_config import build_objective
 
     c = load_config(CONFIG, [("objective.overrides.eps_high", "0.31"), ("objective.overrides.dual_clip", "3.0"),
                              ("objective.preset", "dapo")])

@@ -151,6 +151,7 @@ def _learner_step(base_ckpt, run_dir, **trainer):
     """A Learner on the tiny checkpoint after prepare + optimize (2 minibatches × 2 microbatches, SGD lr 1,
     a KL penalty: θ_old and reference forwards)."""
     from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
 
     c = base_config()
     c.model.path, c.run_dir = str(base_ckpt), str(run_dir)
@@ -160,7 +161,7 @@ def _learner_step(base_ckpt, run_dir, **trainer):
     c.objective.kl_coef = 0.05  # a reference forward in prepare too
     for k, v in trainer.items():
         c.trainer[k] = v
-    learner = Learner(c)
+    learner = Learner(learner_config(c))
     learner.theta0 = jax.tree.map(np.array, learner.state.params)  # a host copy: the update donates the state
     b = synthetic_batch(batch=16, seq=30, prompt_len=4, seed=7)
     batch, _ = learner.prepare(RolloutBatch(**b, rollout_logp=np.zeros_like(b["response_mask"])), seed=1)
