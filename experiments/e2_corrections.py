@@ -14,7 +14,7 @@ loss. Here every variant is the same DAPO-style GRPO — std-normalised group ad
 - `dapo`: w = 1 (no correction; the baseline every variant is paired against, seed by seed);
 - `token_tis`: w = min(ρ_t, C), C = 3 (FP16 paper eq. 9's weight, Yao et al.);
 - `seq_mis`: w = ρ(y)·1{ρ(y) ≤ C}, C = 3 (FP16 paper eq. 10's weight, Liu et al.);
-- `icepop`: w = 1{0.5 ≤ ρ_t ≤ 5} (IcePop's two-sided token mask).
+- `icepop`: w = ρ_t · 1{0.5 ≤ ρ_t ≤ 5} (IcePop's two-sided token mask on the token weight).
 
 One grid per mismatch source (the argument), each 4 variants × 5 seeds at the edge-of-stability LR 7e-4 of
 E0, mismatch from step 0. 80 steps × 128 completions per run, two at a time on this 2-core machine when it
