@@ -92,7 +92,9 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
 
     The mesh is built with ``jax.sharding.Mesh`` directly so that its axes are *Auto* (sharding
     propagated by XLA from the jit in/out shardings); ``jax.make_mesh`` would make *Explicit* axes,
-    which change typing rules of every op (see shared/notes/jax-stack.md).
+    which change typing rules of every op (on jax 0.10.2, jitting ``opt.init`` then needs
+    ``jax.set_mesh`` and indexing a sharded array raises ``ShardingTypeError``);
+    ``tests/models/test_sharding.py`` pins the Auto axes.
 
     Raises:
         ValueError: naming the config and the device count, for an unknown axis, a size that is not a

@@ -94,7 +94,7 @@ def test_make_mesh_resolves_sizes(config, shape):
     assert tuple(mesh.shape.values()) == shape
     assert mesh.devices.shape == shape
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
-    # Auto axes (built with jax.sharding.Mesh, not jax.make_mesh): see shared/notes/jax-stack.md.
+    # Auto axes (built with jax.sharding.Mesh, not jax.make_mesh, whose Explicit axes change op typing).
     assert all(t == AxisType.Auto for t in mesh.axis_types)
 
 

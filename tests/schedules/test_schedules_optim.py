@@ -69,7 +69,7 @@ def test_new_lr_every_step_never_recompiles(n_devices, mode):
 
 
 def test_counters_do_detect_a_retrace():
-    # Proof the counters work: the pitfalls from shared/notes/jax-stack.md do retrace.
+    # Proof the counters work: known pitfalls (an LR set as a Python float / unplaced scalar) do retrace.
     mesh = _mesh(8)
     opt = S.make_optimizer("adamw", learning_rate=1e-3)
     params, opt_state, batch, step, traces, rep = _setup(mesh, opt)
