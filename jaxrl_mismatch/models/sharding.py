@@ -223,13 +223,6 @@ def param_shardings(params: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def param_specs(params: PyTree, mesh: Mesh | None = None) -> PyTree:
-    """Like ``param_shardings`` but returning the bare ``PartitionSpec``s (for logging and tests)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda keys, leaf: param_partition_spec(tree_path(keys), np.shape(leaf), mesh), params
-    )
-
-
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes the batch dimension is split over: ``data``, ``fsdp`` and ``expert`` when present."""
     return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.shape)
