@@ -43,6 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._paths import repo_relative  # noqa: E402
+
 MODES = {"sync": 0, "staleness_1": 1, "staleness_2": 2}
 
 
@@ -175,7 +177,7 @@ def main() -> int:
             bypass = bypass_saving(a, work)
     text = table(loop, bypass)
     print(text)
-    result = {"loop": loop, "bypass": bypass, "steps": a.steps, "warmup": a.warmup, "model": str(a.model),
+    result = {"loop": loop, "bypass": bypass, "steps": a.steps, "warmup": a.warmup, "model": repo_relative(a.model),
               "note": a.note, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "speedup_staleness_1": (loop["staleness_1"]["steps_per_s"] / loop["sync"]["steps_per_s"]) if loop else None}
     out = Path(a.out)

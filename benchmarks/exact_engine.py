@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks._paths import repo_relative_args  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
@@ -99,7 +100,7 @@ def main() -> int:
               f"{r['exact_forwards_per_call']:.0f} exact row forwards per call; tokens differing from the reference "
               f"{r['mismatching_tokens']}, log-probs differing {r['mismatching_logprobs']}")
     result = {"device": str(jax.devices()[0]), "machine": platform.processor() or platform.machine(),
-              "config": vars(a), "results": results}
+              "config": repo_relative_args(vars(a)), "results": results}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

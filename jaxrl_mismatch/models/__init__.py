@@ -5,7 +5,7 @@ See docs/contracts.md for the parameter paths and function signatures other pack
 
 from jaxrl_mismatch.models.attention import ATTENTION_IMPLS
 from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jaxrl_mismatch.models.hf_io import check_tokenizer, hf_to_params, load_hf, params_to_hf, save_hf
+from jaxrl_mismatch.models.hf_io import hf_to_params, load_hf, params_to_hf, save_hf
 from jaxrl_mismatch.models.kv_cache import KVCache, decode_loop, decode_step, init_cache, prefill
 from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
 from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
@@ -19,7 +19,6 @@ __all__ = [
     "ModelConfig",
     "RouterOutput",
     "Transformer",
-    "check_tokenizer",
     "decode_loop",
     "decode_step",
     "hf_to_params",

@@ -325,28 +325,3 @@ def save_hf(
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return names
-
-
-def check_tokenizer(cfg: ModelConfig, tokenizer_or_vocab_size: Any) -> int:
-    """Check that every token id the tokenizer can produce has an embedding row; returns its size.
-
-    Accepts a vocabulary size, or a tokenizer (`len(tok)`, which counts added special tokens, else
-    `tok.vocab_size`). A model's embedding may be larger than the tokenizer (vocabularies are padded to
-    a multiple of 64/128), never smaller.
-    """
-    t = tokenizer_or_vocab_size
-    if isinstance(t, (int, np.integer)):
-        n = int(t)
-    elif hasattr(t, "__len__"):
-        n = len(t)
-    elif hasattr(t, "vocab_size"):
-        n = int(t.vocab_size)
-    else:
-        raise TypeError(f"expected a tokenizer or a vocabulary size, got {type(t).__name__}")
-    if n > cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer/model mismatch: the tokenizer has {n} tokens but the {cfg.architecture} model's "
-            f"vocab_size is {cfg.vocab_size}; token ids >= {cfg.vocab_size} would have no embedding "
-            "(is this the tokenizer of another checkpoint?)"
-        )
-    return n

@@ -92,7 +92,9 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
 
     The mesh is built with ``jax.sharding.Mesh`` directly so that its axes are *Auto* (sharding
     propagated by XLA from the jit in/out shardings); ``jax.make_mesh`` would make *Explicit* axes,
-    which change typing rules of every op (see shared/notes/jax-stack.md).
+    which change typing rules of every op (on jax 0.10.2, jitting ``opt.init`` then needs
+    ``jax.set_mesh`` and indexing a sharded array raises ``ShardingTypeError``);
+    ``tests/models/test_sharding.py`` pins the Auto axes.
 
     Raises:
         ValueError: naming the config and the device count, for an unknown axis, a size that is not a
@@ -219,13 +221,6 @@ def param_shardings(params: PyTree, mesh: Mesh) -> PyTree:
         return NamedSharding(mesh, param_partition_spec(tree_path(keys), np.shape(leaf), mesh))
 
     return jax.tree_util.tree_map_with_path(one, params)
-
-
-def param_specs(params: PyTree, mesh: Mesh | None = None) -> PyTree:
-    """Like ``param_shardings`` but returning the bare ``PartitionSpec``s (for logging and tests)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda keys, leaf: param_partition_spec(tree_path(keys), np.shape(leaf), mesh), params
-    )
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ from jaxrl_mismatch.rollout.engine import (
 )
 from jaxrl_mismatch.rollout import shm
 from jaxrl_mismatch.rollout.protocol import (
+    DEFAULT_CHUNK_BYTES,
     ERROR_KIND_KEY,
     MAX_MESSAGE_BYTES,
     NON_FINITE,
@@ -47,13 +48,13 @@ from jaxrl_mismatch.rollout.protocol import (
     SERVICE_NAME,
     SHM_UNREACHABLE,
     Limits,
+    weight_chunks,
+    wire_dtype,
 )
-from jaxrl_mismatch.rollout.validation import wire_dtype
 
 log = logging.getLogger(__name__)
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -109,22 +110,6 @@ class RetryPolicy:
         for _ in range(self.max_attempts - 1):
             yield d * random.uniform(0.8, 1.2)
             d = min(d * self.multiplier, self.max_backoff_s)
-
-
-def weight_chunks(
-    tensors: Mapping[str, np.ndarray], version: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[rollout_pb2.WeightChunk]:
-    """Split tensors into UpdateWeights chunks (C-contiguous, little-endian bytes, in order per tensor)."""
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        raw = arr.reshape(-1).view(np.uint8)
-        header = dict(version=version, name=name, dtype=arr.dtype.name, shape=list(arr.shape))
-        if raw.size == 0:
-            yield rollout_pb2.WeightChunk(offset=0, data=b"", **header)
-        for off in range(0, raw.size, chunk_bytes):
-            yield rollout_pb2.WeightChunk(offset=off, data=raw[off : off + chunk_bytes].tobytes(), **header)
 
 
 class RolloutClient:

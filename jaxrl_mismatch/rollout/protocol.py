@@ -1,6 +1,7 @@
-"""The Rollout service's wire protocol, owned in one place: the constants both ends must agree on and the
+"""The Rollout service's wire protocol, owned in one place: the constants both ends must agree on, the
 mapping between the engine's types (`SamplingSpec`, `Completion`, `EngineInfo`) and the messages of
-rollout.proto, in both directions.
+rollout.proto, in both directions, and the byte layout of pushed weight tensors (`weight_chunks` encodes,
+`tensor_from_bytes` decodes; both weight transports use it).
 
 Kept apart from `server.py` and `client.py` so that neither imports the other, and so that a field added to
 a message is encoded and decoded by the same module: the client encodes a request and decodes a response,
@@ -12,7 +13,7 @@ raises `MalformedMessageError`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -219,3 +220,54 @@ def limits_from_proto(resp: rollout_pb2.GetInfoResponse) -> Limits:
 def weight_specs_from_proto(resp: rollout_pb2.GetInfoResponse) -> dict[str, TensorSpec]:
     """HF name -> (shape, wire dtype) of every tensor the engine expects in UpdateWeights."""
     return {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in resp.weight_specs}
+
+
+# ---------------------------------------------------------------------------------------- weight tensors
+# One byte layout for a weight tensor, written by the trainer and read by the server on both weight
+# transports (UpdateWeights chunks here, the UpdateWeightsShm buffer in `shm.py`): the array's values in
+# C order, little-endian, as the numpy dtype named by `TensorSpec.dtype` ("bfloat16" is ml_dtypes').
+# A `WeightChunk` carries the header of its tensor (`version`, `name`, `dtype`, `shape`) and the bytes
+# [offset, offset + len(data)) of that layout; a tensor's chunks follow each other in offset order, and an
+# empty tensor is one chunk with no data. Checks of the values (names, shapes, versions, gaps, NaN/inf)
+# are `validation.py`'s.
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # far below MAX_MESSAGE_BYTES
+
+
+def wire_dtype(name: str) -> np.dtype:
+    """numpy dtype for a wire dtype name; bfloat16 comes from ml_dtypes (a jax dependency)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def little_endian(arr: np.ndarray) -> np.ndarray:
+    """`arr` with little-endian byte order (a byte-swapped copy only for a big-endian dtype)."""
+    arr = np.asarray(arr)
+    return arr.astype(arr.dtype.newbyteorder("<")) if arr.dtype.byteorder == ">" else arr
+
+
+def tensor_nbytes(spec: TensorSpec) -> int:
+    """Bytes of a tensor of `spec` in the wire layout (TypeError for an unknown dtype name)."""
+    return int(np.prod(spec.shape, dtype=np.int64)) * wire_dtype(spec.dtype).itemsize
+
+
+def tensor_from_bytes(buf: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The tensor of `spec` that the `uint8` buffer `buf` (exactly `tensor_nbytes(spec)` long) holds; a view."""
+    return buf.view(wire_dtype(spec.dtype)).reshape(spec.shape)
+
+
+def weight_chunks(
+    tensors: Mapping[str, np.ndarray], version: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """Split tensors (already of their wire dtype) into the UpdateWeights stream of `version`."""
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(little_endian(arr))
+        raw = arr.reshape(-1).view(np.uint8)
+        header = dict(version=version, name=name, dtype=arr.dtype.name, shape=list(arr.shape))
+        if raw.size == 0:
+            yield rollout_pb2.WeightChunk(offset=0, data=b"", **header)
+        for off in range(0, raw.size, chunk_bytes):
+            yield rollout_pb2.WeightChunk(offset=off, data=raw[off : off + chunk_bytes].tobytes(), **header)

@@ -38,7 +38,8 @@ import xxhash
 
 from jaxrl_mismatch.rollout import rollout_pb2
 from jaxrl_mismatch.rollout.engine import TensorSpec
-from jaxrl_mismatch.rollout.validation import RequestError, check_finite_tensor, wire_dtype
+from jaxrl_mismatch.rollout.protocol import little_endian, tensor_from_bytes, tensor_nbytes
+from jaxrl_mismatch.rollout.validation import RequestError, check_finite_tensor
 
 ALIGN = 64
 TRANSPORTS = ("auto", "shm", "grpc")
@@ -104,9 +105,7 @@ class ShmWriter:
         msg = rollout_pb2.ShmWeights(version=version, pid=os.getpid(), fd=self._fd)
         offset, arrays = 0, []
         for name, arr in tensors.items():
-            arr = np.asarray(arr)
-            if arr.dtype.byteorder == ">":
-                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            arr = little_endian(arr)
             msg.tensors.add(name=name, dtype=arr.dtype.name, shape=list(arr.shape), offset=offset)
             arrays.append((offset, arr))
             offset = _round_up(offset + arr.nbytes)
@@ -193,12 +192,11 @@ def _tensors(msg: rollout_pb2.ShmWeights, buf: np.ndarray, specs: dict[str, Tens
             raise RequestError(f"tensor {t.name!r}", f"shape {tuple(t.shape)} != expected {tuple(spec.shape)}")
         if t.dtype != spec.dtype:
             raise RequestError(f"tensor {t.name!r}", f"dtype {t.dtype!r} != expected {spec.dtype!r}")
-        dtype = wire_dtype(spec.dtype)
-        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = tensor_nbytes(spec)
         if t.offset < 0 or t.offset % ALIGN or t.offset + nbytes > msg.size:
             raise RequestError(f"tensor {t.name!r}", f"offset {t.offset} (+{nbytes} bytes) is not an aligned "
                                f"range inside the {msg.size}-byte buffer")
-        arr = buf[t.offset : t.offset + nbytes].view(dtype).reshape(spec.shape)
+        arr = tensor_from_bytes(buf[t.offset : t.offset + nbytes], spec)
         check_finite_tensor(t.name, arr)
         tensors[t.name] = arr
     missing = sorted(set(specs) - set(tensors))

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrl_mismatch.rollout import rollout_pb2
 from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
-from jaxrl_mismatch.rollout.protocol import Limits, spec_from_proto
+from jaxrl_mismatch.rollout.protocol import Limits, spec_from_proto, tensor_from_bytes, tensor_nbytes
 
 MAX_STOP_TOKEN_IDS = 64
 GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollout/sampling.py and vLLM)
@@ -173,6 +173,8 @@ def check_finite_tensor(name: str, arr: np.ndarray) -> None:
 class TensorAssembler:
     """Reassembles streamed chunks into whole tensors, checking order, bounds, completeness and finiteness.
 
+    The byte layout and the chunk header are `protocol.py`'s (`weight_chunks`, `tensor_from_bytes`).
+
     Chunks of a tensor must arrive in order and contiguously (offset == bytes received so far), so a gap,
     an overlap or a duplicate is detected without bookkeeping of byte ranges. Each tensor's values are
     checked for NaN/inf as soon as its last byte has arrived, so a bad push fails at the first bad tensor
@@ -202,8 +204,7 @@ class TensorAssembler:
         spec = check_chunk_header(chunk, self._specs)
         name = chunk.name
         if name not in self._buffers:
-            nbytes = int(np.prod(spec.shape, dtype=np.int64)) * _itemsize(spec.dtype)
-            self._buffers[name] = np.empty(nbytes, dtype=np.uint8)
+            self._buffers[name] = np.empty(_nbytes(spec), dtype=np.uint8)
             self._filled[name] = 0
         buf, filled = self._buffers[name], self._filled[name]
         if chunk.offset != filled:
@@ -218,8 +219,7 @@ class TensorAssembler:
             check_finite_tensor(name, self._typed(name))
 
     def _typed(self, name: str) -> np.ndarray:
-        spec = self._specs[name]
-        return self._buffers[name].view(wire_dtype(spec.dtype)).reshape(spec.shape)
+        return tensor_from_bytes(self._buffers[name], self._specs[name])
 
     def finish(self) -> tuple[dict[str, np.ndarray], int]:
         """All tensors, complete, as arrays of the wire dtype and shape; and the target version."""
@@ -237,17 +237,8 @@ class TensorAssembler:
         return tensors, self.version
 
 
-def wire_dtype(name: str) -> np.dtype:
-    """numpy dtype for a wire dtype name; bfloat16 comes from ml_dtypes (a jax dependency)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _itemsize(name: str) -> int:
+def _nbytes(spec: TensorSpec) -> int:
     try:
-        return wire_dtype(name).itemsize
+        return tensor_nbytes(spec)
     except TypeError as e:
-        raise RequestError("dtype", f"unknown dtype {name!r}") from e
+        raise RequestError("dtype", f"unknown dtype {spec.dtype!r}") from e

@@ -16,7 +16,6 @@ from jaxrl_mismatch.schedules.controllers import (
 )
 from jaxrl_mismatch.schedules.optim import (
     OPTIMIZERS,
-    get_hyperparams,
     get_lr,
     make_optimizer,
     replicated,
@@ -47,7 +46,6 @@ __all__ = [
     "combine",
     "constant_schedule",
     "cosine_schedule",
-    "get_hyperparams",
     "get_lr",
     "linear_warmup_schedule",
     "make_controller",

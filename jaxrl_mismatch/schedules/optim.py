@@ -22,7 +22,7 @@ eps 1e-8, weight decay 0.01) and its gradient clipping at 1.0 (`summary.md`, "Me
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -190,11 +190,6 @@ def set_learning_rate(opt_state: PyTree, value: float, sharding: jax.sharding.Sh
     if not value > 0:
         raise ValueError(f"learning_rate must be > 0, got {value!r}")
     return set_hyperparams(opt_state, sharding, learning_rate=value)
-
-
-def get_hyperparams(opt_state: PyTree) -> Mapping[str, Float[Array, ""]]:
-    """The injected hyperparameters (for a scheduled one: the value used by the most recent update)."""
-    return dict(_inject_state(opt_state).hyperparams)
 
 
 def get_lr(opt_state: PyTree) -> Float[Array, ""]:

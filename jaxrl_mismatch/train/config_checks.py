@@ -112,7 +112,7 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
         if c.trainer.packing:
             raise ConfigError(f"config.trainer.packing: must be False with {field} (packed rows do not carry the "
                               "kept-set sizes)")
-    from jaxrl_mismatch.rollout.validation import Limits
+    from jaxrl_mismatch.rollout.protocol import Limits
 
     limit = Limits().max_request_completion_tokens
     for what, n in (("rollout.group_size", c.rollout.group_size), ("eval.k", c.eval.k)):

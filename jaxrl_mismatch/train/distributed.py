@@ -17,8 +17,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-_ENV_HINTS = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_NUM_NODES", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
-
 
 def initialize(mode: str) -> bool:
     """`always`: initialise; `auto`: only when the environment describes a multi-process job; `never`."""

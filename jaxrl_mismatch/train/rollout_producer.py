@@ -72,10 +72,6 @@ class LockedSession:
         return getattr(self.session, name)
 
 
-class StopProducer(Exception):
-    """The producer was closed while waiting."""
-
-
 class RolloutProducer:
     """Background thread calling `make(index, data_start)` for index = start, start + 1, … within the bound."""
 

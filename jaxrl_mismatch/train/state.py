@@ -16,7 +16,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import sharding as shd
 
 

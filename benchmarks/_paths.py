@@ -1,0 +1,25 @@
+"""How benchmark result JSON records a path: relative to the repository root when inside it.
+
+Results are committed; an absolute path would name one machine's checkout (or a worktree that no longer
+exists) and change on every rerun. Relative paths and paths outside the repository are kept as given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_relative(path: str | os.PathLike | None) -> str | None:
+    """An absolute `path` inside the repository as a path relative to its root; anything else unchanged."""
+    if path is None or not os.path.isabs(path):
+        return None if path is None else str(path)
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
+
+
+def repo_relative_args(args: dict) -> dict:
+    """A copy of parsed arguments with every absolute path inside the repository made relative to it."""
+    return {k: repo_relative(v) if isinstance(v, (str, os.PathLike)) else v for k, v in args.items()}
