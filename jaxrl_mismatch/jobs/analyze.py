@@ -5,7 +5,7 @@ Three subcommands (documented with measured tables in `docs/analysis.md`):
 ``analyze rollouts`` — the FP16 paper's §3.5 offline analysis (Fig. 2) and the objective-level hacking
 paper's token-level views (Fig. 3: π_train vs π_infer with their PCC; Fig. 7: ρ by π probability range).
 Rollouts are sampled through a real rollout server (`RolloutSession.launch`, the path the trainer uses) at
-the engine precision; the trainer's `models.token_logprobs` scores the very same tokens at the trainer
+the engine precision; the trainer's scorer (`models.scoring`) scores the very same tokens at the trainer
 precision (float32 master weights, computed in that precision: `precision.policy(p, param_dtype="float32")`,
 as `train.Learner` builds it) and at the rollout temperature, so π and μ describe the same distribution.
 Per (trainer, engine) pair it writes the per-token dump, a summary made by `metrics.step_metrics` itself,
@@ -38,7 +38,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
-from jaxrl_mismatch.models import ModelConfig, load_hf, token_logprobs
+from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file
 
@@ -282,27 +282,17 @@ def pair_name(trainer: str, engine: str) -> str:
     return f"{trainer}:{engine}"
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "temperature"))
-def trainer_logprobs(graphdef: nnx.GraphDef, state: nnx.State, tokens: Int[Array, "batch seq_plus_1"],
-                     attention_mask: Int[Array, "batch seq_plus_1"], *, chunk_size: int, temperature: float
-                     ) -> Float[Array, "batch seq"]:
-    """log π(tokens[:, t+1] | tokens[:, :t+1]) at temperature T: the trainer's θ_old forward (train/step.py
-    `forward_logprobs`), i.e. `models.token_logprobs` scoring softmax(logits / T) — the distribution an
-    engine sampling at T reports (FP16 paper §3.5: "temperature 1.0 and no top-p … so that μ is directly
-    comparable to π"). 0 where attention_mask[:, :-1] == 0."""
-    model = nnx.merge(graphdef, state)
-    logp, _ = token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=chunk_size,
-                             temperature=temperature)
-    return logp
-
-
 def score_rows(model_dir: str, trainer_precision: str, tokens: np.ndarray, attention_mask: np.ndarray, *,
                temperature: float, chunk_size: int = 256, fp32_lm_head: bool = False, block: int = 32) -> np.ndarray:
-    """Host driver of `trainer_logprobs`: the checkpoint loaded as the trainer loads it (float32 master weights,
-    compute in `trainer_precision`), rows scored in fixed blocks of `block` (one compilation)."""
+    """log π(tokens[:, t+1] | tokens[:, :t+1]) at temperature T, 0 where attention_mask[:, :-1] == 0: the
+    checkpoint loaded as the trainer loads it (float32 master weights, compute in `trainer_precision`) and
+    scored by the trainer's own scorer (`models.scoring.make_scorer`, the θ_old forward of `prepare`), softmax
+    (logits / T) — the distribution an engine sampling at T reports (FP16 paper §3.5: "temperature 1.0 and no
+    top-p … so that μ is directly comparable to π"). Rows go in fixed blocks of `block` (one compilation)."""
     pol = precision.policy(trainer_precision, fp32_lm_head=fp32_lm_head, param_dtype="float32")
     _, model = load_hf(model_dir, policy=pol)
     graphdef, state = nnx.split(model)
+    score = make_scorer(graphdef, chunk_size=chunk_size, temperature=float(temperature))
     b, s = tokens.shape
     out = np.zeros((b, s - 1), np.float32)
     for start in range(0, b, block):
@@ -311,8 +301,7 @@ def score_rows(model_dir: str, trainer_precision: str, tokens: np.ndarray, atten
         mask[:, 0] = 1  # padding rows: one real token, so no row is empty
         k = min(block, b - start)
         ids[:k], mask[:k] = tokens[start:start + k], attention_mask[start:start + k]
-        logp = trainer_logprobs(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), chunk_size=chunk_size,
-                                temperature=float(temperature))
+        logp, _ = score(state, jnp.asarray(ids), jnp.asarray(mask))
         out[start:start + k] = np.asarray(logp)[:k]
     return out
 

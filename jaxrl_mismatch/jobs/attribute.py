@@ -5,7 +5,7 @@ For the same rows (prompts + responses the built-in engine sampled, `rollout.Jax
 - the **engine path** replays the rows teacher-forced through the engine's own program pieces (`kv_cache.prefill`,
   then one `kv_cache.decode_step` per response token, the engine's dtype, its KV cache, and `jax_engine.step_logprobs`
   for log μ), and
-- the **trainer path** scores them as the θ_old forward of train/step.py does (`models.token_logprobs`: one full
+- the **trainer path** scores them as the θ_old forward of train/step.py does (`models.scoring`: one full
   forward at the trainer precision, float32 master weights),
 
 both with `Block`s sowing their input norm, attention, post-attention norm, MLP and block outputs as
@@ -38,7 +38,7 @@ from jaxtyping import Array, Float
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze
-from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf
+from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf, make_scorer
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
 from jaxrl_mismatch.outputs import staged_dir
 from jaxrl_mismatch.rollout.engine import SamplingSpec
@@ -178,15 +178,15 @@ def _trainer_capture(capturing, state, tokens, mask):
 
 def trainer_path(model, tokens: np.ndarray, mask: np.ndarray, temperature: float
                  ) -> tuple[Float[np.ndarray, "rows seq"], dict[str, np.ndarray]]:
-    """The trainer's θ_old forward on the whole rows: (log π of every next token from `models.token_logprobs` in
-    `analyze.trainer_logprobs`' program — the one `analyze rollouts` scores with, no capture in it — and the
+    """The trainer's θ_old forward on the whole rows: (log π of every next token from the trainer's scorer
+    `models.scoring.make_scorer` — the program `analyze rollouts` scores with, no capture in it — and the
     intermediates `[rows, seq - 1, hidden]` of the same forward, captured in a program of its own)."""
     graphdef, state = nnx.split(model)
     capture_intermediates(model, True)
     capturing = nnx.graphdef(model)
     capture_intermediates(model, False)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-    logp = analyze.trainer_logprobs(graphdef, state, tokens, mask, chunk_size=256, temperature=float(temperature))
+    logp, _ = make_scorer(graphdef, chunk_size=256, temperature=float(temperature))(state, tokens, mask)
     inter = _trainer_capture(capturing, state, tokens, mask)
     return np.asarray(logp), {k: np.asarray(v) for k, v in inter.items()}
 
