@@ -8,7 +8,7 @@ Sources: the built-in engine in fp32 / fp16 / bf16; int8 and fp8 weight quantiza
 the fp32 and the bf16 engine; injected logit noise σ ∈ {0.01, …, 3} on the fp32 engine (as the experiments
 inject it); exact mode (μ = π by construction) alone and with int8 / fp8 (the quantization's mismatch with
 no other rounding). For each source and seed the engine samples `--prompts` training prompts × group_size
-completions; the trainer scores the same tokens in fp32 exactly as a training step does (`forward_logprobs`,
+completions; the trainer scores the same tokens in fp32 exactly as a training step does (`models.scoring.score_tokens`,
 or `score_exact` in exact mode) and `metrics.step.step_metrics` gives the `mismatch/*` values a run logs.
 The table shows the mean over seeds; the JSON keeps every seed's values.
 
@@ -45,7 +45,7 @@ from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine  # noqa: E402
 from jaxrl_mismatch.train.batch import from_completions  # noqa: E402
 from jaxrl_mismatch.train.config_overrides import load_config  # noqa: E402
-from jaxrl_mismatch.train.step import forward_logprobs  # noqa: E402
+from jaxrl_mismatch.models.scoring import score_tokens  # noqa: E402
 from jaxrl_mismatch.train.task_data import TaskData  # noqa: E402
 from jaxrl_mismatch.usage import UsageError  # noqa: E402
 
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 logp = score_exact(graphdef, params, b.tokens, b.attention_mask, b.response_mask,
                                    max_tokens=r.max_tokens, temperature=r.temperature)
             else:
-                logp, _ = forward_logprobs(graphdef, params, b.tokens, b.attention_mask, c.trainer.chunk_size,
-                                           r.temperature)
+                logp = score_tokens(graphdef, params, b.tokens, b.attention_mask, chunk_size=c.trainer.chunk_size,
+                                    temperature=r.temperature).logp
             m = metrics_fn(logp, b.rollout_logp, b.response_mask, b.advantages)
             per_seed[s["name"]].append({k: float(m[k]) for k in KEYS})
             print(f"seed {seed} {s['name']:<24} " + " ".join(f"{k.split('/')[1]}={per_seed[s['name']][-1][k]:.3g}"

@@ -61,12 +61,12 @@ from jaxrl_mismatch.objectives import objective_config  # noqa: E402
 from jaxrl_mismatch.schedules import OPTIMIZERS, make_optimizer, set_lr_scale  # noqa: E402
 from jaxrl_mismatch.train.compiles import count_compilations  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
+from jaxrl_mismatch.models.scoring import make_scorer  # noqa: E402
 from jaxrl_mismatch.train.batch import RolloutBatch  # noqa: E402
 from jaxrl_mismatch.train.objective import PolicyObjective  # noqa: E402
 from jaxrl_mismatch.train.state import init_state, split_model  # noqa: E402
 from jaxrl_mismatch.train.step import (  # noqa: E402
     jit_update,
-    make_old_logprobs,
     make_update_fn,
     place_batch,
     place_state,
@@ -154,7 +154,7 @@ def main() -> None:
                                max_grad_norm=MAX_GRAD_NORM, chunk_size=args.chunk_size)
 
     np_batch = make_batch(args.batch, args.seq, args.prompt_len, cfg.vocab_size)
-    old_logp, _ = make_old_logprobs(graphdef, mesh, chunk_size=args.chunk_size)(
+    old_logp, _ = make_scorer(graphdef, mesh, chunk_size=args.chunk_size)(
         state.params, np_batch["tokens"], np_batch["attention_mask"])
     old_logp = np.asarray(old_logp) * np_batch["response_mask"]
     noise = np.random.default_rng(1).normal(scale=0.05, size=old_logp.shape).astype(np.float32)

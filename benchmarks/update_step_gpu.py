@@ -161,7 +161,8 @@ def part_jax(args, work: Path) -> dict:
     from jaxrl_mismatch.train.batch import RolloutBatch
     from jaxrl_mismatch.train.objective import PolicyObjective
     from jaxrl_mismatch.train.state import init_state, split_model
-    from jaxrl_mismatch.train.step import jit_update, make_old_logprobs, make_update_fn, place_batch, place_state
+    from jaxrl_mismatch.models.scoring import make_scorer
+    from jaxrl_mismatch.train.step import jit_update, make_update_fn, place_batch, place_state
 
     spec = model_spec(args.shape)
     cfg = ModelConfig(**spec)
@@ -183,7 +184,7 @@ def part_jax(args, work: Path) -> dict:
             params = jax.tree.map(jnp.copy, params)  # the update donates its state; keep the model's own arrays
             try:
                 state = place_state(init_state(params, opt, precision.loss_scale_for(pol)), mesh)
-                old_logp, _ = make_old_logprobs(graphdef, mesh, chunk_size=args.chunk_size)(
+                old_logp, _ = make_scorer(graphdef, mesh, chunk_size=args.chunk_size)(
                     state.params, np_batch["tokens"], np_batch["attention_mask"])
                 old = np.asarray(old_logp, np.float32) * np_batch["response_mask"]
                 noise = np.random.default_rng(1).normal(scale=0.05, size=old.shape).astype(np.float32)

@@ -20,10 +20,12 @@ an existing file is replaced only if it is what the command itself writes (see `
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from jaxrl_mismatch.usage import UsageError
 
@@ -149,4 +151,11 @@ def staged_file(path: str) -> Iterator[str]:
         raise
 
 
-__all__ = ["MARKER_PREFIX", "check_out_dir", "check_out_file", "marker_name", "staged_dir", "staged_file"]
+def write_json(path: str, obj: Any) -> None:
+    """`obj` as indented JSON at `path`, written to a temporary sibling and renamed into place."""
+    with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+__all__ = ["MARKER_PREFIX", "check_out_dir", "check_out_file", "marker_name", "staged_dir", "staged_file", "write_json"]

@@ -62,6 +62,7 @@ class DTypePolicy:
 
 
 PRESETS = ("fp32", "bf16", "fp16")
+DTYPES = tuple(_DTYPES)  # the dtype names an engine computes in (float32, bfloat16, float16)
 
 # Parts of the forward that can run in float32 on their own (DTypePolicy.fp32_components):
 #   lm_head: LM-head matmul + log-softmax; attention: scores Q·Kᵀ, softmax and the weighted sum of V (the

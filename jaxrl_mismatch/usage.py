@@ -63,6 +63,17 @@ def existing_dir(flag: str, path: str) -> str:
     return path
 
 
+def int_list(flag: str, text: str) -> list[int]:
+    """Comma-separated integers (at least one), else a UsageError naming the flag."""
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag}: expected at least one integer")
+    return values
+
+
 def port(text: str) -> int:
     """argparse type of a TCP port: 0 (pick a free one) to 65535."""
     try:

@@ -5,7 +5,7 @@ Why fixed shapes: every distinct ``[B, T]`` is a new XLA compilation of the upda
 sequence axis up to a small set of bucket lengths bounds the number of compilations (one per bucket)
 at the cost of some padding, which never changes a loss or a metric because every consumer masks.
 
-Alignment (the contract with ``models.logprobs.token_logprobs`` and the objectives)::
+Alignment (the contract with ``models.scoring.token_logprobs`` and the objectives)::
 
     tokens          [B, T+1]   prompt ids, then completion ids, then pad_id (right padding)
     attention_mask  [B, T+1]   1 on prompt and completion tokens, 0 on padding

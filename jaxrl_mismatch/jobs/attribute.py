@@ -5,7 +5,7 @@ For the same rows (prompts + responses the built-in engine sampled, `rollout.Jax
 - the **engine path** replays the rows teacher-forced through the engine's own program pieces (`kv_cache.prefill`,
   then one `kv_cache.decode_step` per response token, the engine's dtype, its KV cache, and `jax_engine.step_logprobs`
   for log μ), and
-- the **trainer path** scores them as the θ_old forward of train/step.py does (`models.token_logprobs`: one full
+- the **trainer path** scores them as the θ_old forward of train/step.py does (`models.scoring`: one full
   forward at the trainer precision, float32 master weights),
 
 both with `Block`s sowing their input norm, attention, post-attention norm, MLP and block outputs as
@@ -16,8 +16,8 @@ log-probs too).
 Ablation matrix: the rows are re-scored with one component at a time in float32 on both sides
 (`precision.COMPONENTS`: LM head, attention scores/softmax, RMSNorm, MLP, MoE router) and the mismatch left is
 computed by the trainer's own `metrics.step_metrics` (`mismatch/log_ppl_abs_diff`, `mismatch/rho_std`; through
-`analyze.summarize`). The trainer's master weights are the checkpoint's values rounded to the engine's parameter
-dtype — the weights the engine holds after a sync — so the table attributes *compute* precision, not the
+`analyze_rollouts.summarize`). The trainer's master weights are the checkpoint's values rounded to the engine's
+parameter dtype — the weights the engine holds after a sync — so the table attributes *compute* precision, not the
 rounding of stored weights.
 """
 
@@ -37,8 +37,8 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.jobs import analyze
-from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf
+from jaxrl_mismatch.jobs import analyze_rollouts
+from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf, make_scorer
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
 from jaxrl_mismatch.models.sharding import tree_path
 from jaxrl_mismatch.outputs import staged_dir
@@ -52,7 +52,7 @@ BASELINE = "none"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("attribute", prog=f"{analyze.PROG} attribute",
+    p = sub.add_parser("attribute",
                        help="per-layer/per-op divergence of the engine's vs the trainer's forward, and fp32 ablations")
     p.add_argument("--model", required=True, help="local HF checkpoint (config.json + safetensors)")
     p.add_argument("--prompt-ids", default=None, help="JSONL of token-id prompts (one JSON list a line)")
@@ -77,7 +77,7 @@ def add_parser(sub) -> None:
 
 def check_args(a: argparse.Namespace) -> None:
     """Validate every flag before any work; UsageError (one line, exit 2) naming the flag."""
-    a.pairs = analyze.parse_pairs(a.pairs)
+    a.pairs = analyze_rollouts.parse_pairs(a.pairs)
     existing_dir("--model", a.model)
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         raise UsageError(f"--model {a.model}: no config.json; expected a Hugging Face checkpoint directory")
@@ -110,9 +110,9 @@ def check_args(a: argparse.Namespace) -> None:
         if len(set(a.components)) != len(a.components):
             raise UsageError("--components: a component is listed twice")
     if a.prompt_ids is not None:
-        a.prompts = analyze._read_prompt_ids(a.prompt_ids, cfg.vocab_size, a.num_prompts)
+        a.prompts = analyze_rollouts.read_prompt_ids(a.prompt_ids, cfg.vocab_size, a.num_prompts)
     else:
-        a.prompts = analyze._task_prompts(a)[0]
+        a.prompts = analyze_rollouts.task_prompts(a)[0]
     longest = max(len(p) for p in a.prompts) + a.max_tokens
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"--max-tokens {a.max_tokens}: the longest prompt + response ({longest}) exceeds the model's "
@@ -179,15 +179,15 @@ def _trainer_capture(capturing, state, tokens, mask):
 
 def trainer_path(model, tokens: np.ndarray, mask: np.ndarray, temperature: float
                  ) -> tuple[Float[np.ndarray, "rows seq"], dict[str, np.ndarray]]:
-    """The trainer's θ_old forward on the whole rows: (log π of every next token from `models.token_logprobs` in
-    `analyze.trainer_logprobs`' program — the one `analyze rollouts` scores with, no capture in it — and the
+    """The trainer's θ_old forward on the whole rows: (log π of every next token from the trainer's scorer
+    `models.scoring.make_scorer` — the program `analyze rollouts` scores with, no capture in it — and the
     intermediates `[rows, seq - 1, hidden]` of the same forward, captured in a program of its own)."""
     graphdef, state = nnx.split(model)
     capture_intermediates(model, True)
     capturing = nnx.graphdef(model)
     capture_intermediates(model, False)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-    logp = analyze.trainer_logprobs(graphdef, state, tokens, mask, chunk_size=256, temperature=float(temperature))
+    logp, _ = make_scorer(graphdef, chunk_size=256, temperature=float(temperature))(state, tokens, mask)
     inter = _trainer_capture(capturing, state, tokens, mask)
     return np.asarray(logp), {k: np.asarray(v) for k, v in inter.items()}
 
@@ -268,8 +268,8 @@ def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list
         pi[:, plen - 1:] = logp[:, plen - 1:]
         mu_full = np.zeros_like(logp)
         mu_full[:, plen - 1:] = mu
-        summary = analyze.summarize(analyze.token_dump(response_mask, tokens[:, 1:], pi, mu_full, prompt_idx,
-                                                       sample_id))
+        summary = analyze_rollouts.summarize(analyze_rollouts.token_dump(
+            response_mask, tokens[:, 1:], pi, mu_full, prompt_idx, sample_id))
         ablations[setting] = {k: summary[k] for k in METRICS}
         if setting == BASELINE:
             num_layers = eng_model.cfg.num_hidden_layers

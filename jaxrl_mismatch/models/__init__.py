@@ -7,9 +7,9 @@ from jaxrl_mismatch.models.attention import ATTENTION_IMPLS
 from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxrl_mismatch.models.hf_io import hf_to_params, load_hf, params_to_hf, save_hf
 from jaxrl_mismatch.models.kv_cache import KVCache, decode_loop, decode_step, init_cache, prefill
-from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
 from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
 from jaxrl_mismatch.models.model import REMAT_POLICIES, Transformer, positions_from_mask, positions_from_segments
+from jaxrl_mismatch.models.scoring import Scores, logprobs_from_hidden, make_scorer, score_tokens, token_logprobs
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -18,6 +18,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "RouterOutput",
+    "Scores",
     "Transformer",
     "decode_loop",
     "decode_step",
@@ -26,10 +27,12 @@ __all__ = [
     "load_balancing_loss",
     "load_hf",
     "logprobs_from_hidden",
+    "make_scorer",
     "params_to_hf",
     "positions_from_mask",
     "positions_from_segments",
     "prefill",
     "save_hf",
+    "score_tokens",
     "token_logprobs",
 ]

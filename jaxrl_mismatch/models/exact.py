@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.attention import CHUNKED_MIN_SEQ
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask
-from jaxrl_mismatch.models.truncation import truncate_to_count
+from jaxrl_mismatch.models.scoring import logprobs_from_logits, target_scores
 
 EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
 
@@ -44,12 +44,12 @@ def canonical_length(prompt_len: int, max_tokens: int) -> int:
     return max(EXACT_CHUNK, 1 << max(0, (n - 1).bit_length()))
 
 
-def head_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array
-                  ) -> Float[Array, "chunk vocab"]:
-    """log softmax(logits / T) of one `EXACT_CHUNK` of positions, in the policy's logits dtype, as float32."""
-    logits = model.logits(hidden[None])[0]
-    logits = logits / jnp.asarray(temperature, logits.dtype)
-    return jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
+def chunk_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array
+                   ) -> Float[Array, "chunk vocab"]:
+    """The trainer's head (`models.scoring.logprobs_from_logits`) on one `EXACT_CHUNK` of positions, as float32:
+    the one head every exact program (scorer, samplers, the update's exact forward) runs, with the same shapes
+    and casts, so all of them compute the same bits."""
+    return logprobs_from_logits(model.logits(hidden[None])[0], temperature).astype(jnp.float32)
 
 
 def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""]) -> Float[Array, "length d"]:
@@ -64,11 +64,12 @@ def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[A
     return model(tokens[None], positions_from_mask(mask), mask, attention_impl=impl)[0]
 
 
-def row_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],
-                 temperature: float | Array, kept: Int[Array, " length_minus_1"] | None = None
-                 ) -> Float[Array, " length_minus_1"]:
-    """log π(tokens[t+1] | tokens[:t+1]) for t < length-1 of one row (0 past `n_valid`); with `kept` (top-k/
-    top-p), renormalised over the `kept[t]` most likely tokens (`models.truncation`; 0 = no truncation)."""
+def row_scores(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],
+               temperature: float | Array, kept: Int[Array, " length_minus_1"] | None = None, *,
+               entropy: bool = False) -> tuple[Float[Array, " length_minus_1"], Float[Array, " length_minus_1"] | None]:
+    """(log π(tokens[t+1] | tokens[:t+1]) for t < length-1 of one row, and with `entropy` the entropy of each
+    position's distribution, else None), 0 past `n_valid`; with `kept` (top-k/top-p), renormalised over the
+    `kept[t]` most likely tokens. The LM head runs per `EXACT_CHUNK` through `models.scoring`, the trainer's scorer."""
     length = tokens.shape[0]
     if length % EXACT_CHUNK:
         raise ValueError(f"exact rows must be a multiple of {EXACT_CHUNK} long, got {length}")
@@ -77,32 +78,32 @@ def row_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int
 
     def chunk(args):
         h, t, k = args
-        logp_all = head_logprobs(model, h, temperature)
-        if k is not None:
-            logp_all = truncate_to_count(logp_all, k, t)
-        return jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0]
+        return target_scores(chunk_logprobs(model, h, temperature), t, k, entropy=entropy)
 
     ks = None if kept is None else jnp.pad(kept, (0, 1)).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
-    logp = jax.lax.map(chunk, (hidden, targets, ks)).reshape(length)[:-1]
-    return jnp.where(jnp.arange(length - 1) + 1 < n_valid, logp, 0.0)
+    logp, ent = jax.lax.map(chunk, (hidden, targets, ks))
+    valid = jnp.arange(length - 1) + 1 < n_valid
+    logp = jnp.where(valid, logp.reshape(length)[:-1], 0.0)
+    return logp, None if ent is None else jnp.where(valid, ent.reshape(length)[:-1], 0.0)
 
 
 def next_token_logprobs(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""],
                         temperature: float | Array) -> Float[Array, " vocab"]:
-    """log π(· | tokens[:n_valid]): the distribution of the next token, computed exactly as `row_logprobs`
+    """log π(· | tokens[:n_valid]): the distribution of the next token, computed exactly as `row_scores`
     computes the log-prob of the token at position n_valid (same forward, same head chunk)."""
     hidden = row_hidden(model, tokens, n_valid)
     pos = n_valid - 1
     start = (pos // EXACT_CHUNK) * EXACT_CHUNK
     chunk = jax.lax.dynamic_slice_in_dim(hidden, start, EXACT_CHUNK, axis=0)
-    return head_logprobs(model, chunk, temperature)[pos - start]
+    return chunk_logprobs(model, chunk, temperature)[pos - start]
 
 
 def exact_token_logprobs(model: Transformer, tokens: Int[Array, "rows length"], n_valid: Int[Array, " rows"],
                          temperature: float | Array, kept: Int[Array, "rows length_minus_1"] | None = None
                          ) -> Float[Array, "rows length_minus_1"]:
-    """`row_logprobs` of every row, each computed alone (`lax.map`, batch 1): batch-invariant by construction."""
-    return jax.lax.map(lambda a: row_logprobs(model, a[0], a[1], temperature, a[2]), (tokens, n_valid, kept))
+    """`row_scores`' log-probs of every row, each computed alone (`lax.map`, batch 1): batch-invariant by
+    construction."""
+    return jax.lax.map(lambda a: row_scores(model, a[0], a[1], temperature, a[2])[0], (tokens, n_valid, kept))
 
 
 EXACT_BLOCK = 8  # rows per jitted call of the trainer's scorer (any value gives the same bits)

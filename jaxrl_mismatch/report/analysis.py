@@ -1,4 +1,4 @@
-"""Figures of `jaxrl-mismatch analyze` (jobs/analyze.py computes; this module only draws).
+"""Figures of `jaxrl-mismatch analyze` (jobs/analyze_*.py compute; this module only draws).
 
 `plot_pairs`: one column per (trainer, engine) precision pair, like the FP16 paper's Fig. 2 —
 (a) π vs μ per token (hexbin density, since a run has 10⁴–10⁶ tokens; PCC annotated as in the

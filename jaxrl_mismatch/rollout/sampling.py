@@ -76,7 +76,7 @@ def processed_logprobs(
     """
     keep = keep_mask(logits, temperature, top_k, top_p)
     scaled = logits.astype(jnp.float32) / effective_settings(temperature, top_k, top_p)[0]
-    return jnp.where(keep, jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1), -jnp.inf)
+    return renormalise(scaled, keep)
 
 
 def token_logprobs_processed(

@@ -42,7 +42,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models import kv_cache
-from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, head_logprobs, row_hidden
+from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, chunk_logprobs, row_hidden
 from jaxrl_mismatch.rollout.exact_sampler import perturb
 from jaxrl_mismatch.rollout.sampling import row_keys, truncate_logprobs
 
@@ -230,7 +230,7 @@ def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_va
 
             def chunk(a):
                 h, start = a
-                logp_all = head_logprobs(model, h, temperature)
+                logp_all = chunk_logprobs(model, h, temperature)
                 t = jnp.maximum(start + jnp.arange(EXACT_CHUNK) + 1 - p0, 0)
                 step_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(row_key, t)
                 if inject:

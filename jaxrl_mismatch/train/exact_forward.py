@@ -5,7 +5,7 @@ Why: in exact mode (`rollout.exact`) μ equals π(θ_old) bit for bit because bo
 computes π(θ) with the batched (or packed) forward, whose bits depend on the batch's shapes, so at
 θ = θ_old the PPO ratio r_t = π(y_t|θ)/π(y_t|θ_old) (PPO, Schulman et al. 2017, eq. 6) was not exactly 1 in
 bf16/fp16 and the first minibatch's clipping was already noise. Here the update runs, inside the jitted
-step, the very per-row computation `models.exact.row_logprobs` runs — so at θ = θ_old every r_t is exactly 1
+step, the very per-row computation `models.exact.row_scores` runs — so at θ = θ_old every r_t is exactly 1
 (`ppo/clip_frac` 0, ratio std 0) in fp32, bf16 and fp16.
 
 Gradients: differentiating the per-row program makes XLA compile its forward together with the backward,
@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxrl_mismatch.models.exact import EXACT_CHUNK, canonical_length, head_logprobs, row_hidden
-from jaxrl_mismatch.models.truncation import truncate_to_count, truncated_entropy
+from jaxrl_mismatch.models.exact import canonical_length, row_scores
 
 
 def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]) -> Float[Array, "b t"]:
@@ -43,28 +42,6 @@ def candidate_lengths(seq_len: int, max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted({canonical_length(p, max_tokens) for p in range(1, seq_len + 1)}))
 
 
-def _row_logprobs_entropy(model, tokens: Int[Array, " length"], n_valid, temperature, kept=None):
-    """`models.exact.row_logprobs` (same ops, same bits) plus the entropy of each position's distribution."""
-    length = tokens.shape[0]
-    hidden = row_hidden(model, tokens, n_valid).reshape(length // EXACT_CHUNK, EXACT_CHUNK, -1)
-    targets = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
-
-    def chunk(args):
-        h, t, k = args
-        logp_all = head_logprobs(model, h, temperature)
-        if k is not None:
-            logp_all = truncate_to_count(logp_all, k, t)
-            return jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0], truncated_entropy(logp_all)
-        logp = jnp.take_along_axis(logp_all, t[:, None], axis=-1)[:, 0]
-        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-        return logp, entropy
-
-    ks = None if kept is None else jnp.pad(kept, (0, 1)).reshape(length // EXACT_CHUNK, EXACT_CHUNK)
-    logp, entropy = jax.lax.map(chunk, (hidden, targets, ks))
-    valid = jnp.arange(length - 1) + 1 < n_valid
-    return (jnp.where(valid, logp.reshape(length)[:-1], 0.0), jnp.where(valid, entropy.reshape(length)[:-1], 0.0))
-
-
 def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b s"], attention_mask: Int[Array, "b s"],
                            response_mask: Float[Array, "b t"], *, max_tokens: int, temperature: float | Array,
                            kept: Int[Array, "b t"] | None = None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
@@ -74,6 +51,9 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     mask; here masked positions are left to the objective), with the same canonical length per row: the
     prompt length is the first response target's index + 1, or the row's length if it has no response."""
     model = nnx.merge(graphdef, params)
+    # The scorer and the samplers get T as a traced argument; a constant T here would let XLA turn x / T into
+    # x · (1/T), other bits at T ≠ 1 (measured in fp32 at T = 0.7). The barrier keeps it a value like theirs.
+    temperature = jax.lax.optimization_barrier(jnp.asarray(temperature, jnp.float32))
     b, s = tokens.shape
     lengths = candidate_lengths(s, max_tokens)
     n_valid = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
@@ -88,7 +68,7 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
             ids = row[:length] if length <= s else jnp.pad(row, (0, length - s))
             if k is not None:
                 k = k[: length - 1] if length <= s else jnp.pad(k, (0, length - s))
-            logp, ent = _row_logprobs_entropy(model, ids, n, temperature, k)
+            logp, ent = row_scores(model, ids, n, temperature, k, entropy=True)
             fit = lambda x: x[: s - 1] if length - 1 >= s - 1 else jnp.pad(x, (0, s - length))  # noqa: E731
             return fit(logp), fit(ent)
         return run

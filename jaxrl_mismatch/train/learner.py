@@ -19,6 +19,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import StatsAccumulator
 from jaxrl_mismatch.models import load_hf, params_to_hf
 from jaxrl_mismatch.models.exact import score_exact
+from jaxrl_mismatch.models.scoring import make_scorer
 from jaxrl_mismatch.models.sharding import batch_axes
 from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
@@ -30,7 +31,6 @@ from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state
 from jaxrl_mismatch.train.step import (
     jit_prepare,
     jit_update,
-    make_old_logprobs,
     make_prepare_fn,
     make_update_fn,
     place_batch,
@@ -67,7 +67,7 @@ class Learner:
         self.minibatch_rows = cfg.minibatch_rows
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
         # Asynchronous rollouts: π_behav of stale rows, scored like π(θ_old) (train/behaviour.py).
-        self._forward = make_old_logprobs(graphdef, self.mesh, **kw) if cfg.max_staleness else None
+        self._forward = make_scorer(graphdef, self.mesh, **kw) if cfg.max_staleness else None
         self.behaviour = BehaviourScorer(cfg.max_staleness, self._score)
 
     @property

@@ -5,6 +5,8 @@ metrics) and `update` (one optimizer step on a minibatch).
 rollout batch: it fills `old_logp` (and `ref_logp`), applies the objective-hacking diagnostics (φ, ξ) as
 `token_weight`, and computes every θ-independent metric (mismatch, corrections, lengths, surrogate J)
 over all of the step's tokens — statistics of the step, not means of per-minibatch statistics.
+The scoring itself — log π, entropy and the MoE routers' outputs — is `models.scoring`, the one scorer that
+exact mode and `jaxrl-mismatch analyze` use too.
 
 Mixture-of-experts policies (`models/moe.py`): the θ_old forward also returns what the routers did, which
 gives the `moe/*` step metrics (`metrics/moe.py`: agreement with the engine's routing, entropy, load, ρ std
@@ -42,9 +44,8 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics.moe import moe_step_metrics
 from jaxrl_mismatch.metrics.staleness import staleness_metrics
 from jaxrl_mismatch.models import sharding as shd
-from jaxrl_mismatch.models.logprobs import logprobs_from_hidden, token_logprobs
-from jaxrl_mismatch.models.model import positions_from_mask
 from jaxrl_mismatch.models.moe import REPLAY_MODES, RouterOutput
+from jaxrl_mismatch.models.scoring import score_tokens, token_logprobs
 from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
 from jaxrl_mismatch.train.exact_forward import exact_forward_logprobs, exact_valued
 from jaxrl_mismatch.train.packing import unpack_targets
@@ -67,33 +68,13 @@ class Objective(Protocol):
     def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None: ...
 
 
-def forward_logprobs(graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int,
-                     temperature: float = 1.0, kept=None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
-    """(log π(y_t), entropy) of every target `tokens[:, 1:]`, scored at the rollout temperature (and, with the
-    engine's kept-set sizes `kept`, renormalised over its top-k/top-p support)."""
-    return forward_routed_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature, kept=kept)[:2]
-
-
-def forward_routed_logprobs(
-    graphdef: nnx.GraphDef, params: Any, tokens, attention_mask, chunk_size: int, temperature: float = 1.0,
-    routing: Int[Array, "b s layers k"] | None = None, kept: Int[Array, "b t"] | None = None,
-) -> tuple[Float[Array, "b t"], Float[Array, "b t"], RouterOutput | None]:
-    """`forward_logprobs` plus what the MoE routers did over the inputs `tokens[:, :-1]` (None for dense models).
-
-    `routing` (aligned with `tokens`, like `RolloutBatch.routing`) replays those experts for the inputs."""
-    model = nnx.merge(graphdef, params)
-    ids, mask = tokens[:, :-1], attention_mask[:, :-1]
-    hidden, router = model.forward_routed(ids, positions_from_mask(mask), mask,
-                                          routing=None if routing is None else routing[:, :-1])
-    logp, entropy = logprobs_from_hidden(model, hidden, tokens[:, 1:], mask, chunk_size=chunk_size,
-                                         temperature=temperature, kept=kept)
-    return logp, entropy, router
 
 
 def forward_packed_logprobs(graphdef: nnx.GraphDef, params: Any, packed: PackedRows, chunk_size: int,
                             temperature: float = 1.0) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
-    """`forward_logprobs` computed on the packed rows (segment-aware attention, per-sequence positions) and
-    unpacked to the batch's `[B, S-1]` layout: the same values, on fewer token slots (`train/packing.py`)."""
+    """`models.scoring.score_tokens`' (log π, entropy) computed on the packed rows (segment-aware attention,
+    per-sequence positions) and unpacked to the batch's `[B, S-1]` layout: the same values, on fewer token slots
+    (`train/packing.py`)."""
     model = nnx.merge(graphdef, params)
     t, seg = packed.tokens, packed.segment_ids
     logp, entropy = token_logprobs(model, t[:, :-1], t[:, 1:], None, chunk_size=chunk_size, temperature=temperature,
@@ -180,8 +161,8 @@ def make_update_fn(
         if exact_forward is not None:  # value: the exact scorer's program; gradient: the batched forward's
             if mb.packed is not None or mb.replay_routing is not None:
                 raise ValueError("the exact forward scores unpacked dense rows; packing and routing replay are off")
-            logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask,
-                                                            chunk_size, temperature, kept=mb.kept_count)
+            logp, entropy, router = score_tokens(graphdef, params, mb.tokens, mb.attention_mask, chunk_size=chunk_size,
+                                                 temperature=temperature, kept=mb.kept_count)
             exact_logp, exact_entropy = exact_forward_logprobs(
                 exact_forward[0], jax.lax.stop_gradient(params), mb.tokens, mb.attention_mask, mb.response_mask,
                 max_tokens=exact_forward[1], temperature=temperature, kept=mb.kept_count)
@@ -191,8 +172,8 @@ def make_update_fn(
                 raise ValueError("sequence packing does not carry MoE routing replay; use one or the other")
             (logp, entropy), router = forward_packed_logprobs(graphdef, params, mb.packed, chunk_size, temperature), None
         else:
-            logp, entropy, router = forward_routed_logprobs(graphdef, params, mb.tokens, mb.attention_mask, chunk_size,
-                                                            temperature, routing=mb.replay_routing, kept=mb.kept_count)
+            logp, entropy, router = score_tokens(graphdef, params, mb.tokens, mb.attention_mask, chunk_size=chunk_size,
+                                                 temperature=temperature, routing=mb.replay_routing, kept=mb.kept_count)
         loss, aux = objective.loss(logp, entropy, mb, normaliser)
         if router is not None:
             extra, router_aux = objective.router_loss(router, input_tokens)
@@ -298,8 +279,8 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
         """log π of the batch's targets under `p`: on the packed rows when the batch carries a packing."""
         if batch.packed is not None:
             return forward_packed_logprobs(graphdef, p, batch.packed, chunk_size, temperature)[0]
-        return forward_logprobs(graphdef, p, batch.tokens, batch.attention_mask, chunk_size, temperature,
-                                kept=batch.kept_count)[0]
+        return score_tokens(graphdef, p, batch.tokens, batch.attention_mask, chunk_size=chunk_size,
+                            temperature=temperature, kept=batch.kept_count).logp
 
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask
@@ -310,8 +291,9 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size:
             if routing_replay == "R3" and batch.routing is None:
                 raise ValueError("routing_replay='R3' needs the engine's routing in the batch (batch.routing)")
             forced = batch.routing if routing_replay == "R3" else None
-            old_logp, _, router = forward_routed_logprobs(graphdef, params, batch.tokens, batch.attention_mask,
-                                                          chunk_size, temperature, routing=forced, kept=batch.kept_count)
+            old_logp, _, router = score_tokens(graphdef, params, batch.tokens, batch.attention_mask,
+                                               chunk_size=chunk_size, temperature=temperature, routing=forced,
+                                               kept=batch.kept_count)
             if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
                 batch = batch.replace(old_logp=old_logp * mask)
             if routing_replay != "off":  # R3: the engine's ids (as forced); R2: θ_old's own choice
@@ -353,21 +335,6 @@ def jit_update(update_fn, state: TrainState, batch_example: RolloutBatch, mesh: 
 def jit_prepare(prepare_fn, mesh: Mesh):
     """Jit `prepare_fn`: outputs sharded like the batch (arrays) and replicated (metrics); params keep theirs."""
     return jax.jit(prepare_fn, out_shardings=(shd.batch_sharding(mesh), shd.replicated(mesh)))
-
-
-def make_old_logprobs(graphdef: nnx.GraphDef, mesh: Mesh, *, chunk_size: int = 256, temperature: float = 1.0):
-    """Jitted teacher-forced forward giving log π(y_t|θ) (θ_old, or a reference policy's params).
-
-    Returns `fn(params, tokens, attention_mask, kept=None) -> (logp, entropy)`, each `[B, S-1]` float32 and
-    sharded like the batch (`kept`: the engine's top-k/top-p kept-set sizes, renormalising π over the same
-    support). Params keep whatever sharding they already have.
-    """
-    out_sh = shd.batch_sharding(mesh)
-
-    def fn(params, tokens, attention_mask, kept=None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
-        return forward_logprobs(graphdef, params, tokens, attention_mask, chunk_size, temperature, kept=kept)
-
-    return jax.jit(fn, out_shardings=(out_sh, out_sh))
 
 
 def place_state(state: TrainState, mesh: Mesh) -> TrainState:

@@ -27,9 +27,9 @@ def _batch(rows: int = 8, seq: int = 12, seed: int = 0) -> RolloutBatch:
 
 
 def _logprobs(learner, tokens, mask):
-    from jaxrl_mismatch.train.step import make_old_logprobs
+    from jaxrl_mismatch.models.scoring import make_scorer
 
-    fn = make_old_logprobs(learner._graphdef, learner.mesh, chunk_size=8)
+    fn = make_scorer(learner._graphdef, learner.mesh, chunk_size=8)
     return np.asarray(fn(learner.state.params, tokens, mask)[0])
 
 

@@ -293,7 +293,7 @@ def _batch(seed: int = 0, batch: int = 8, seq: int = 12):
 def test_sharded_token_logprobs_match_single_device(arch, tied, mesh_config):
     from flax import nnx
 
-    from jaxrl_mismatch.models.logprobs import token_logprobs
+    from jaxrl_mismatch.models.scoring import token_logprobs
     from jaxrl_mismatch.models.model import Transformer
     from jaxrl_mismatch.precision import policy
 

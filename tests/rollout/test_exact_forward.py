@@ -15,11 +15,11 @@ from flax import nnx
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import load_hf
 from jaxrl_mismatch.models.exact import score_exact
+from jaxrl_mismatch.models.scoring import score_tokens
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 from jaxrl_mismatch.train.batch import from_completions
 from jaxrl_mismatch.train.exact_forward import candidate_lengths, exact_forward_logprobs, exact_valued
-from jaxrl_mismatch.train.step import forward_logprobs
 
 PROMPTS = [[3, 4, 5], [7] * 9, list(range(10, 24)), [30, 31, 32, 33, 34, 35]]  # canonical lengths 32 and 64
 MAX_TOKENS = 20
@@ -45,7 +45,7 @@ def test_exact_forward_equals_the_exact_scorer_bitwise(tiny_checkpoints, dtype):
                       temperature=1.0)
 
     def loss(p, tokens, attention_mask, response_mask, exact):
-        batched, entropy = forward_logprobs(graphdef, p, tokens, attention_mask, 8)
+        batched, entropy, _ = score_tokens(graphdef, p, tokens, attention_mask, chunk_size=8)
         logp = batched
         if exact:
             logp, entropy = exact_forward_logprobs(graphdef, jax.lax.stop_gradient(p), tokens, attention_mask,
@@ -102,6 +102,28 @@ def test_first_minibatch_ratio_is_exactly_one(tiny_checkpoints, tmp_path, dtype)
     assert ratios[True] == (1.0, 1.0, 0.0, 0.0), ratios
     if dtype != "float32":  # the ordinary batched forward is not the scorer's program: its ratios move
         assert ratios[False][:2] != (1.0, 1.0), ratios
+
+
+def test_exact_forward_equals_the_scorer_at_a_temperature_given_as_a_python_float(tiny_checkpoints):
+    """The update gets T from the config (a Python float, a constant in its program); the scorer gets it as an
+    argument. At T = 0.7 in fp32 XLA's x / const -> x * (1/const) gave other bits until the exact forward kept
+    T a value (issue 23)."""
+    from tests.rollout.conftest import VOCAB
+
+    _, model = load_hf(str(tiny_checkpoints["untied"]), policy=precision.policy("fp32", param_dtype="float32"))
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(0)
+    b, s, max_tokens = 6, 30, 20
+    plen = rng.integers(3, 10, size=b)
+    n = np.minimum(plen + rng.integers(1, max_tokens, size=b), s)
+    tokens = np.where(np.arange(s)[None] < n[:, None], rng.integers(1, VOCAB, size=(b, s)), 0).astype(np.int32)
+    attention_mask = (np.arange(s)[None] < n[:, None]).astype(np.int32)
+    response_mask = ((np.arange(1, s)[None] >= plen[:, None]) & (np.arange(1, s)[None] < n[:, None])).astype(np.float32)
+    ref = score_exact(graphdef, params, tokens, attention_mask, response_mask, max_tokens=max_tokens, temperature=0.7)
+    logp, _ = jax.jit(lambda p: exact_forward_logprobs(graphdef, p, tokens, attention_mask, response_mask,
+                                                       max_tokens=max_tokens, temperature=0.7))(params)
+    m = response_mask > 0
+    assert np.array_equal(np.asarray(logp)[m], ref[m])
 
 
 def test_exact_forward_refuses_packing_by_name():

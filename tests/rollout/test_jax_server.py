@@ -1,6 +1,6 @@
 """The real JAX engine behind a real `serve` subprocess: log-probs vs. the trainer's recompute.
 
-Each log-prob the server returns must equal the trainer's teacher-forced recompute (models.logprobs /
+Each log-prob the server returns must equal the trainer's teacher-forced recompute (models.scoring /
 rollout.sampling on full-sequence logits, not the KV cache) within 1e-5 in float32 — before and after
 a weight push, for tied and untied embeddings — and malformed calls must leave the server serving.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import hf_io
-from jaxrl_mismatch.models.logprobs import token_logprobs
+from jaxrl_mismatch.models.scoring import token_logprobs
 from jaxrl_mismatch.models.model import positions_from_mask
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
 from jaxrl_mismatch.rollout.client import EngineMismatchError, RolloutClient, RolloutError

@@ -15,7 +15,7 @@ from jaxrl_mismatch.models.exact import score_exact
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 from jaxrl_mismatch.train.batch import from_completions
-from jaxrl_mismatch.train.step import forward_logprobs
+from jaxrl_mismatch.models.scoring import score_tokens
 
 PROMPTS = [[3, 4, 5], [7] * 9, list(range(10, 24)), [30, 31, 32, 33, 34, 35]]
 MAX_TOKENS = 16
@@ -72,8 +72,8 @@ def test_normal_sampler_top_k_trainer_renormalises_over_the_same_support(tiny_ch
     m = b.response_mask > 0
     assert np.all(b.kept_count[m] == 4)
     graphdef, params = _graph(ckpt, "float32")
-    renorm, _ = forward_logprobs(graphdef, params, b.tokens, b.attention_mask, 8, kept=b.kept_count)
-    full, _ = forward_logprobs(graphdef, params, b.tokens, b.attention_mask, 8)
+    renorm, _, _ = score_tokens(graphdef, params, b.tokens, b.attention_mask, chunk_size=8, kept=b.kept_count)
+    full, _, _ = score_tokens(graphdef, params, b.tokens, b.attention_mask, chunk_size=8)
     assert np.max(np.abs(np.asarray(renorm)[m] - b.rollout_logp[m])) < 1e-4  # numerical mismatch only
     assert np.min(np.abs(np.asarray(full)[m] - b.rollout_logp[m])) > 1e-3  # the biased comparison
 

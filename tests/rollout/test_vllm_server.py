@@ -1,6 +1,6 @@
 """`jaxrl-mismatch serve --engine vllm` as a real subprocess, driven through the trainer's RolloutClient.
 
-The reference here is the trainer's own code: `models.logprobs.token_logprobs` (and
+The reference here is the trainer's own code: `models.scoring.token_logprobs` (and
 `rollout.sampling.token_logprobs_processed` under temperature/top-k/top-p) on the JAX model loaded from
 the same weights, teacher-forced without a KV cache. Bound 5e-5 in float32, as in test_vllm_engine.py
 (whose docstring gives the reasoning).
@@ -45,7 +45,7 @@ class TrainerReference:
         """Per completion, log μ(token) recomputed teacher-forced over prompt + completion (right-padded batch)."""
         import jax.numpy as jnp
 
-        from jaxrl_mismatch.models.logprobs import token_logprobs
+        from jaxrl_mismatch.models.scoring import token_logprobs
         from jaxrl_mismatch.models.model import positions_from_mask
         from jaxrl_mismatch.rollout.sampling import token_logprobs_processed
 

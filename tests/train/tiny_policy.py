@@ -14,7 +14,8 @@ from jaxrl_mismatch.schedules import make_optimizer
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.objective import PolicyObjective
 from jaxrl_mismatch.train.state import init_state, split_model
-from jaxrl_mismatch.train.step import make_old_logprobs, make_update_fn, jit_update, place_batch, place_state
+from jaxrl_mismatch.models.scoring import make_scorer
+from jaxrl_mismatch.train.step import make_update_fn, jit_update, place_batch, place_state
 
 VOCAB = 64
 
@@ -64,7 +65,7 @@ def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=
     objective = objective or PolicyObjective(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
     update_fn = make_update_fn(graphdef, opt, objective, num_microbatches=num_microbatches,
                                max_grad_norm=max_grad_norm, chunk_size=8)
-    return mesh, graphdef, state, update_fn, make_old_logprobs(graphdef, mesh, chunk_size=8), opt
+    return mesh, graphdef, state, update_fn, make_scorer(graphdef, mesh, chunk_size=8), opt
 
 
 def full_batch(mesh, old_logprobs, params, np_batch, rollout_noise=0.05, seed=1) -> RolloutBatch:

@@ -1,0 +1,410 @@
+"""`jaxrl-mismatch analyze rollouts`: the FP16 paper's §3.5 offline mismatch analysis (Fig. 2) and the
+objective-level hacking paper's token-level views (Fig. 3: π_train vs π_infer with their PCC; Fig. 7: ρ by π
+probability range); measured tables in `docs/analysis.md`.
+
+Rollouts are sampled through a real rollout server (`RolloutSession.launch`, the path the trainer uses) at
+the engine precision; the trainer's own scorer (`models.scoring`, what its θ_old forward runs) scores the very
+same tokens at the trainer precision (float32 master weights, computed in that precision:
+`precision.policy(p, param_dtype="float32")`, as `train.Learner` builds it) and at the rollout temperature, so
+π and μ describe the same distribution. Per (trainer, engine) pair it writes the per-token dump, a summary made
+by `metrics.step_metrics` itself, and one figure for all pairs (report/analysis.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Float, Int
+
+from jaxrl_mismatch import precision
+from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
+from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
+from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
+from jaxrl_mismatch.outputs import staged_file, write_json
+from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file, int_list
+
+TRAINER_PRECISIONS = precision.PRESETS  # fp32, bf16, fp16
+
+DUMP_FIELDS = ("prompt_id", "sample_id", "position", "token", "logp_train", "logp_rollout", "seq_len")
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """`fp32:float32,bf16:bfloat16` → [(trainer precision, engine dtype), ...]; UsageError naming --pairs."""
+    pairs = []
+    for item in (s.strip() for s in text.split(",")):
+        trainer, sep, engine = item.partition(":")
+        if not sep or trainer not in TRAINER_PRECISIONS or engine not in precision.DTYPES:
+            raise UsageError(f"--pairs: bad pair {item!r}; expected TRAINER:ENGINE with TRAINER in "
+                             f"{{{','.join(TRAINER_PRECISIONS)}}} and ENGINE in {{{','.join(precision.DTYPES)}}}, "
+                             "e.g. fp32:float32,bf16:bfloat16,fp16:float16")
+        if (trainer, engine) in pairs:
+            raise UsageError(f"--pairs: {item} is listed twice")
+        pairs.append((trainer, engine))
+    return pairs
+
+
+def pair_name(trainer: str, engine: str) -> str:
+    return f"{trainer}:{engine}"
+
+
+def score_rows(model_dir: str, trainer_precision: str, tokens: np.ndarray, attention_mask: np.ndarray, *,
+               temperature: float, chunk_size: int = 256, fp32_lm_head: bool = False, block: int = 32) -> np.ndarray:
+    """log π(tokens[:, t+1] | tokens[:, :t+1]) at temperature T, 0 where attention_mask[:, :-1] == 0: the
+    checkpoint loaded as the trainer loads it (float32 master weights, compute in `trainer_precision`) and
+    scored by the trainer's own scorer (`models.scoring.make_scorer`, the θ_old forward of `prepare`), softmax
+    (logits / T) — the distribution an engine sampling at T reports (FP16 paper §3.5: "temperature 1.0 and no
+    top-p … so that μ is directly comparable to π"). Rows go in fixed blocks of `block` (one compilation)."""
+    pol = precision.policy(trainer_precision, fp32_lm_head=fp32_lm_head, param_dtype="float32")
+    _, model = load_hf(model_dir, policy=pol)
+    graphdef, state = nnx.split(model)
+    score = make_scorer(graphdef, chunk_size=chunk_size, temperature=float(temperature))
+    b, s = tokens.shape
+    out = np.zeros((b, s - 1), np.float32)
+    for start in range(0, b, block):
+        ids = np.zeros((block, s), np.int32)
+        mask = np.zeros((block, s), np.int32)
+        mask[:, 0] = 1  # padding rows: one real token, so no row is empty
+        k = min(block, b - start)
+        ids[:k], mask[:k] = tokens[start:start + k], attention_mask[start:start + k]
+        logp, _ = score(state, jnp.asarray(ids), jnp.asarray(mask))
+        out[start:start + k] = np.asarray(logp)[:k]
+    return out
+
+
+def token_dump(response_mask: Float[np.ndarray, "batch seq"], targets: Int[np.ndarray, "batch seq"],
+               logp_train: Float[np.ndarray, "batch seq"], logp_rollout: Float[np.ndarray, "batch seq"],
+               prompt_id: Int[np.ndarray, " batch"], sample_id: Int[np.ndarray, " batch"]) -> dict[str, np.ndarray]:
+    """Flat per-token arrays over the response tokens (`DUMP_FIELDS`); `position` counts from 0 within the
+    response and `seq_len` is the response length of the token's sequence."""
+    m = np.asarray(response_mask) > 0
+    rows, cols = np.nonzero(m)
+    position = (np.cumsum(m, axis=1) - 1)[rows, cols]
+    return {
+        "prompt_id": np.asarray(prompt_id, np.int32)[rows],
+        "sample_id": np.asarray(sample_id, np.int32)[rows],
+        "position": position.astype(np.int32),
+        "token": np.asarray(targets, np.int32)[rows, cols],
+        "logp_train": np.asarray(logp_train, np.float32)[rows, cols],
+        "logp_rollout": np.asarray(logp_rollout, np.float32)[rows, cols],
+        "seq_len": m.sum(axis=1).astype(np.int32)[rows],
+    }
+
+
+def response_arrays(dump: dict[str, np.ndarray]
+                    ) -> tuple[Float[np.ndarray, "seqs length"], Float[np.ndarray, "seqs length"],
+                               Float[np.ndarray, "seqs length"]]:
+    """(logp_train, logp_rollout, mask) as `[sequences, longest response]`, responses left-aligned, one row per
+    (prompt_id, sample_id) in sorted order — the layout `metrics.step_metrics` takes (padding is masked)."""
+    keys = np.stack([dump["prompt_id"], dump["sample_id"]], axis=1)
+    seqs, row = np.unique(keys, axis=0, return_inverse=True)
+    row = row.reshape(-1)
+    length = int(dump["position"].max()) + 1 if len(row) else 1
+    shape = (max(len(seqs), 1), length)
+    lp_tr, lp_ro, mask = np.zeros(shape, np.float32), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    lp_tr[row, dump["position"]] = dump["logp_train"]
+    lp_ro[row, dump["position"]] = dump["logp_rollout"]
+    mask[row, dump["position"]] = 1.0
+    return lp_tr, lp_ro, mask
+
+
+_step_metrics = jax.jit(step_metrics, static_argnames=("cfg",))
+
+
+def summarize(dump: dict[str, np.ndarray], cfg: MetricsConfig = MetricsConfig()) -> dict[str, float]:
+    """`metrics.step_metrics` on the dump (advantages 0: no rewards here, so `diag/surrogate_j` is 0), plus
+    `analysis/*`: max/mean |Δ log p|, ρ std per π bucket (OLH Fig. 7a's spread), the sequence log-ratio
+    log π(y)/μ(y) = Σ_t log ρ_t (FP16 paper Fig. 2, right), token and sequence counts."""
+    lp_tr, lp_ro, mask = response_arrays(dump)
+    out = {k: float(v) for k, v in _step_metrics(jnp.asarray(lp_tr), jnp.asarray(lp_ro), jnp.asarray(mask),
+                                                  jnp.zeros_like(jnp.asarray(mask)), cfg=cfg).items()}
+    d = dump["logp_train"].astype(np.float64) - dump["logp_rollout"].astype(np.float64)
+    out["analysis/tokens"] = float(d.size)
+    out["analysis/sequences"] = float(lp_tr.shape[0])
+    out["analysis/logp_abs_diff_max"] = float(np.max(np.abs(d))) if d.size else 0.0
+    out["analysis/logp_abs_diff_mean"] = float(np.mean(np.abs(d))) if d.size else 0.0
+    seq_lr = np.sum(np.clip(lp_tr.astype(np.float64) - lp_ro, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask, axis=1)
+    out["analysis/seq_log_ratio_mean"] = float(seq_lr.mean())
+    out["analysis/seq_log_ratio_std"] = float(seq_lr.std())
+    out["analysis/seq_log_ratio_abs_max"] = float(np.max(np.abs(seq_lr)))
+    p_tr = np.exp(dump["logp_train"].astype(np.float64))
+    rho = np.exp(np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    names = bucket_names(cfg)
+    for k, (suffix, lo, hi) in enumerate(names):  # the bucket rule of step_metrics: last bucket closed
+        sel = (p_tr >= lo) & ((p_tr <= hi) if k == len(names) - 1 else (p_tr < hi))
+        out[f"analysis/rho_std_{suffix}"] = float(rho[sel].std()) if sel.any() else 0.0
+    return out
+
+
+def _seq_log_ratio(dump: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    lp_tr, lp_ro, mask = response_arrays(dump)
+    lr = np.sum(np.clip(lp_tr.astype(np.float64) - lp_ro, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask, axis=1)
+    return mask.sum(axis=1), lr
+
+
+# -- inputs --------------------------------------------------------------------------------------------------
+
+
+def read_prompt_ids(path: str, vocab_size: int, limit: int) -> list[list[int]]:
+    """`--prompt-ids` JSONL: one prompt a line, a JSON list of token ids (or {"prompt_ids": [...]})."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"--prompt-ids {path}:{lineno}: not JSON ({e.msg})") from None
+            ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
+            if (not isinstance(ids, list) or not ids
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
+                raise UsageError(f"--prompt-ids {path}:{lineno}: expected a non-empty JSON list of token ids in "
+                                 f"[0, {vocab_size})")
+            prompts.append(ids)
+            if len(prompts) == limit:
+                break
+    if not prompts:
+        raise UsageError(f"--prompt-ids {path}: no prompts in the file")
+    return prompts
+
+
+def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...], int]:
+    """(prompt ids, stop ids, tokenizer vocab size) of `--num-prompts` prompts of `--task`, rendered through the
+    task's template with the checkpoint's tokenizer (the path `perfectible` and the trainer take)."""
+    from jaxrl_mismatch.data import TASKS, get_task
+    from jaxrl_mismatch.data.batching import tokenize_prompts
+    from jaxrl_mismatch.data.tokenizer import load_tokenizer
+
+    if a.task not in TASKS:
+        raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(sorted(TASKS))}")
+    task = get_task(a.task)
+    try:
+        tok = load_tokenizer(a.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"--model {a.model}: {e} (a checkpoint without a tokenizer takes --prompt-ids)") from None
+    if a.task == "arithmetic":
+        spec = {}
+        if os.path.exists(os.path.join(a.model, "task.json")):
+            with open(os.path.join(a.model, "task.json")) as f:
+                spec = json.load(f).get("spec", {})
+        texts = [r["prompt_text"] for r in task.load(a.split, n=a.num_prompts, seed=a.seed, **spec)]
+    else:
+        from jaxrl_mismatch.jobs.perfectible import _file_records
+
+        if not a.file:
+            raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
+        texts = [r["prompt_text"] for r in _file_records(a.task, existing_file("--file", a.file), a.num_prompts)[0]]
+    if not texts:
+        raise UsageError(f"--task {a.task}: no prompts")
+    ids = tokenize_prompts(tok, texts, template=a.template or task.template)
+    return ids, (tok.eos_id,), tok.vocab_size
+
+
+def _default_max_tokens(model_dir: str) -> int:
+    path = os.path.join(model_dir, "task.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            value = json.load(f).get("max_new_tokens")
+        if isinstance(value, int) and value > 0:
+            return value
+    return 128
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PairResult:
+    trainer: str
+    engine: str
+    dump: dict[str, np.ndarray]
+    summary: dict[str, float]
+
+    @property
+    def name(self) -> str:
+        return pair_name(self.trainer, self.engine)
+
+
+TABLE_COLUMNS = (("log_ppl_abs_diff", "mismatch/log_ppl_abs_diff"), ("rho_std", "mismatch/rho_std"),
+                 ("max_abs_dlogp", "analysis/logp_abs_diff_max"), ("pcc_pi_mu", "mismatch/prob_pearson"),
+                 ("seq_log_ratio_abs_max", "analysis/seq_log_ratio_abs_max"))
+
+
+def pairs_tables(results: Sequence[PairResult]) -> tuple[str, str]:
+    """(terminal table, Markdown) of log_ppl_abs_diff, ρ std, max |Δ log p|, … per (trainer, engine) pair."""
+    head = ["pair (trainer:engine)", "tokens"] + [c for c, _ in TABLE_COLUMNS]
+    fmt = {"mismatch/prob_pearson": "{:.6f}"}
+    rows = [[r.name, str(int(r.summary["analysis/tokens"]))]
+            + [fmt.get(k, "{:.3g}").format(r.summary[k]) for _, k in TABLE_COLUMNS] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) + 2 for i, h in enumerate(head)]
+    text = ["".join(h.ljust(w) for h, w in zip(head, widths))]
+    text += ["".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    by_name = {r.name: r.summary for r in results}
+    bf16, fp16 = by_name.get("bf16:bfloat16"), by_name.get("fp16:float16")
+    if bf16 is not None and fp16 is not None:  # the FP16 paper's claim (§3.5, Fig. 2), measured
+        ratios = ", ".join(f"{c} ×{bf16[k] / fp16[k]:.1f}" for c, k in TABLE_COLUMNS[:3] if fp16[k] > 0)
+        line = f"bf16:bfloat16 over fp16:float16 — {ratios}"
+        text.append(line)
+        md += ["", line + "."]
+    return "\n".join(text), "\n".join(md) + "\n"
+
+
+def run_rollouts(a: argparse.Namespace) -> list[PairResult]:
+    """Sample once per engine dtype through a launched rollout server, score with every trainer precision
+    paired with it, write each pair's `tokens.npz` + `summary.json`; results in the order of `a.pairs`."""
+    from jaxrl_mismatch.data.batching import pad_rows
+    from jaxrl_mismatch.rollout import SamplingSpec
+    from jaxrl_mismatch.rollout.engine import check_finite_logprobs
+    from jaxrl_mismatch.rollout.session import RolloutSession
+
+    cfg = ModelConfig.from_hf(a.model)
+    if a.prompt_ids:
+        prompts = read_prompt_ids(a.prompt_ids, cfg.vocab_size, a.num_prompts)
+        stop_ids, tok_vocab = tuple(a.stop_ids), None
+    else:
+        prompts, stop_ids, tok_vocab = task_prompts(a)
+    longest = max(len(p) for p in prompts)
+    limit = cfg.max_position_embeddings
+    if limit is not None and longest + a.max_tokens > limit:
+        raise UsageError(f"--max-tokens {a.max_tokens}: the longest prompt ({longest} tokens) + max_tokens exceeds "
+                         f"the model's max_position_embeddings {limit}")
+    spec = SamplingSpec(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
+                        stop_token_ids=tuple(stop_ids))
+    prompt_id = np.repeat(np.arange(len(prompts)), a.n)
+    sample_id = np.tile(np.arange(a.n), len(prompts))
+    row_prompts = [prompts[i] for i in prompt_id]
+    results: list[PairResult] = []
+    for engine in dict.fromkeys(e for _, e in a.pairs):  # one server per engine dtype, in the order given
+        t0 = time.perf_counter()
+        print(f"analyze: sampling {len(prompts)} prompts × {a.n} (max {a.max_tokens} tokens, T={a.temperature}) "
+              f"with the {a.engine} engine in {engine}", flush=True)
+        with RolloutSession.launch(work_dir=os.path.join(a.out, f"server_{engine}"), engine=a.engine, model=a.model,
+                                   dtype=engine) as session:
+            session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+                                     tokenizer_vocab_size=tok_vocab)
+            groups = session.generate(prompts, spec)
+        check_finite_logprobs(groups)
+        comps = [groups[i][j] for i, j in zip(prompt_id, sample_id)]
+        rows = pad_rows(row_prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], pad_id=0)
+        t_sample = time.perf_counter() - t0
+        for trainer in (t for t, e in a.pairs if e == engine):
+            t1 = time.perf_counter()
+            logp_train = score_rows(a.model, trainer, rows.tokens, rows.attention_mask, temperature=a.temperature,
+                                    chunk_size=a.chunk_size, fp32_lm_head=a.fp32_lm_head) * rows.response_mask
+            bad = (~np.isfinite(logp_train)) & (rows.response_mask > 0)
+            if bad.any():
+                raise RuntimeError(f"trainer {trainer} produced {int(bad.sum())} non-finite log-probs on the "
+                                   f"{engine} rollouts (overflow in {trainer}?)")
+            dump = token_dump(rows.response_mask, rows.tokens[:, 1:], logp_train, rows.rollout_logp,
+                              prompt_id, sample_id)
+            summary = summarize(dump)
+            summary["analysis/sample_seconds"] = round(t_sample, 2)
+            summary["analysis/score_seconds"] = round(time.perf_counter() - t1, 2)
+            res = PairResult(trainer, engine, dump, summary)
+            pair_dir = os.path.join(a.out, f"{trainer}-{engine}")
+            os.makedirs(pair_dir, exist_ok=True)
+            np.savez(os.path.join(pair_dir, "tokens.npz"), **dump)
+            write_json(os.path.join(pair_dir, "summary.json"), {"trainer": trainer, "engine": engine, **summary})
+            print(f"analyze: {res.name}: {int(summary['analysis/tokens'])} tokens, log_ppl_abs_diff "
+                  f"{summary['mismatch/log_ppl_abs_diff']:.3g}, ρ std {summary['mismatch/rho_std']:.3g}, "
+                  f"max |Δlog p| {summary['analysis/logp_abs_diff_max']:.3g}", flush=True)
+            results.append(res)
+    order = {p: k for k, p in enumerate(a.pairs)}
+    return sorted(results, key=lambda r: order[(r.trainer, r.engine)])
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("rollouts",
+                       help="score engine rollouts with the trainer at chosen precisions (FP16 paper Fig. 2)")
+    r.add_argument("--model", required=True, help="local HF checkpoint (config.json + safetensors [+ tokenizer])")
+    r.add_argument("--task", default="arithmetic", help="prompt source (data.TASKS) read with the model's tokenizer")
+    r.add_argument("--file", default=None, help="JSONL of a file-backed task")
+    r.add_argument("--split", default="train", help="split of --task (default train)")
+    r.add_argument("--template", default=None, help="prompt template (default: the task's)")
+    r.add_argument("--prompt-ids", default=None,
+                   help="JSONL of token-id prompts (one JSON list a line) instead of --task: no tokenizer needed")
+    r.add_argument("--stop-ids", default="", help="with --prompt-ids: comma-separated stop token ids")
+    r.add_argument("--engine", choices=("jax", "vllm"), default="jax")
+    r.add_argument("--engine-dtype", default=None, help=f"one of {', '.join(precision.DTYPES)} (default float32)")
+    r.add_argument("--trainer-precision", default=None, help=f"one of {', '.join(TRAINER_PRECISIONS)} (default fp32)")
+    r.add_argument("--pairs", default=None,
+                   help="several TRAINER:ENGINE pairs, e.g. fp32:float32,bf16:bfloat16,fp16:float16 (instead of "
+                        "--trainer-precision/--engine-dtype)")
+    r.add_argument("--fp32-lm-head", action="store_true", help="trainer: LM head and softmax in float32")
+    r.add_argument("--num-prompts", type=int, default=64)
+    r.add_argument("--n", type=int, default=4, help="samples per prompt")
+    r.add_argument("--max-tokens", type=int, default=None, help="response limit (default: task.json's, else 128)")
+    r.add_argument("--temperature", type=float, default=1.0, help="> 0; the trainer scores π at the same T")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--chunk-size", type=int, default=256, help="trainer log-prob chunk (sequence positions)")
+    r.add_argument("--axes", choices=("prob", "log"), default="prob", help="scatter axes: probabilities or log-probs")
+    r.add_argument("--out", required=True, help="output directory")
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    if a.pairs is not None:
+        if a.engine_dtype is not None or a.trainer_precision is not None:
+            raise UsageError("--pairs replaces --trainer-precision/--engine-dtype; give one or the other")
+        a.pairs = parse_pairs(a.pairs)
+    else:
+        trainer, engine = a.trainer_precision or "fp32", a.engine_dtype or "float32"
+        if trainer not in TRAINER_PRECISIONS:
+            raise UsageError(f"--trainer-precision {trainer}: valid: {', '.join(TRAINER_PRECISIONS)}")
+        if engine not in precision.DTYPES:
+            raise UsageError(f"--engine-dtype {engine}: valid: {', '.join(precision.DTYPES)}")
+        a.pairs = [(trainer, engine)]
+    existing_dir("--model", a.model)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise UsageError(f"--model {a.model}: no config.json; expected a Hugging Face checkpoint directory")
+    if a.prompt_ids is not None:
+        existing_file("--prompt-ids", a.prompt_ids)
+    elif a.stop_ids:
+        raise UsageError("--stop-ids goes with --prompt-ids (a --task stops at its tokenizer's EOS)")
+    a.stop_ids = int_list("--stop-ids", a.stop_ids) if a.stop_ids else []
+    if a.max_tokens is None:
+        a.max_tokens = _default_max_tokens(a.model)
+    for flag, value in (("--num-prompts", a.num_prompts), ("--n", a.n), ("--max-tokens", a.max_tokens),
+                        ("--chunk-size", a.chunk_size)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(a.temperature) and a.temperature > 0):
+        raise UsageError(f"--temperature must be > 0 (π and μ are compared as sampled distributions), got "
+                         f"{a.temperature}")
+
+
+def run(a: argparse.Namespace) -> int:
+    """The subcommand: sample, score every pair, print the table, write the summary, dumps and figure."""
+    _check_args(a)
+    os.makedirs(a.out, exist_ok=True)
+    results = run_rollouts(a)
+    text, md = pairs_tables(results)
+    print(text, flush=True)
+    settings = {k: getattr(a, k) for k in ("model", "task", "split", "prompt_ids", "engine", "num_prompts", "n",
+                                            "max_tokens", "temperature", "seed", "fp32_lm_head")}
+    write_json(os.path.join(a.out, "summary.json"),
+               {"settings": settings, "pairs": {r.name: r.summary for r in results}})
+    with staged_file(os.path.join(a.out, "pairs.md")) as tmp, open(tmp, "w") as f:
+        f.write(md)
+    from jaxrl_mismatch.report.analysis import plot_pairs
+
+    png = plot_pairs([(r.name, r.dump, r.summary, *_seq_log_ratio(r.dump)) for r in results],
+                     [s for s, _, _ in bucket_names(MetricsConfig())], os.path.join(a.out, "analysis.png"),
+                     axes=a.axes)
+    print(f"analyze: wrote summary.json, pairs.md, {os.path.basename(png)} and <trainer>-<engine>/tokens.npz in "
+          f"{a.out}", flush=True)
+    return 0
