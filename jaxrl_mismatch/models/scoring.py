@@ -6,9 +6,9 @@ and reference forwards (`train.step.make_prepare_fn`), the update's θ forward (
 (`jobs/analyze_rollouts.py`, `jobs/attribute.py`) — so the tool that measures the training–inference mismatch
 scores exactly as the trainer trains. Two layers:
 
-- `head_logprobs` (`logprobs_from_logits`) + `target_scores`: the LM head, softmax(logits / T) in the policy's logits dtype, the
-  target's log-prob, the entropy, and top-k/top-p renormalisation over the engine's kept set. Shared by the
-  batched scorer below and the batch-invariant per-row programs of `models.exact`.
+- `head_logprobs` (`logprobs_from_logits`) + `target_scores`: the LM head, softmax(logits / T) in the policy's
+  logits dtype, the target's log-prob, the entropy, and top-k/top-p renormalisation over the engine's kept set.
+  Shared by the batched scorer below and the batch-invariant per-row programs of `models.exact`.
 - `token_logprobs` / `logprobs_from_hidden` / `score_tokens` / `make_scorer`: the batched forward.
 
 Memory: with Qwen's ~152k vocabulary, a batch of 64 × 4k tokens has 4e10 logits (160 GB in float32), far
@@ -41,7 +41,7 @@ def logprobs_from_logits(logits: Float[Array, "*lead vocab"], temperature: float
 
     `temperature` scores the distribution an engine sampling at T drew from, so the trainer's π and the
     engine's μ describe the same distribution (FP16 paper §3.5)."""
-    logits = logits / jnp.asarray(temperature, logits.dtype)  # at T = 1 XLA drops it: x / 1 = x
+    logits = logits / jnp.asarray(temperature, logits.dtype)  # x / 1 = x exactly: T = 1 costs no bits
     return jax.nn.log_softmax(logits, axis=-1)
 
 
