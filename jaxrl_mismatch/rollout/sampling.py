@@ -3,10 +3,12 @@
 TRL #6789: with top-p or top-k an engine's log-probs are normalised over the kept tokens only, while a
 trainer that recomputes log π over the full vocabulary gets a different quantity, so ρ = π/μ is biased
 even with identical weights. We make the two sides comparable by construction: the JAX engine samples
-from `processed_logprobs` and reports the sampled token's value, and the trainer applies
-`token_logprobs_processed` to its own logits with the same settings. With identical logits the two are
-bitwise equal (same function, same mask), so any remaining difference is numerical mismatch, not a
-definitional one. docs/rollout.md explains the choice.
+from `processed_logprobs` and reports the sampled token's value and its kept-set size; the trainer
+renormalises its own π over the same number of most likely tokens (`models.truncation`, inside the jitted
+step). `token_logprobs_processed` is the same quantity rebuilt from settings alone — the reference the
+tests hold an engine's processed log-probs to (vLLM, which returns no kept sets). With identical logits
+the two are bitwise equal (same function, same mask), so any remaining difference is numerical mismatch,
+not a definitional one. docs/rollout.md explains the choice.
 
 The masks are defined by *value thresholds*, not by sort positions: top-k keeps every token whose scaled
 logit is >= the k-th largest, top-p keeps every token whose scaled logit is >= the smallest logit of the
