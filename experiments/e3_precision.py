@@ -1,8 +1,9 @@
 """E3 — does precision change the *outcome*? The FP16 paper's sanity matrix at CPU scale (its §4, Fig. 3).
 
     jaxrl-mismatch compare experiments/e3_precision.py:ppo        # one grid per algorithm (ALGORITHMS below):
-    jaxrl-mismatch compare experiments/e3_precision.py:pg_seq_is  #   bf16 / fp16 / fp32, 5 paired seeds
-    jaxrl-mismatch compare experiments/e3_precision.py:exact      # bf16 vs bf16 + rollout.exact (PPO), 5 seeds
+    jaxrl-mismatch compare experiments/e3_precision.py:pg_seq_is  #   bf16 / fp16 / fp32, 5 paired seeds, LR 1e-4
+    jaxrl-mismatch compare experiments/e3_precision.py:ppo@3e-4   # the same grid at another LR
+    jaxrl-mismatch compare experiments/e3_precision.py:exact@3e-4 # bf16 vs bf16 + rollout.exact (PPO), 5 seeds
 
 The FP16 paper trains each of its algorithms in BF16 and FP16 (trainer and rollout engine in the same
 precision) and finds the outcome differs: BF16 runs collapse, FP16 ones keep improving, FP16 PG-seq-IS does
@@ -30,7 +31,13 @@ compilation per new shape: ~35 min per algorithm grid and ~35 min for the exact 
 when the machine is otherwise idle (the arith_long_base warm start first: 6.5 min). Resumable.
 """
 
-LR = 3e-4
+LR = 1e-4
+# The first grids (ppo, exact) ran at 3e-4, where every arm — fp32 included — degrades from step 0
+# (docs/experiments.md, E3). A 1-seed, 30-step fp32 probe at 1e-4, 3e-5 and 1e-4 with one minibatch kept
+# validation within 0.56–0.61 of its 0.574 start and the training reward rising 0.57 → ~0.67, so 1e-4 is the
+# grids' LR. A grid at another LR is named `<grid>@<lr>`; its directory carries the LR unless it is 3e-4,
+# the LR the first two grids' directories were made with.
+FIRST_LR = 3e-4
 STEPS, EXACT_STEPS = 60, 40
 MAX_TOKENS = 64  # configs/arith_length_cpu.py:long (responses ~28 tokens); Dr.GRPO's L
 ALGORITHMS = {
@@ -53,16 +60,24 @@ PRECISIONS = {
 
 
 def get_spec(grid: str = "ppo"):
+    grid, at, lr_text = grid.partition("@")
     if grid not in (*ALGORITHMS, "exact"):
-        raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact")
+        raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact (optionally @LR)")
+    try:
+        lr = float(lr_text) if at else LR
+    except ValueError:
+        raise ValueError(f"grid {grid}@{lr_text}: the LR after '@' is not a number") from None
+    if not lr > 0:
+        raise ValueError(f"grid {grid}@{lr_text}: the LR must be > 0")
+    name = f"e3_precision_{grid}" if lr == FIRST_LR else f"e3_precision_{grid}_lr{lr:g}"
     algo = dict(ALGORITHMS["ppo" if grid == "exact" else grid])
     if algo["objective.preset"].startswith("drgrpo"):
         algo["objective.overrides.max_len"] = MAX_TOKENS
     precisions = ("bf16", "bf16_exact") if grid == "exact" else ("bf16", "fp16", "fp32")
     return {
-        "name": f"e3_precision_{grid}",
+        "name": name,
         "config": "configs/arith_length_cpu.py:long",
-        "overrides": {"steps": EXACT_STEPS if grid == "exact" else STEPS, "optim.lr": LR,
+        "overrides": {"steps": EXACT_STEPS if grid == "exact" else STEPS, "optim.lr": lr,
                       "rollout.max_tokens": MAX_TOKENS, "batch.prompts_per_step": 8, "batch.minibatches": 4,
                       "batch.microbatches": 1, "eval.every": 10, "log.report": False, "checkpoint.every": 20, **algo},
         "variants": {p: PRECISIONS[p] for p in precisions},
@@ -71,6 +86,6 @@ def get_spec(grid: str = "ppo"):
         # fp32 has less mismatch than fp16 (~1e-7 vs ~2e-4): if fp16's outcome comes from its small mismatch,
         # fp32 does at least as well.
         "controls": {} if grid == "exact" else {"fp16": "fp32"},
-        "out": f"runs/compare/e3_precision_{grid}",
+        "out": f"runs/compare/{name}",
         "collapse": {"metric": "reward/mean", "frac": 0.5, "window": 10, "patience": 10},
     }

@@ -35,7 +35,7 @@ def _module(name: str):
 
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
-         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact"])]
+         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact"]), "e3_precision.py:ppo@3e-4"]
 
 
 def _known(key: str) -> bool:
@@ -134,3 +134,13 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
     assert exact["bf16_exact"]["rollout.exact"] is True
     with pytest.raises(ValueError, match="unknown grid 'grpo'"):
         m.get_spec("grpo")
+    # `@LR` changes only the LR and the directory; the first grids' directories (3e-4) keep their names.
+    at = m.get_spec("ppo@3e-4")
+    assert at["overrides"]["optim.lr"] == 3e-4 and at["out"] == "runs/compare/e3_precision_ppo"
+    default = m.get_spec("ppo")
+    assert default["overrides"]["optim.lr"] == m.LR and default["out"] == f"runs/compare/e3_precision_ppo_lr{m.LR:g}"
+    assert {k: x for k, x in at["overrides"].items() if k != "optim.lr"} == {
+        k: x for k, x in default["overrides"].items() if k != "optim.lr"}
+    for bad, msg in (("ppo@fast", "not a number"), ("ppo@0", "must be > 0")):
+        with pytest.raises(ValueError, match=msg):
+            m.get_spec(bad)
