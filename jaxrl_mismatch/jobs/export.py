@@ -22,6 +22,7 @@ import sys
 from typing import Sequence
 
 from jaxrl_mismatch.outputs import check_out_dir, staged_dir
+from jaxrl_mismatch.rollout.engine import ENGINE_DTYPES
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="directory to write the HF checkpoint to: new, empty, or an earlier export (with --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export (never other files)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    p.add_argument("--dtype", choices=ENGINE_DTYPES, default="float32",
                    help="dtype of the written weights (the trainer's master weights are float32)")
     p.add_argument("--base", default=None, help="base checkpoint dir (default: the run's config.model.path)")
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -23,6 +23,7 @@ from jaxrl_mismatch.data.jsonl import write_jsonl
 from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.rollout import SamplingSpec
+from jaxrl_mismatch.rollout.engine import ENGINE_DTYPES
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.outputs import check_out_file
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, host_port
@@ -45,7 +46,7 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--max-tokens", type=int, default=None, help="response limit (default: the config's rollout.max_tokens)")
     p.add_argument("--temperature", type=float, default=None, help="default: the config's, else 1.0")
     p.add_argument("--engine", choices=("jax", "vllm"), default=None)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--dtype", choices=ENGINE_DTYPES, default=None)
     p.add_argument("--address", default=None, help="host:port of a running rollout server (else start one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output JSONL (a new file, or an existing one with --force)")

@@ -12,6 +12,11 @@ import dataclasses
 
 import numpy as np
 
+# The dtype names an engine computes in. Written out here (not taken from `precision.DTYPES`, which must
+# equal it: tests/rollout/test_engine_dtypes.py) because the server and the vLLM engine import this module
+# without importing JAX.
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingSpec:

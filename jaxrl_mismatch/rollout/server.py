@@ -50,6 +50,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, port
 from jaxrl_mismatch.rollout.engine import (
+    ENGINE_DTYPES,
     Engine,
     EngineUnusableError,
     NonFiniteLogprobsError,
@@ -327,7 +328,7 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="jaxrl-mismatch serve", description="gRPC rollout server")
     p.add_argument("--engine", choices=("jax", "vllm"), default="jax")
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=ENGINE_DTYPES, default="float32")
     p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
                    help="serve weight-quantized linear layers (models/quantize.py; vllm: fp8 only); pushes are "
                         "quantized on arrival")

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from jaxrl_mismatch.rollout.engine import (
+    ENGINE_DTYPES,
     Completion,
     Engine,
     EngineInfo,
@@ -53,7 +54,6 @@ from jaxrl_mismatch.rollout.engine import (
 )
 from jaxrl_mismatch.usage import UsageError
 
-DTYPES = ("float32", "bfloat16", "float16")
 # vLLM treats temperature < 1e-5 as greedy (vllm.sampling_params._SAMPLING_EPS).
 VLLM_GREEDY_TEMPERATURE = 1e-5
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -225,8 +225,8 @@ class VLLMEngine(Engine):
         quantize: str = "none",
     ):
         check_quantize(quantize)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(ENGINE_DTYPES)}, got {dtype!r}")
         model_dir = os.fspath(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:
             hf_config = json.load(f)

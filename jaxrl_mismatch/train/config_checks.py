@@ -19,7 +19,7 @@ from jaxrl_mismatch.usage import UsageError, host_port
 
 _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
-    "rollout.dtype": ("float32", "bfloat16", "float16"),
+    "rollout.dtype": precision.DTYPES,
     "rollout.quantize": ("none", "int8", "fp8"),
     "rollout.weight_transport": ("auto", "shm", "grpc"),
     "trainer.precision": precision.PRESETS,
