@@ -1,11 +1,13 @@
-"""JSONL writing shared by the dataset tools (kept free of TFDS so samplers and filters import fast)."""
+"""JSONL reading and writing shared by the dataset tools and `analyze` (kept free of TFDS so samplers and
+filters import fast)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from jaxrl_mismatch.outputs import staged_file
+from jaxrl_mismatch.usage import UsageError
 
 
 def write_jsonl(records: Sequence[Mapping], path: str) -> None:
@@ -14,3 +16,37 @@ def write_jsonl(records: Sequence[Mapping], path: str) -> None:
     with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
+
+
+def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) of each non-blank line of a JSONL file; a line that is not JSON is a
+    `UsageError` naming the flag, file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{flag} {path}:{lineno}: not JSON ({e.msg})") from None
+
+
+def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tuple[list[dict], list[dict]]:
+    """(uniform records {prompt_text, answer}, the original JSON objects) of a file-backed task's JSONL, in
+    file order, at most `num` (0: all) — what `perfectible` filters and `analyze rollouts --task` samples."""
+    from jaxrl_mismatch.data.math_datasets import CONVERTERS, DataFormatError
+
+    fmt = {"arithmetic_prompts": "prompts"}.get(task, task)
+    if fmt not in CONVERTERS:
+        raise UsageError(f"--task {task}: not a file-backed task; valid: arithmetic, {', '.join(sorted(CONVERTERS))}")
+    records, originals = [], []
+    for lineno, obj in iter_jsonl(path, flag):
+        try:
+            text, answer, _ = CONVERTERS[fmt](obj, f"{path}:{lineno}")
+        except DataFormatError as e:
+            raise UsageError(f"{flag} {e}") from None
+        records.append({"prompt_text": text, "answer": answer})
+        originals.append(obj)
+        if num and len(records) == num:
+            break
+    return records, originals

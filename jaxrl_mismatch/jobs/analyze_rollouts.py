@@ -156,23 +156,18 @@ def _seq_log_ratio(dump: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]
 
 def read_prompt_ids(path: str, vocab_size: int, limit: int) -> list[list[int]]:
     """`--prompt-ids` JSONL: one prompt a line, a JSON list of token ids (or {"prompt_ids": [...]})."""
+    from jaxrl_mismatch.data.jsonl import iter_jsonl
+
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"--prompt-ids {path}:{lineno}: not JSON ({e.msg})") from None
-            ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
-            if (not isinstance(ids, list) or not ids
-                    or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
-                raise UsageError(f"--prompt-ids {path}:{lineno}: expected a non-empty JSON list of token ids in "
-                                 f"[0, {vocab_size})")
-            prompts.append(ids)
-            if len(prompts) == limit:
-                break
+    for lineno, obj in iter_jsonl(path, "--prompt-ids"):
+        ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):
+            raise UsageError(f"--prompt-ids {path}:{lineno}: expected a non-empty JSON list of token ids in "
+                             f"[0, {vocab_size})")
+        prompts.append(ids)
+        if len(prompts) == limit:
+            break
     if not prompts:
         raise UsageError(f"--prompt-ids {path}: no prompts in the file")
     return prompts
@@ -199,11 +194,11 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
                 spec = json.load(f).get("spec", {})
         texts = [r["prompt_text"] for r in task.load(a.split, n=a.num_prompts, seed=a.seed, **spec)]
     else:
-        from jaxrl_mismatch.jobs.perfectible import _file_records
+        from jaxrl_mismatch.data.jsonl import read_task_file
 
         if not a.file:
             raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
-        texts = [r["prompt_text"] for r in _file_records(a.task, existing_file("--file", a.file), a.num_prompts)[0]]
+        texts = [r["prompt_text"] for r in read_task_file(a.task, existing_file("--file", a.file), a.num_prompts)[0]]
     if not texts:
         raise UsageError(f"--task {a.task}: no prompts")
     ids = tokenize_prompts(tok, texts, template=a.template or task.template)

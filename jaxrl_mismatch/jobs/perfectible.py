@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from jaxrl_mismatch.data import get_task
 from jaxrl_mismatch.data.batching import tokenize_prompts
-from jaxrl_mismatch.data.jsonl import write_jsonl
+from jaxrl_mismatch.data.jsonl import read_task_file, write_jsonl
 from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.rollout import SamplingSpec
@@ -98,32 +98,6 @@ def parse_args(argv: Sequence[str]):
     return a
 
 
-def _file_records(task: str, path: str, num: int) -> tuple[list[dict], list[dict]]:
-    """(uniform records, the original JSON objects) of a file-backed task's JSONL, in file order."""
-    from jaxrl_mismatch.data.math_datasets import CONVERTERS, DataFormatError
-
-    fmt = {"arithmetic_prompts": "prompts"}.get(task, task)
-    if fmt not in CONVERTERS:
-        raise UsageError(f"--task {task}: not a file-backed task; valid: arithmetic, {', '.join(sorted(CONVERTERS))}")
-    records, originals = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                text, answer, _ = CONVERTERS[fmt](obj, f"{path}:{lineno}")
-            except json.JSONDecodeError as e:
-                raise UsageError(f"--file {path}:{lineno}: not JSON ({e.msg})") from None
-            except DataFormatError as e:
-                raise UsageError(f"--file {e}") from None
-            records.append({"prompt_text": text, "answer": answer})
-            originals.append(obj)
-            if num and len(records) == num:
-                break
-    return records, originals
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     task = get_task(a.task) if a.task in _tasks() else None
@@ -139,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if not a.file:
             raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
-        records, originals = _file_records(a.task, existing_file("--file", a.file), a.num)
+        records, originals = read_task_file(a.task, existing_file("--file", a.file), a.num)
     tok = load_tokenizer(a.model)
     template = a.template or task.template
     calls = {"n": 0}
