@@ -8,8 +8,8 @@ bash scripts/setup_env.sh test
 set +e
 # Two workers, whole files per worker (module fixtures stay shared): the tests spend much of their time in
 # single-threaded start-up, compilation and server round trips, so 2 workers use 2 cores (measured: 14 min
-# vs 23 min serially). `-n 0` (given after, it wins) runs serially.
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# vs 23 min serially). `-n 0` (given after, it wins) runs serially. --durations lists the 25 slowest tests.
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

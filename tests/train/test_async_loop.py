@@ -27,13 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
-    from jaxrl_mismatch.jobs import warmstart
-
-    out = tmp_path_factory.mktemp("base") / "ckpt"
-    assert warmstart.main(["--out", str(out), "--steps", "40", "--num-eval", "0", "--hidden", "32", "--heads", "2",
-                           "--kv-heads", "1", "--intermediate", "64", "--layers", "1", "--num-train", "500"]) == 0
-    return out
+def base_model(tiny_base_model) -> Path:
+    """The session's shared tiny warm start (tests/conftest.py): the same arguments this file used to train."""
+    return tiny_base_model
 
 
 def config(model: Path, run_dir: Path, **rollout):
