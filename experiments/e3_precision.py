@@ -1,9 +1,10 @@
 """E3 — does precision change the *outcome*? The FP16 paper's sanity matrix at CPU scale (its §4, Fig. 3).
 
-    jaxrl-mismatch compare experiments/e3_precision.py:ppo        # one grid per algorithm (ALGORITHMS below):
-    jaxrl-mismatch compare experiments/e3_precision.py:pg_seq_is  #   bf16 / fp16 / fp32, 5 paired seeds, LR 1e-4
-    jaxrl-mismatch compare experiments/e3_precision.py:ppo@3e-4   # the same grid at another LR
-    jaxrl-mismatch compare experiments/e3_precision.py:exact@3e-4 # bf16 vs bf16 + rollout.exact (PPO), 5 seeds
+    jaxrl-mismatch compare experiments/e3_precision.py:ppo            # one grid per algorithm (ALGORITHMS):
+    jaxrl-mismatch compare experiments/e3_precision.py:pg_seq_is      #   bf16 / fp16 / fp32, 5 paired seeds
+    jaxrl-mismatch compare experiments/e3_precision.py:ppo@1e-4       # the same grid at another LR
+    jaxrl-mismatch compare experiments/e3_precision.py:long_ppo       # on the :long task (responses ~28 tokens)
+    jaxrl-mismatch compare experiments/e3_precision.py:long_exact     # bf16 vs bf16 + rollout.exact (PPO), :long
 
 The FP16 paper trains each of its algorithms in BF16 and FP16 (trainer and rollout engine in the same
 precision) and finds the outcome differs: BF16 runs collapse, FP16 ones keep improving, FP16 PG-seq-IS does
@@ -11,35 +12,34 @@ best (Fig. 3). The shipped precision grid (experiments/precisions.py, 1 seed) me
 pair but not the outcome. Here each grid is one algorithm in three precisions, paired against `bf16`:
 
 - `bf16` / `fp16`: trainer and engine both in that precision (fp16 with dynamic loss scaling);
-- `fp32`: both sides float32 (mismatch ~1e-7).
+- `fp32`: both sides float32 (mismatch ~1e-7): the control for "fp16 wins because its mismatch is small".
 
 and the `exact` grid separates bf16's *rounding* from its *mismatch*: `bf16_exact` samples from the
 trainer's own bf16 π(θ_old) (`rollout.exact`, VeXact review) — the same arithmetic with zero mismatch. It
-is its own, shorter grid because exact sampling is slow on CPU (smoke run: 16–25 s per step against ~2 s).
+is its own, shorter grid because exact sampling is slow on CPU.
 
 Algorithms: the paper's eqs. 3–10 as presets (objectives/policy.py). The GRPO family is the paper's Dr.GRPO
 form (mean baseline, per-sequence token sum over the constant L = max response length, clip-higher 0.28,
-C = 3, §4.1); PG-seq-* are eqs. 5–7; GSPO its own clip. 4 optimizer steps per rollout batch, as §4.1.
-The paper's sanity metric is the *training* reward on its perfectible set, so collapse is judged on
-`reward/mean` (10-step trailing median, half its peak, 10 steps).
+C = 3, §4.1); PG-seq-* are eqs. 5–7; GSPO its own clip. The paper's sanity metric is the *training* reward
+on its perfectible set, so collapse is judged on `reward/mean` (10-step trailing median, half its peak, 10 steps).
 
-Longer responses (`configs/arith_length_cpu.py:long`: 4–6 operands, full scratchpads of ~28 tokens, 57 %
-initial accuracy at T = 1 — the paper's perfectible band) because a sequence's mismatch accumulates over
-its tokens. 8 prompts × 8 samples per step. Sized from 1-seed 6-step smoke runs of this spec on this
-2-core machine (docs/experiments.md, "Sizing"): bf16 ~0.9 s per step, exact 6–11 s, plus ~45 s of
-compilation per new shape: ~35 min per algorithm grid and ~35 min for the exact grid, two runs at a time
-when the machine is otherwise idle (the arith_long_base warm start first: 6.5 min). Resumable.
+Two task settings (configs/arith_length_cpu.py), because the first one tried does not learn:
+- `long_*` (the first grids, run 2026-11-25): the `:long` task (4–6 operands, full scratchpads of ~28
+  tokens, 57 % at T = 1 before training — the paper's perfectible band), 8 prompts × 8 samples, 4 optimizer
+  steps per batch (§4.1), 60 steps. At lr 3e-4 every arm, fp32 included, degrades from step 0; at 1e-4
+  (`long_ppo@1e-4`) no arm moves: validation 0.577 → 0.55–0.57, training reward flat (docs/experiments.md).
+- default (short): the experiments' default task, on which E0–E2 runs learn (validation ~0.1 → ~0.5 in
+  80–100 steps at 3e-4 in E1), 16 prompts × 8 samples, the config's 2 optimizer steps per batch, 80 steps,
+  lr 3e-4 (E1's high LR, learning without mismatch). Responses are shorter (~16–20 tokens), so bf16's
+  per-sequence mismatch is smaller than the paper's — the trade for runs that learn.
+Sizing: ~2 min per run here, two at a time: ~15–20 min per short grid. Resumable.
 """
 
-LR = 1e-4
-# The first grids (ppo, exact) ran at 3e-4, where every arm — fp32 included — degrades from step 0
-# (docs/experiments.md, E3). A 1-seed, 30-step fp32 probe at 1e-4, 3e-5 and 1e-4 with one minibatch kept
-# validation within 0.56–0.61 of its 0.574 start and the training reward rising 0.57 → ~0.67, so 1e-4 is the
-# grids' LR. A grid at another LR is named `<grid>@<lr>`; its directory carries the LR unless it is 3e-4,
-# the LR the first two grids' directories were made with.
-FIRST_LR = 3e-4
-STEPS, EXACT_STEPS = 60, 40
-MAX_TOKENS = 64  # configs/arith_length_cpu.py:long (responses ~28 tokens); Dr.GRPO's L
+LR = 3e-4  # every grid's default; `GRID@LR` runs it at another LR
+LONG_LR = 3e-4  # the LR the :long grids' directories were made with: another LR is part of their name
+STEPS, LONG_STEPS, EXACT_STEPS = 80, 60, 40
+LONG_MAX_TOKENS = 64  # configs/arith_length_cpu.py:long (responses ~28 tokens); Dr.GRPO's L
+MAX_TOKENS = 48  # the default task's rollout.max_tokens (responses ~16–20 tokens)
 ALGORITHMS = {
     # FP16 paper eq. 8 (+ footnote 1: Dr.GRPO) with clip-higher 0.28 (§4.1): "GRPO" / PPO without correction.
     "ppo": {"objective.preset": "drgrpo", "objective.overrides.eps_high": 0.28},
@@ -61,31 +61,43 @@ PRECISIONS = {
 
 def get_spec(grid: str = "ppo"):
     grid, at, lr_text = grid.partition("@")
-    if grid not in (*ALGORITHMS, "exact"):
-        raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact (optionally @LR)")
+    long = grid.startswith("long_")
+    algo_name = grid.removeprefix("long_")
+    if algo_name not in ALGORITHMS and grid != "long_exact":
+        raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, the same with long_, long_exact "
+                         f"(each optionally @LR)")
     try:
         lr = float(lr_text) if at else LR
     except ValueError:
         raise ValueError(f"grid {grid}@{lr_text}: the LR after '@' is not a number") from None
     if not lr > 0:
         raise ValueError(f"grid {grid}@{lr_text}: the LR must be > 0")
-    name = f"e3_precision_{grid}" if lr == FIRST_LR else f"e3_precision_{grid}_lr{lr:g}"
-    algo = dict(ALGORITHMS["ppo" if grid == "exact" else grid])
+    exact = algo_name == "exact"
+    algo = dict(ALGORITHMS["ppo" if exact else algo_name])
+    max_tokens = LONG_MAX_TOKENS if long else MAX_TOKENS
     if algo["objective.preset"].startswith("drgrpo"):
-        algo["objective.overrides.max_len"] = MAX_TOKENS
-    precisions = ("bf16", "bf16_exact") if grid == "exact" else ("bf16", "fp16", "fp32")
+        algo["objective.overrides.max_len"] = max_tokens
+    if long:
+        name = f"e3_precision_{algo_name}" + ("" if lr == LONG_LR else f"_lr{lr:g}")
+        setting = {"steps": EXACT_STEPS if exact else LONG_STEPS, "rollout.max_tokens": max_tokens,
+                   "batch.prompts_per_step": 8, "batch.minibatches": 4, "batch.microbatches": 1}
+    else:
+        name = f"e3_short_{algo_name}" + ("" if lr == LR else f"_lr{lr:g}")
+        setting = {"steps": STEPS}  # the task config's batch: 16 prompts × 8, 2 minibatches, 2 microbatches
+    precisions = ("bf16", "bf16_exact") if exact else ("bf16", "fp16", "fp32")
     return {
         "name": name,
-        "config": "configs/arith_length_cpu.py:long",
-        "overrides": {"steps": EXACT_STEPS if grid == "exact" else STEPS, "optim.lr": lr,
-                      "rollout.max_tokens": MAX_TOKENS, "batch.prompts_per_step": 8, "batch.minibatches": 4,
-                      "batch.microbatches": 1, "eval.every": 10, "log.report": False, "checkpoint.every": 20, **algo},
+        "config": "configs/arith_length_cpu.py" + (":long" if long else ""),
+        # (the order of the overrides is the order of the train command's flags: the :long grids' runs were
+        # made with steps, optim.lr, then the batch, and `compare` resumes a run only under the same command)
+        "overrides": {"steps": setting.pop("steps"), "optim.lr": lr, **setting, "eval.every": 10, "log.report": False,
+                      "checkpoint.every": 20, **algo},
         "variants": {p: PRECISIONS[p] for p in precisions},
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "bf16",
         # fp32 has less mismatch than fp16 (~1e-7 vs ~2e-4): if fp16's outcome comes from its small mismatch,
         # fp32 does at least as well.
-        "controls": {} if grid == "exact" else {"fp16": "fp32"},
+        "controls": {} if exact else {"fp16": "fp32"},
         "out": f"runs/compare/{name}",
         "collapse": {"metric": "reward/mean", "frac": 0.5, "window": 10, "patience": 10},
     }

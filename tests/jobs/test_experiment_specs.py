@@ -35,7 +35,7 @@ def _module(name: str):
 
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
-         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact"]), "e3_precision.py:ppo@3e-4"]
+         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "long_ppo", "long_exact", "long_ppo@1e-4"])]
 
 
 def _known(key: str) -> bool:
@@ -121,26 +121,35 @@ def test_e0_control_runs_at_the_trigger_s_mean_lr():
 def test_e3_grids_compare_precisions_of_one_algorithm():
     m = _module("e3_precision")
     for algorithm in m.ALGORITHMS:
-        spec = m.get_spec(algorithm)
-        assert list(spec["variants"]) == ["bf16", "fp16", "fp32"]
-        # Trainer and engine in the same precision in every arm; the algorithm is in the shared overrides.
-        assert [(v["trainer.precision"], v["rollout.dtype"]) for v in spec["variants"].values()] == [
-            ("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")]
-        assert not any(k.startswith("objective.") for v in spec["variants"].values() for k in v)
-        if spec["overrides"]["objective.preset"].startswith("drgrpo"):
-            assert spec["overrides"]["objective.overrides.max_len"] == spec["overrides"]["rollout.max_tokens"]
-    exact = m.get_spec("exact")["variants"]
+        for grid in (algorithm, f"long_{algorithm}"):
+            spec = m.get_spec(grid)
+            assert list(spec["variants"]) == ["bf16", "fp16", "fp32"]
+            # Trainer and engine in the same precision in every arm; the algorithm is in the shared overrides.
+            assert [(v["trainer.precision"], v["rollout.dtype"]) for v in spec["variants"].values()] == [
+                ("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")]
+            assert not any(k.startswith("objective.") for v in spec["variants"].values() for k in v)
+            assert spec["controls"] == {"fp16": "fp32"}
+            if spec["overrides"]["objective.preset"].startswith("drgrpo"):
+                max_tokens = spec["overrides"].get("rollout.max_tokens", m.MAX_TOKENS)
+                assert spec["overrides"]["objective.overrides.max_len"] == max_tokens
+    exact = m.get_spec("long_exact")["variants"]
     assert {k: x for k, x in exact["bf16_exact"].items() if k != "rollout.exact"} == exact["bf16"]
     assert exact["bf16_exact"]["rollout.exact"] is True
     with pytest.raises(ValueError, match="unknown grid 'grpo'"):
         m.get_spec("grpo")
-    # `@LR` changes only the LR and the directory; the first grids' directories (3e-4) keep their names.
-    at = m.get_spec("ppo@3e-4")
-    assert at["overrides"]["optim.lr"] == 3e-4 and at["out"] == "runs/compare/e3_precision_ppo"
-    default = m.get_spec("ppo")
-    assert default["overrides"]["optim.lr"] == m.LR and default["out"] == f"runs/compare/e3_precision_ppo_lr{m.LR:g}"
+    with pytest.raises(ValueError, match="unknown grid 'exact'"):
+        m.get_spec("exact")  # exact sampling runs only on the :long grid
+    # The default task and the :long one differ in config and batch, not in the algorithm.
+    short, long = m.get_spec("ppo"), m.get_spec("long_ppo")
+    assert short["config"] == "configs/arith_length_cpu.py" and long["config"].endswith(":long")
+    assert short["out"] == "runs/compare/e3_short_ppo" and long["out"] == "runs/compare/e3_precision_ppo"
+    # `@LR` changes only the LR and the directory; the first :long grids' directories (3e-4) keep their names.
+    at = m.get_spec("long_ppo@1e-4")
+    assert at["overrides"]["optim.lr"] == 1e-4 and at["out"] == "runs/compare/e3_precision_ppo_lr0.0001"
+    assert long["overrides"]["optim.lr"] == m.LONG_LR
     assert {k: x for k, x in at["overrides"].items() if k != "optim.lr"} == {
-        k: x for k, x in default["overrides"].items() if k != "optim.lr"}
+        k: x for k, x in long["overrides"].items() if k != "optim.lr"}
+    assert m.get_spec("ppo@1e-4")["out"] == "runs/compare/e3_short_ppo_lr0.0001"
     for bad, msg in (("ppo@fast", "not a number"), ("ppo@0", "must be > 0")):
         with pytest.raises(ValueError, match=msg):
             m.get_spec(bad)
