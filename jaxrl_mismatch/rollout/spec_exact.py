@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,9 @@ class SpecStats:
     drafted: int = 0  # draft tokens produced
     verified: int = 0  # draft tokens compared with the exact sampler's choice
     accepted: int = 0  # draft tokens equal to the exact sampler's choice
+    draft_s: float = 0.0  # wall seconds in the draft program (dispatch to results on the host)
+    verify_s: float = 0.0  # wall seconds in the exact verify programs (dispatch to results on the host)
+    total_s: float = 0.0  # wall seconds of the whole call; total − draft − verify is host work
 
     @property
     def acceptance_rate(self) -> float:
@@ -81,6 +85,7 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
     """Same contract and same bits as `exact_sampler.sample_exact` (prompt i draws its randomness as prompt
     `prompt_offset + i`, as there), plus the draft/verify counters and, with top-k/top-p, each sampled token's
     kept-set size `[R, max_tokens]` (else None)."""
+    t_call = time.perf_counter()
     n = len(rows)
     filtering = top_k > 0 or top_p < 1.0
     trunc = dict(top_k=top_k, top_p=top_p, filtering=filtering)
@@ -103,7 +108,7 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
         stats.rounds += 1
         draft, draft_len = _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, key_of, sample_of,
                                   max_tokens=max_tokens, temperature=temperature, sigma=logit_noise_std,
-                                  stop=stop, base_key=base_key, inject=inject, **trunc)
+                                  stop=stop, base_key=base_key, inject=inject, stats=stats, **trunc)
         stats.drafted += int(draft_len.sum())
         for length in np.unique(canon[active]):
             members = active[canon[active] == length]
@@ -112,7 +117,7 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
                                                       prompt_of, key_of,
                                           sample_of, draft[picks], draft_len[picks], length=int(length),
                                           temperature=temperature, sigma=logit_noise_std, base_key=base_key,
-                                          inject=inject, **trunc)
+                                          inject=inject, stats=stats, **trunc)
             stats.exact_forwards += len(members)
             for k, r in enumerate(members):
                 t0, p = int(settled[r]), len(prompts[prompt_of[r]])
@@ -131,11 +136,12 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
                     settled[r] = t0 + hit[0] + 1
                     stopped[r] = True
         active = active[(~stopped[active]) & (settled[active] < max_tokens)]
+    stats.total_s = time.perf_counter() - t_call
     return tokens, logps, settled, stopped, stats, (kept if filtering else None)
 
 
 def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, key_of, sample_of, *, max_tokens,
-           temperature, sigma, stop, base_key, inject, top_k, top_p, filtering):
+           temperature, sigma, stop, base_key, inject, top_k, top_p, filtering, stats):
     """KV-cache draft of every active row from its first unsettled position (tokens [A, ≤max], lengths [A])."""
     a = len(active)
     ctx = [list(prompts[prompt_of[r]]) + tokens[r, : settled[r]].tolist() for r in active]
@@ -152,11 +158,13 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     for k, (r, c) in enumerate(zip(active, ctx)):
         ids[k, ctx_len - len(c):], mask[k, ctx_len - len(c):] = c, 1
         t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r], key_of[r], sample_of[r]
+    t_start = time.perf_counter()
     out = _draft_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(mask), base_key, jnp.asarray(pi),
                          jnp.asarray(sj), jnp.asarray(t0), jnp.asarray(limit), np.float32(temperature),
                          np.float32(sigma), jnp.asarray(stop), np.int32(top_k), np.float32(top_p), new_len=new_len,
                          inject=inject, filtering=filtering)
     draft, lengths = jax.device_get(out)
+    stats.draft_s += time.perf_counter() - t_start
     return draft[:a], lengths[:a]
 
 
@@ -189,7 +197,7 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
 
 
 def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft, draft_len, *,
-            length, temperature, sigma, base_key, inject, top_k, top_p, filtering):
+            length, temperature, sigma, base_key, inject, top_k, top_p, filtering, stats):
     """The exact sampler's token and log-prob at every position of each member row, given its draft."""
     m = len(members)
     padded = _bucket(m, 1)
@@ -202,10 +210,12 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
         p = prompts[prompt_of[r]]
         row = list(p) + tokens[r, : settled[r]].tolist() + draft[k, : draft_len[k]].tolist()
         ids[k, : len(row)], n_valid[k], n_prompt[k], pi[k], sj[k] = row, len(row), len(p), key_of[r], sample_of[r]
+    t_start = time.perf_counter()
     out = _verify_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(n_valid), jnp.asarray(n_prompt),
                           base_key, jnp.asarray(pi), jnp.asarray(sj), np.float32(temperature), np.float32(sigma),
                           np.int32(top_k), np.float32(top_p), inject=inject, filtering=filtering)
     tok, lp, kept = jax.device_get(out)
+    stats.verify_s += time.perf_counter() - t_start
     return tok[:m], lp[:m], kept[:m]
 
 

@@ -15,8 +15,9 @@ value is the exact program's bits (x − x = 0 exactly for finite x) and whose g
 batched forward's — the gradient of the same function of θ, differing only by rounding, at the cost of one
 extra forward-only pass of the exact program per update (benchmarks/update_step.py).
 
-A batch `[B, S]` holds rows of different canonical lengths (the next power of two ≥ prompt + max_tokens).
-The lengths a row of this batch can have are a short static list (`candidate_lengths`); each row picks its
+A batch `[B, S]` holds rows of different canonical lengths (prompt + max_tokens rounded up on
+`models.exact.canonical_length`'s ladder). The lengths a row of this batch can have are a short static list
+(`candidate_lengths`: ≤ `LADDER_STEPS` per doubling of prompt + max_tokens, compiled once); each row picks its
 own with `lax.switch` inside `lax.map` over rows (batch 1), and is sliced or zero-padded to it exactly as
 `models.exact.score_exact` does on the host. Microbatches split rows, which changes nothing per row; packed
 rows would put several sequences in one forward and are refused (`train/config.py`).

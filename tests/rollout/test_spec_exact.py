@@ -33,6 +33,7 @@ def test_speculative_equals_reference_bitwise(tiny_checkpoints, dtype):
         assert _flat(a) == _flat(b), kw  # list equality of float32 log-probs: bit for bit
     st = fast.exact_stats
     assert st.rounds >= 2 and st.exact_forwards >= 2 * 16 and 0 < st.accepted <= st.verified <= st.drafted
+    assert 0 < st.draft_s and 0 < st.verify_s and st.draft_s + st.verify_s <= st.total_s  # the benchmark's split
     if dtype != "float32":  # the low-precision draft disagrees somewhere: the correction path ran
         assert st.accepted < st.verified
 

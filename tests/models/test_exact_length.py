@@ -1,0 +1,37 @@
+"""The exact programs' canonical lengths (`models.exact.canonical_length`): a geometric ladder of ≤ 1.25×
+steps, multiples of the LM-head chunk, with a bounded number of shapes per batch width — pinned so that a
+change of the ladder (which changes every exact program's bits and compile count) is deliberate."""
+
+from __future__ import annotations
+
+import math
+
+from jaxrl_mismatch.models.exact import EXACT_CHUNK, LADDER_STEPS, canonical_length
+from jaxrl_mismatch.train.exact_forward import candidate_lengths
+
+
+def test_ladder_values_pinned():
+    assert canonical_length(30, 48) == 80  # benchmarks/exact_engine.py's rows (78 tokens; 128 as a power of two)
+    assert [canonical_length(0, n) for n in (1, 16, 17, 64, 65, 81, 128, 129, 161, 257, 1025)] == \
+        [16, 16, 32, 64, 80, 96, 128, 160, 192, 320, 1280]
+
+
+def test_ladder_is_a_monotone_idempotent_round_up_with_bounded_padding():
+    prev = 0
+    for n in range(1, 9000):
+        c = canonical_length(n, 0)
+        assert c >= n and c % EXACT_CHUNK == 0 and c >= prev
+        assert canonical_length(c, 0) == c  # ladder values are fixed points: the smallest ladder value ≥ n
+        if n > 64:
+            assert c < 1.25 * n, n  # the power-of-two rounding padded up to 2×
+        prev = c
+
+
+def test_shapes_per_batch_width_are_bounded():
+    assert candidate_lengths(78, 48) == (64, 80, 96, 112, 128)
+    for s, m in [(78, 48), (512, 256), (1024, 1024), (4096, 2048), (8192, 512)]:
+        lengths = candidate_lengths(s, m)
+        octaves = math.ceil(math.log2((s + m) / (m + 1)))
+        assert len(lengths) <= LADDER_STEPS * octaves + 1, (s, m, lengths)
+        for p in range(1, s + 1):  # exact_forward's branch choice: the first candidate ≥ prompt + max_tokens
+            assert min(c for c in lengths if c >= p + m) == canonical_length(p, m)
