@@ -1,7 +1,7 @@
 """Asynchronous rollouts: the demo's step rate synchronous vs `rollout.max_staleness` 1 and 2, and what the
 `proximal = "bypass"` option saves in `Learner.prepare`.
 
-    .venv/bin/python benchmarks/async_rollouts.py [--steps 20] [--model runs/tiny_cpu_base] [--part all|loop|bypass]
+    .venv/bin/python benchmarks/async_rollouts.py [--steps 20] [--model runs/tiny_cpu_base] [--part all|loop|bypass|behaviour]
 
 `loop`: the demo config (`configs/tiny_cpu.py`) run through the real CLI three times in a row, one per mode —
 synchronous (`max_staleness = 0`), 1 and 2 — each for `--steps` steps without evaluation or checkpoints in
@@ -22,7 +22,13 @@ core of its own. From each run's metrics (the first `--warmup` steps, which comp
 (θ_old forward) and "naive_ppo" (proximal = "bypass": μ as π_prox, no forward), `prepare` timed
 interleaved; the saving is the median difference.
 
-Prints a table and writes docs/results/async_rollouts.{json,md}. The target (issue 20): ≥ 1.4× the
+`behaviour`: the asynchronous loop's one forward the synchronous loop does not have — π_behav, every lagged
+row scored with the weights of its version (`train/behaviour.py`) — timed on demo batches (all rows one
+version behind, as at staleness 1) through `BehaviourScorer.behav_logp` with the unpacked scorer
+(`models.scoring.make_scorer`) and with the packed one (`train/packed_scoring.py`), interleaved; the saving
+is the median difference. `prepare`'s own θ_old forward (packed) is the `bypass` part's "θ_old forward" row.
+
+Prints a table and writes docs/results/async_rollouts.{json,md} (`--out` another stem). The target (issue 20): ≥ 1.4× the
 synchronous step rate at staleness 1 on 2 cores. Timings are only meaningful on an otherwise idle machine.
 """
 
@@ -128,7 +134,62 @@ def bypass_saving(a, work: Path) -> dict:
             "saving_frac_of_prepare": (rec - byp) / rec, "repeats": a.bypass_repeats}
 
 
-def table(loop: dict, bypass: dict | None) -> str:
+def behaviour_saving(a) -> dict:
+    """Median π_behav time of `BehaviourScorer.behav_logp` on demo batches: unpacked vs packed scorer."""
+    import numpy as np
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "configs"))
+    from packing import SHAPES, make_batch
+    from tiny_cpu import get_config
+
+    from jaxrl_mismatch import precision
+    from jaxrl_mismatch.models import load_hf
+    from jaxrl_mismatch.models.scoring import make_scorer
+    from jaxrl_mismatch.train import distributed
+    from jaxrl_mismatch.train.behaviour import BehaviourScorer
+    from jaxrl_mismatch.train.learner_config import learner_config
+    from jaxrl_mismatch.train.packed_scoring import make_packed_scorer
+    from jaxrl_mismatch.train.state import split_model
+
+    c = get_config()
+    c.model.path = str(a.model)
+    c.rollout.max_staleness = 1
+    lc = learner_config(c)
+    policy = precision.policy(lc.precision, fp32_lm_head=lc.fp32_lm_head, param_dtype="float32")
+    model_cfg, model = load_hf(lc.model_path, policy=policy, mesh=lc.mesh, scan_layers=lc.scan_layers,
+                               attention_impl=lc.attention_impl)
+    graphdef, params = split_model(model)
+    kw = dict(chunk_size=lc.chunk_size, temperature=lc.temperature)
+    scorers = {}
+    for name, make in (("unpacked", make_scorer), ("packed", make_packed_scorer)):
+        forward = make(graphdef, lc.mesh, **kw)
+
+        def score(p, batch, forward=forward):  # what `Learner._score` does outside exact mode
+            logp = forward(p, np.asarray(batch.tokens), np.asarray(batch.attention_mask))[0]
+            return distributed.to_host(logp) * np.asarray(batch.response_mask)
+
+        scorers[name] = BehaviourScorer(1, score)
+        scorers[name].remember(1, params)
+        scorers[name].remember(2, params)  # the current version; rows one behind are scored with version 1
+    times: dict[str, list[float]] = {n: [] for n in scorers}
+    diff = 0.0
+    for i in range(a.bypass_repeats + 2):
+        batch = make_batch(SHAPES["demo"], model_cfg.vocab_size, seed=i)
+        batch = batch.replace(version_lag=np.ones(batch.num_rows, np.int32))
+        outs = {}
+        for n in (list(scorers) if i % 2 else list(scorers)[::-1]):
+            t0 = time.perf_counter()
+            outs[n] = scorers[n].behav_logp(batch)
+            if i >= 2:  # the first two batches compile (bucketed shapes)
+                times[n].append(time.perf_counter() - t0)
+        diff = max(diff, float(np.max(np.abs(outs["packed"] - outs["unpacked"]))))
+    unp, pk = statistics.median(times["unpacked"]), statistics.median(times["packed"])
+    return {"behav_s_unpacked": unp, "behav_s_packed": pk, "saving_s": unp - pk, "saving_frac": (unp - pk) / unp,
+            "max_abs_logp_diff": diff, "repeats": a.bypass_repeats}
+
+
+def table(loop: dict, bypass: dict | None, behaviour: dict | None = None) -> str:
     lines = []
     if loop:
         base = loop["sync"]["steps_per_s"]
@@ -143,6 +204,12 @@ def table(loop: dict, bypass: dict | None) -> str:
                   f"| θ_old forward (decoupled) | {bypass['prepare_s_recompute']:.4f} |",
                   f"| bypass (naive_ppo) | {bypass['prepare_s_bypass']:.4f} |",
                   f"| saving | {bypass['saving_s']:.4f} ({bypass['saving_frac_of_prepare']:.0%}) |"]
+    if behaviour:
+        lines += ["", "| π_behav forward (demo batch, all rows 1 version behind) | median s |", "| --- | --- |",
+                  f"| unpacked (make_scorer) | {behaviour['behav_s_unpacked']:.4f} |",
+                  f"| packed (make_packed_scorer) | {behaviour['behav_s_packed']:.4f} |",
+                  f"| saving | {behaviour['saving_s']:.4f} ({behaviour['saving_frac']:.0%}); "
+                  f"max abs log-prob difference {behaviour['max_abs_logp_diff']:.1e} |"]
     return "\n".join(lines)
 
 
@@ -151,11 +218,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per mode (the first --warmup are not timed)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"), help="the demo's warm-started policy")
-    ap.add_argument("--part", choices=("all", "loop", "bypass"), default="all")
+    ap.add_argument("--part", choices=("all", "loop", "bypass", "behaviour"), default="all")
     ap.add_argument("--bypass-repeats", type=int, default=10)
     ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine's load)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "async_rollouts"))
     a = ap.parse_args()
+    load_at_start = os.getloadavg()
     if not (Path(a.model) / "config.json").exists():
         print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start: jaxrl-mismatch train "
               "--config configs/tiny_cpu.py, or pass --model)", file=sys.stderr)
@@ -166,7 +234,7 @@ def main() -> int:
     if (os.cpu_count() or 1) < 2:
         print("error: the loop part pins trainer and server to cores 0 and 1; this machine has 1", file=sys.stderr)
         return 2
-    loop, bypass = {}, None
+    loop, bypass, behaviour = {}, None, None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if a.part in ("all", "loop"):
@@ -175,10 +243,13 @@ def main() -> int:
                 print(f"{name}: {loop[name]['steps_per_s']:.3f} steps/s", flush=True)
         if a.part in ("all", "bypass"):
             bypass = bypass_saving(a, work)
-    text = table(loop, bypass)
+        if a.part in ("all", "behaviour"):
+            behaviour = behaviour_saving(a)
+    text = table(loop, bypass, behaviour)
     print(text)
-    result = {"loop": loop, "bypass": bypass, "steps": a.steps, "warmup": a.warmup, "model": repo_relative(a.model),
-              "note": a.note, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    result = {"loop": loop, "bypass": bypass, "behaviour": behaviour, "steps": a.steps, "warmup": a.warmup, "model": repo_relative(a.model),
+              "note": a.note, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                          "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()},
               "speedup_staleness_1": (loop["staleness_1"]["steps_per_s"] / loop["sync"]["steps_per_s"]) if loop else None}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
