@@ -1,8 +1,8 @@
-"""What `trainer.packing` buys a whole RL step: `Learner.prepare` + `Learner.optimize`, packed vs unpacked.
+"""What `trainer.packing` buys a whole RL step: `Learner.step` (prepare + optimize), packed vs unpacked.
 
     .venv/bin/python benchmarks/packing.py [--shape demo|long|all] [--repeats N]     # all: ~12 min on 2 cores
 
-The loop's own path (`train.learner.Learner`), with the demo config (`configs/tiny_cpu.py`: 4 minibatches ×
+The loop's own path (`train.learner.Learner.step`), with the demo config (`configs/tiny_cpu.py`: 4 minibatches ×
 2 microbatches, token-TIS GRPO, fp32) on a random model of the demo policy's shape, twice in one process:
 `trainer.packing = False` and `True`. One step = the θ_old forward of the whole batch + 4 AdamW updates
 (forward + backward on each minibatch); with packing both run on packed rows (one group per device for
@@ -121,8 +121,7 @@ def run_shape(name: str, shape: dict, repeats: int, work: Path) -> dict:
         for k in (("unpacked", "packed") if i % 2 == 0 else ("packed", "unpacked")):
             with count_compilations("update") as cu, count_compilations("prepare") as cp:
                 t0 = time.perf_counter()
-                batch, _ = learners[k].prepare(host, seed=i)
-                stats[i][k] = learners[k].optimize(batch, seed=i)
+                stats[i][k] = learners[k].step(host, seed=i, minibatch_seed=i)  # prepare + optimize
                 dt = time.perf_counter() - t0
             if i:  # the first step compiles for certain; later ones when a new shape comes
                 times[k].append(dt)

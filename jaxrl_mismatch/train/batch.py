@@ -30,9 +30,9 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
 
 The optional fields are None when absent; a pytree with None fields has no leaves there, so jit sees a
 fixed structure per run. The fields without a default are what the rollout produces: multi-host
-broadcast sends exactly those (`ROLLOUT_FIELDS`), plus `routing` when the run collects it
-(`rollout_fields(with_routing=True)`; on the wire it travels flattened to `[B, S·L·k]`, `to_wire` /
-`from_wire`, since the broadcast moves 2-d arrays). Every process then computes the rest itself.
+broadcast sends exactly those (`ROLLOUT_FIELDS`), plus `routing` / `kept_count` when the run has them
+(`rollout_fields(with_routing=, with_kept=)`; `train.distributed.lead_computes`, which on one process is
+a plain call). Every process then computes the rest itself.
 """
 
 from __future__ import annotations
@@ -111,24 +111,6 @@ def rollout_fields(*, with_routing: bool, with_kept: bool = False) -> tuple[str,
     """The fields the rollout produces and multi-host broadcast sends: `ROLLOUT_FIELDS` (+ `routing`,
     + `kept_count` with top-k/top-p)."""
     return ROLLOUT_FIELDS + (("routing",) if with_routing else ()) + (("kept_count",) if with_kept else ())
-
-
-def to_wire(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The rollout arrays as 2-d int32/float32 (`routing` `[B, S, L, k]` flattened to `[B, S·L·k]`)."""
-    out = dict(arrays)
-    if out.get("routing") is not None:
-        r = np.asarray(out["routing"], np.int32)
-        out["routing"] = r.reshape(r.shape[0], -1)
-    return out
-
-
-def from_wire(arrays: dict[str, np.ndarray], *, routing_shape: tuple[int, int] | None) -> RolloutBatch:
-    """Inverse of `to_wire`: `routing_shape` = (sparse layers, k) of the policy, None without routing."""
-    arrays = dict(arrays)
-    if routing_shape is not None and "routing" in arrays:
-        b, s = arrays["tokens"].shape
-        arrays["routing"] = arrays["routing"].reshape(b, s, *routing_shape)
-    return RolloutBatch(**arrays)
 
 
 def routing_rows(routing: Sequence[np.ndarray], seq_len: int) -> np.ndarray:

@@ -56,6 +56,7 @@ def gather_params(params: Any) -> Any:
 
 
 _DTYPES = (np.int32, np.float32)
+_MAX_NDIM = 4  # the rollout's arrays: [B, S] tokens … [B, S, L, k] MoE routing
 
 
 class LeadFailure(RuntimeError):
@@ -97,9 +98,10 @@ def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], d
                   keys: tuple[str, ...], stat_keys: tuple[str, ...]):
     """Run `fn` (the rollout) on process 0 and broadcast its (arrays, scalars) result to every process.
 
-    `keys` / `stat_keys` fix the order on every process (the trainer passes `batch.rollout_fields(...)`). Shapes change from step to step (bucketed
-    lengths), so a header of shapes and dtypes is broadcast first; `broadcast_one_to_all` needs
-    identically shaped inputs on all processes. A failure on process 0 reaches every process.
+    `keys` / `stat_keys` fix the order on every process (the trainer passes `batch.rollout_fields(...)`).
+    Shapes change from step to step (bucketed lengths), so a header of each array's dtype and shape is
+    broadcast first (`broadcast_one_to_all` needs identically shaped inputs on all processes); the arrays
+    then travel as they are (int32/float32, up to 4-d). A failure on process 0 reaches every process.
     """
     if jax.process_count() == 1:
         return fn()
@@ -115,18 +117,20 @@ def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], d
         if error is not None:
             raise error
         raise LeadFailure("process 0 failed to produce the rollout batch (see its log)")
-    header = np.zeros((len(keys), 3), np.int32)
+    header = np.zeros((len(keys), 2 + _MAX_NDIM), np.int32)  # dtype code, ndim, shape (0-padded)
     if is_lead:
         for i, k in enumerate(keys):
-            a = arrays[k]
-            if a.ndim != 2 or a.dtype not in _DTYPES:
-                raise ValueError(f"rollout array {k!r}: need a 2-d int32/float32 array, got {a.dtype}{a.shape}")
-            header[i] = (a.shape[0], a.shape[1], _DTYPES.index(a.dtype.type))
+            a = np.asarray(arrays[k])
+            if not 1 <= a.ndim <= _MAX_NDIM or a.dtype.type not in _DTYPES:
+                raise ValueError(f"rollout array {k!r}: need a 1- to {_MAX_NDIM}-d int32/float32 array, "
+                                 f"got {a.dtype}{a.shape}")
+            header[i, :2 + a.ndim] = (_DTYPES.index(a.dtype.type), a.ndim, *a.shape)
     header = np.asarray(multihost_utils.broadcast_one_to_all(header))
     out = {}
     for i, k in enumerate(keys):
-        rows, cols, code = (int(v) for v in header[i])
-        local = arrays[k] if is_lead else np.zeros((rows, cols), _DTYPES[code])
+        code, ndim = int(header[i, 0]), int(header[i, 1])
+        shape = tuple(int(d) for d in header[i, 2:2 + ndim])
+        local = np.asarray(arrays[k]) if is_lead else np.zeros(shape, _DTYPES[code])
         out[k] = np.asarray(multihost_utils.broadcast_one_to_all(local))
     vec = np.array([stats.get(k, np.nan) for k in stat_keys] if is_lead else [0.0] * len(stat_keys), np.float32)
     vec = np.asarray(multihost_utils.broadcast_one_to_all(vec))

@@ -1,9 +1,10 @@
 """`Learner`: the policy being trained — its train state on the mesh and the jitted functions of a step.
 
-The loop hands it a host `RolloutBatch` and gets host numbers back: `prepare` (θ_old forward,
-diagnostics, step metrics — one jitted call), `optimize` (PPO epochs × minibatches of the jitted update,
-statistics combined over all of them), `set_lr_scale` (the controller's multiplier, no retrace) and
-`hf_weights` (the weights to push, in HF naming). It reads only its typed part of the run config
+The loop hands it a host `RolloutBatch` and gets host numbers back: `step` = `prepare` (θ_old forward,
+diagnostics, step metrics — one jitted call) + `optimize` (PPO epochs × minibatches of the jitted update,
+statistics combined over all of them), with the prepared batch on the device throughout (each minibatch is
+gathered there, `train/minibatches.py`) and the step's metrics fetched from the device once, at its end;
+`set_lr_scale` (the controller's multiplier, no retrace) and `hf_weights` (the weights to push, in HF naming). It reads only its typed part of the run config
 (`train/learner_config.py`).
 """
 
@@ -26,7 +27,8 @@ from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
 from jaxrl_mismatch.train.learner_config import LearnerConfig
-from jaxrl_mismatch.train.packing import pack_batch
+from jaxrl_mismatch.train.minibatches import jit_take_rows, minibatch_order, place_rows
+from jaxrl_mismatch.train.packing import pack_batch, packed_layout
 from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import (
     jit_prepare,
@@ -58,6 +60,7 @@ class Learner:
                                          max_grad_norm=cfg.max_grad_norm, **kw, exact_forward=(
                                              (self._exact_graphdef, cfg.max_tokens) if self.exact_forward else None))
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
+        self._take_rows = jit_take_rows(self.mesh)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
         self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=cfg.routing_replay,
                                                     moe_layers=moe_layers, **kw), self.mesh)
@@ -77,8 +80,29 @@ class Learner:
         return (len(cfg.sparse_layers), cfg.num_experts_per_tok) if cfg.is_moe else None
 
     # -- a step ----------------------------------------------------------------------------------------
+    def step(self, batch: RolloutBatch, *, seed: int, minibatch_seed: int) -> dict[str, float]:
+        """The learner's side of an RL step: `prepare` (with `seed`), then `optimize` (with `minibatch_seed`)
+        on the prepared batch where it lies, on the device; the step's metrics cross to the host once, at the
+        end (the minibatches' packing is planned from `batch`'s host tokens meanwhile)."""
+        prepared, metrics = self._prepare_on_device(batch, seed)
+        stats = self._updates(prepared, minibatch_seed, host_batch=batch)
+        metrics, stats = jax.device_get((metrics, stats))
+        return {**_floats(metrics), **_combine(stats)}
+
     def prepare(self, batch: RolloutBatch, seed: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """π(θ_old) (+ π_ref) and the diagnostics' weights filled in; the step's θ-independent metrics.
+        """`step`'s first half: the prepared batch (on the device) and the step's θ-independent metrics."""
+        prepared, metrics = self._prepare_on_device(batch, seed)
+        return prepared, _floats(jax.device_get(metrics))
+
+    def optimize(self, batch: RolloutBatch, seed: int, *, host_batch: RolloutBatch | None = None) -> dict[str, float]:
+        """`step`'s second half on `prepare`'s batch: `ppo_epochs` passes of `minibatches` optimizer steps,
+        statistics over all of them. `host_batch`: the host batch it was prepared from, whose tokens plan the
+        packing (default: the tokens are fetched once)."""
+        return _combine(jax.device_get(self._updates(batch, seed, host_batch=host_batch)))
+
+    def _prepare_on_device(self, batch: RolloutBatch, seed: int) -> tuple[RolloutBatch, dict[str, jax.Array]]:
+        """π(θ_old) (+ π_ref) and the diagnostics' weights filled in; the step's θ-independent metrics, both
+        left on the device.
 
         In exact mode π(θ_old) comes from the batch-invariant scorer the engine sampled with
         (`models.exact.score_exact`), so it equals μ bit for bit when no mismatch is injected.
@@ -97,10 +121,10 @@ class Learner:
                 kept=batch.kept_count))
         if self.cfg.packing and (batch.old_logp is None or self.ref_params is not None):
             # θ_old / reference forwards on packed rows: one group per batch shard keeps each device's rows local.
+            # The update needs other groups (one per microbatch of a reshuffled minibatch): `prepare` drops these.
             batch = pack_batch(batch, num_groups=self._batch_shards, shards=self._batch_shards)
         key = jax.random.key_data(jax.random.key(seed))
-        out, metrics = self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
-        return jax.tree.map(distributed.to_host, out), {k: float(v) for k, v in metrics.items()}
+        return self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
 
     def _score(self, params, batch: RolloutBatch) -> np.ndarray:
         """log π(y_t) of the batch's targets under `params`, masked, on the host: the exact scorer in exact
@@ -123,22 +147,29 @@ class Learner:
             raise ValueError(f"routing: expert ids in [{routing.min()}, {routing.max()}] outside [0, {experts}) "
                              "of the policy (does the server run another model?)")
 
-    def optimize(self, batch: RolloutBatch, seed: int) -> dict[str, float]:
-        """`batch.ppo_epochs` passes of `minibatches` optimizer steps; statistics over all of them."""
-        cfg, acc = self.cfg, StatsAccumulator()
+    def _updates(self, batch: RolloutBatch, seed: int, *, host_batch: RolloutBatch | None) -> list[dict[str, jax.Array]]:
+        """Dispatch the step's updates on the device batch `batch`; their statistics, still on the device.
+
+        Each minibatch is gathered from `batch` on the device; only its row indices and (packing) its packed
+        layout go up. Nothing here waits for the device."""
+        cfg, n, out = self.cfg, batch.num_rows, []
+        if cfg.packing:  # the layout needs the rows' tokens: the host has them (the rollout's), or fetch once
+            src = host_batch if host_batch is not None else batch
+            tokens, mask = (distributed.to_host(x) if isinstance(x, jax.Array) else np.asarray(x)
+                            for x in (src.tokens, src.attention_mask))
         for epoch in range(cfg.ppo_epochs):
-            order = (np.random.default_rng([seed, epoch]).permutation(batch.num_rows)
-                     if cfg.minibatches > 1 else np.arange(batch.num_rows))
+            order = minibatch_order(seed, epoch, n, cfg.minibatches)
             for m in range(cfg.minibatches):
-                mb = batch.rows(order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows])
+                rows = order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows]
+                mb = batch if len(rows) == n and cfg.minibatches == 1 else self._take_rows(batch, place_rows(rows, self.mesh))
                 if cfg.packing:  # one group per microbatch; the packed rows split evenly over the batch shards
-                    mb = pack_batch(mb, num_groups=cfg.microbatches, shards=self._batch_shards)
-                mb = place_batch(mb, self.mesh)
+                    mb = mb.replace(packed=place_batch(packed_layout(
+                        tokens[rows], mask[rows], num_groups=cfg.microbatches, shards=self._batch_shards), self.mesh))
                 if self._update is None:
                     self._update = jit_update(self._update_fn, self.state, mb, self.mesh)
                 self.state, stats = self._update(self.state, mb)
-                acc.add(stats)
-        return acc.result()
+                out.append(stats)
+        return out
 
     # -- host controls -----------------------------------------------------------------------------------
     @property
@@ -163,3 +194,15 @@ class Learner:
         if self.cfg.constant_lr is not None:
             self.state = self.state.replace(
                 opt_state=set_learning_rate(self.state.opt_state, self.cfg.constant_lr, self.mesh))
+
+
+def _floats(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _combine(stats: list[dict]) -> dict[str, float]:
+    """The step's update metrics from each update's fetched statistics (`metrics.StatsAccumulator`)."""
+    acc = StatsAccumulator()
+    for s in stats:
+        acc.add(s)
+    return acc.result()

@@ -25,7 +25,7 @@ from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mis
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.train import distributed
-from jaxrl_mismatch.train.batch import from_wire, rollout_fields, to_wire
+from jaxrl_mismatch.train.batch import RolloutBatch, rollout_fields
 from jaxrl_mismatch.train.checkpoint import Checkpointer
 from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError
@@ -142,11 +142,10 @@ class Trainer:
                            with_kept=self.c.rollout.top_p < 1.0 or self.c.rollout.top_k > 0) + ("sample_version",),
             STAT_KEYS + ("rollout/mismatch_scale",) + (ASYNC_STAT_KEYS if asynchronous else ()))
         versions = arrays.pop("sample_version")[:, 0]
-        batch = from_wire(arrays, routing_shape=self.learner.routing_shape if self.collect_routing else None)
+        batch = RolloutBatch(**arrays)
         batch = batch.replace(version_lag=(self.version - versions).astype(np.int32))
         t_rollout = time.perf_counter() - t0
-        batch, metrics = self.learner.prepare(batch, self._seed("diagnostics"))
-        metrics.update(self.learner.optimize(batch, self._seed("minibatches")))
+        metrics = self.learner.step(batch, seed=self._seed("diagnostics"), minibatch_seed=self._seed("minibatches"))
         metrics.update(stats)  # incl. rollout/mismatch_scale: the strength the batch was sampled with
         metrics["lr"] = self.learner.lr
         if self.controller is not None:
@@ -231,7 +230,7 @@ class Trainer:
         # The strength travels with the batch: after a dropped batch the producer's indices run ahead of the
         # trainer's step, and the logged scale must be the one the batch was sampled with.
         stats = {**collected.stats, "rollout/mismatch_scale": self._mismatch_scale(step)}
-        return {**to_wire(batch.arrays()), "sample_version": versions}, stats
+        return {**batch.arrays(), "sample_version": versions}, stats
 
     def _spec(self, seed: int, step: int) -> SamplingSpec:
         """Step `step`'s training rollout sampling: the configured exact mode and injected mismatch apply here

@@ -10,7 +10,8 @@ unpacked ones (`tests/train/test_packing.py`, fp32, ≤ 1e-5).
 
 The trainer packs when `trainer.packing = True`, twice per step: `Learner.prepare` packs the whole batch
 (one group per batch shard) for the θ_old and reference forwards, and `Learner.optimize` packs each
-minibatch (one group per microbatch) for the update's θ forward. Both forwards
+minibatch (one group per microbatch) for the update's θ forward — planned on the host from the rollout's
+tokens (`packed_layout`) while the minibatch's other fields stay on the device (`train/minibatches.py`). Both forwards
 (`train.step.forward_packed_logprobs`) do what this sketch shows (host side, then inside jit):
 
     packed = pack_rows(batch.tokens, batch.attention_mask, num_groups=microbatches).rows  # numpy, host
@@ -226,7 +227,14 @@ def pack_batch(batch: RolloutBatch, *, num_groups: int, shards: int = 1, row_buc
     for `prepare`'s whole batch, one group per shard (each device's rows pack among themselves, so the
     unpacking gather stays on the device). The θ forwards then run on the packed rows and unpack log π
     and entropy to `[B, S-1]` (`train.step`); everything else in the batch keeps its unpacked layout."""
+    return batch.replace(packed=packed_layout(np.asarray(batch.tokens), np.asarray(batch.attention_mask),
+                                              num_groups=num_groups, shards=shards, row_buckets=row_buckets))
+
+
+def packed_layout(tokens: Int[np.ndarray, "batch seq"], attention_mask: Int[np.ndarray, "batch seq"], *,
+                  num_groups: int, shards: int = 1, row_buckets: int | None = 8) -> PackedRows:
+    """`pack_batch`'s layout from the rows' tokens alone: what `Learner.optimize` plans for a minibatch of
+    a prepared batch that stays on the device (the host keeps the rollout's tokens, not the prepared fields)."""
     rows_multiple = shards // math.gcd(num_groups, shards)  # num_groups · rows must be a multiple of shards
-    p = pack_rows(np.asarray(batch.tokens), np.asarray(batch.attention_mask), num_groups=num_groups,
-                  rows_multiple=rows_multiple, row_buckets=row_buckets)
-    return batch.replace(packed=p.rows.replace(tokens=p.rows.tokens.astype(np.int32)))
+    p = pack_rows(tokens, attention_mask, num_groups=num_groups, rows_multiple=rows_multiple, row_buckets=row_buckets)
+    return p.rows.replace(tokens=p.rows.tokens.astype(np.int32))

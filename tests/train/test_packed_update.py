@@ -25,7 +25,7 @@ from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.config import ConfigError, base_config
 from jaxrl_mismatch.train.config_checks import check_model, validate
 from jaxrl_mismatch.train.objective import PolicyObjective
-from jaxrl_mismatch.train.packing import pack_batch
+from jaxrl_mismatch.train.packing import pack_batch, packed_layout
 from jaxrl_mismatch.train.step import jit_update, place_batch
 from tests.train.tiny_policy import build, synthetic_batch
 
@@ -179,7 +179,12 @@ def test_learner_with_packing_trains_the_same_policy(base_ckpt, tmp_path, monkey
         packings.append((batch.num_rows, kw["num_groups"]))
         return pack_batch(batch, **kw)
 
+    def spy_layout(tokens, attention_mask, **kw):  # a minibatch's layout, from the host batch's tokens
+        packings.append((tokens.shape[0], kw["num_groups"]))
+        return packed_layout(tokens, attention_mask, **kw)
+
     monkeypatch.setattr(learner_mod, "pack_batch", spy)
+    monkeypatch.setattr(learner_mod, "packed_layout", spy_layout)
     packed = _learner_step(base_ckpt, tmp_path / "packed", packing=True)
     assert packings == [(16, packed._batch_shards), (8, 2), (8, 2)]  # prepare: a group per shard
     moved = _max_diff(jax.tree.map(np.asarray, plain.state.params),
