@@ -14,8 +14,9 @@ the LM head runs over fixed chunks of `EXACT_CHUNK` positions aligned at 0. So e
 shapes whatever else is in the batch, however the batch is padded or split into microbatches. Positions
 after the one being scored cannot change it: the causal mask gives them a softmax weight of exactly 0 (the
 masked score is float32's minimum, whose exp underflows to 0) and 0 · v = 0. The engine samples token t
-from the log-softmax this very function computes for position t (a full forward of the row per sampled
-token — slower, see benchmarks/exact_engine.py), so μ and the trainer's π(θ_old) are the same bits.
+from the log-softmax this very function computes for position t (`rollout/exact_sampler.py`: a full forward
+of the row per token; `rollout/spec_exact.py`: one forward per row verifying a KV-cache draft — timed in
+benchmarks/exact_engine.py), so μ and the trainer's π(θ_old) are the same bits.
 
 Limits: exactness holds on one device per row (a single-device or data-parallel trainer mesh); FSDP or
 tensor parallelism split reductions across devices and change their order.
