@@ -66,3 +66,34 @@ def test_packed_scorer_with_kept_counts_scores_unpacked(policy):
     np.testing.assert_array_equal(got, ref)
     full = np.asarray(make_scorer(graphdef, None, chunk_size=8)(params, b["tokens"], b["attention_mask"])[0])
     assert np.abs(full - ref).max() > 1e-3  # kept changes the values: it reached the scorer
+
+
+def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(policy):
+    """π_behav (train/behaviour.py) through the packed scorer: each lagged row scored with its version's
+    weights, as through the unpacked one; unlagged rows 0."""
+    from jaxrl_mismatch.train.batch import RolloutBatch
+    from jaxrl_mismatch.train.behaviour import BehaviourScorer
+
+    graphdef, params = policy
+    b = synthetic_batch(batch=8, seq=16, seed=7)
+    batch = RolloutBatch(**b, rollout_logp=np.zeros_like(b["response_mask"]),
+                         version_lag=np.array([0, 1, 2, 1, 0, 2, 2, 1], np.int32))
+    versions = {v: jax.tree.map(lambda x, v=v: x * (1.0 + 0.2 * v), params) for v in (1, 2, 3)}
+    outs = {}
+    for name, make in (("unpacked", make_scorer), ("packed", make_packed_scorer)):
+        forward = make(graphdef, None, chunk_size=8)
+
+        def score(p, rb, forward=forward):
+            return np.asarray(forward(p, np.asarray(rb.tokens), np.asarray(rb.attention_mask))[0]) * np.asarray(rb.response_mask)
+
+        scorer = BehaviourScorer(2, score)
+        for v, p in versions.items():
+            scorer.remember(v, p)
+        outs[name] = scorer.behav_logp(batch)
+    np.testing.assert_allclose(outs["packed"], outs["unpacked"], atol=1e-5, rtol=0)
+    lag = batch.version_lag
+    assert np.all(outs["packed"][lag == 0] == 0)
+    # Rows one behind are scored with version 2, rows two behind with version 1: not interchangeable.
+    with_v1 = np.asarray(make_scorer(graphdef, None, chunk_size=8)(versions[1], b["tokens"], b["attention_mask"])[0]) * b["response_mask"]
+    np.testing.assert_allclose(outs["packed"][lag == 2], with_v1[lag == 2], atol=1e-5, rtol=0)
+    assert np.abs(outs["packed"][lag == 1] - with_v1[lag == 1]).max() > 1e-3
