@@ -4,8 +4,8 @@ The loop hands it a host `RolloutBatch` and gets host numbers back: `step` = `pr
 diagnostics, step metrics — one jitted call) + `optimize` (PPO epochs × minibatches of the jitted update,
 statistics combined over all of them), with the prepared batch on the device throughout (each minibatch is
 gathered there, `train/minibatches.py`) and the step's metrics fetched from the device once, at its end;
-`set_lr_scale` (the controller's multiplier, no retrace) and `hf_weights` (the weights to push, in HF naming). It reads only its typed part of the run config
-(`train/learner_config.py`).
+`set_lr_scale` (the controller's multiplier, no retrace) and `hf_weights` (the weights to push, in HF
+naming). It reads only its typed part of the run config (`train/learner_config.py`).
 """
 
 from __future__ import annotations
@@ -147,11 +147,12 @@ class Learner:
             raise ValueError(f"routing: expert ids in [{routing.min()}, {routing.max()}] outside [0, {experts}) "
                              "of the policy (does the server run another model?)")
 
-    def _updates(self, batch: RolloutBatch, seed: int, *, host_batch: RolloutBatch | None) -> list[dict[str, jax.Array]]:
+    def _updates(self, batch: RolloutBatch, seed: int, *,
+                 host_batch: RolloutBatch | None) -> list[dict[str, jax.Array]]:
         """Dispatch the step's updates on the device batch `batch`; their statistics, still on the device.
 
         Each minibatch is gathered from `batch` on the device; only its row indices and (packing) its packed
-        layout go up. Nothing here waits for the device."""
+        layout go up. With `host_batch` (or without packing) nothing here waits for the device."""
         cfg, n, out = self.cfg, batch.num_rows, []
         if cfg.packing:  # the layout needs the rows' tokens: the host has them (the rollout's), or fetch once
             src = host_batch if host_batch is not None else batch
@@ -161,7 +162,8 @@ class Learner:
             order = minibatch_order(seed, epoch, n, cfg.minibatches)
             for m in range(cfg.minibatches):
                 rows = order[m * self.minibatch_rows:(m + 1) * self.minibatch_rows]
-                mb = batch if len(rows) == n and cfg.minibatches == 1 else self._take_rows(batch, place_rows(rows, self.mesh))
+                whole = len(rows) == n and cfg.minibatches == 1
+                mb = batch if whole else self._take_rows(batch, place_rows(rows, self.mesh))
                 if cfg.packing:  # one group per microbatch; the packed rows split evenly over the batch shards
                     mb = mb.replace(packed=place_batch(packed_layout(
                         tokens[rows], mask[rows], num_groups=cfg.microbatches, shards=self._batch_shards), self.mesh))

@@ -11,8 +11,8 @@ unpacked ones (`tests/train/test_packing.py`, fp32, ≤ 1e-5).
 The trainer packs when `trainer.packing = True`, twice per step: `Learner.prepare` packs the whole batch
 (one group per batch shard) for the θ_old and reference forwards, and `Learner.optimize` packs each
 minibatch (one group per microbatch) for the update's θ forward — planned on the host from the rollout's
-tokens (`packed_layout`) while the minibatch's other fields stay on the device (`train/minibatches.py`). Both forwards
-(`train.step.forward_packed_logprobs`) do what this sketch shows (host side, then inside jit):
+tokens (`packed_layout`) while the minibatch's other fields stay on the device (`train/minibatches.py`).
+Both forwards (`train.step.forward_packed_logprobs`) do what this sketch shows (host side, then inside jit):
 
     packed = pack_rows(batch.tokens, batch.attention_mask, num_groups=microbatches).rows  # numpy, host
     # in the jitted update/prepare, per microbatch (or with num_groups for the whole batch):

@@ -2,12 +2,13 @@
 
 - The prepared batch stays on the device: a whole `Learner.step` (prepare, 2 PPO epochs × 2 minibatches ×
   2 microbatches, packing and a KL term on) fetches once, scalars only (the step's metrics), reads no
-  array's host value outside that fetch (no per-minibatch sync), and uploads after `prepare` only integer arrays (row indices, packed layouts):
-  no prepared (float) field goes back up; every minibatch reaches the update as device arrays.
+  array's host value outside that fetch (no per-minibatch sync), and uploads after `prepare` only integer
+  arrays (row indices, packed layouts): no prepared (float) field goes back up; every minibatch reaches the
+  update as device arrays.
 - The step's metrics are those of `prepare` + `optimize` (same θ, same batch), bit for bit.
 - The device gather of a minibatch equals the host's `RolloutBatch.rows`, on the batch sharding.
-- The multi-host broadcast carries 1- to 4-d arrays as they are (2 real processes, gloo), with no
-  flattening done on one host.
+- The multi-host broadcast carries 1- to 4-d arrays as they are (2 real processes, gloo): `to_wire`'s
+  flattening of the MoE routing, which ran on one host too, is gone.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Both runs go through the launcher's local mode (`LOCAL_PROCESSES=N launch/slurm_gpu.sh`), i.e. the path a
 SLURM job takes: `jax.distributed.initialize` with a coordinator, gloo CPU collectives, process 0 talking to
-the rollout server and broadcasting the batch, every process placing its shards, orbax writing one checkpoint
-from both processes. The update, `prepare`'s diagnostics and every logged metric must match to float
+the rollout server and broadcasting the batch, every process placing its shards (2 packed minibatches,
+gathered from the prepared batch on the device), orbax writing one checkpoint from both processes. The update, `prepare`'s diagnostics and every logged metric must match to float
 tolerance, as must the final parameters and optimizer state; a checkpoint written by the 2 processes resumes
 in 1 process, and one written by 1 process resumes in 2, to the same next step.
 """
@@ -31,6 +31,9 @@ def config_file(tmp_path_factory) -> Path:
     base = _warmstart(root / "base", hidden=32, heads=2)
     c = tiny_config(base, root / "unused")
     c.steps = 2
+    # Two minibatches, packed: each is gathered on the device from the batch sharded over both processes.
+    c.batch.minibatches = 2
+    c.trainer.packing = True
     c.eval.every = 1
     c.checkpoint.every = 1
     return _config_file(root / "config.py", c)
