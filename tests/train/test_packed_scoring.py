@@ -84,7 +84,8 @@ def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(
         forward = make(graphdef, None, chunk_size=8)
 
         def score(p, rb, forward=forward):
-            return np.asarray(forward(p, np.asarray(rb.tokens), np.asarray(rb.attention_mask))[0]) * np.asarray(rb.response_mask)
+            logp = forward(p, np.asarray(rb.tokens), np.asarray(rb.attention_mask))[0]
+            return np.asarray(logp) * np.asarray(rb.response_mask)
 
         scorer = BehaviourScorer(2, score)
         for v, p in versions.items():
@@ -94,6 +95,7 @@ def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(
     lag = batch.version_lag
     assert np.all(outs["packed"][lag == 0] == 0)
     # Rows one behind are scored with version 2, rows two behind with version 1: not interchangeable.
-    with_v1 = np.asarray(make_scorer(graphdef, None, chunk_size=8)(versions[1], b["tokens"], b["attention_mask"])[0]) * b["response_mask"]
+    with_v1 = make_scorer(graphdef, None, chunk_size=8)(versions[1], b["tokens"], b["attention_mask"])[0]
+    with_v1 = np.asarray(with_v1) * b["response_mask"]
     np.testing.assert_allclose(outs["packed"][lag == 2], with_v1[lag == 2], atol=1e-5, rtol=0)
     assert np.abs(outs["packed"][lag == 1] - with_v1[lag == 1]).max() > 1e-3
