@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl_mismatch.metrics import metrics_config, step_metrics, update_stats  # noqa: E402
-from jaxrl_mismatch.objectives import normalizers, objective_config, policy_loss  # noqa: E402
+from jaxrl_mismatch.objectives import batch_constants, objective_config, policy_loss  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "metrics_overhead.json"
 
@@ -67,13 +67,13 @@ def make_steps(cfg, mcfg):
 
     @jax.jit
     def step_off(params, batch):
-        norm = normalizers(cfg, batch["mask"], batch["old_logp"], batch["rollout_logp"])
+        norm = batch_constants(cfg, batch["mask"], batch["old_logp"], batch["rollout_logp"])
         (loss, (aux, _, _)), grads = grad_fn(params, batch, norm)
         return loss, aux, grads
 
     @jax.jit
     def step_on(params, batch):
-        norm = normalizers(cfg, batch["mask"], batch["old_logp"], batch["rollout_logp"])
+        norm = batch_constants(cfg, batch["mask"], batch["old_logp"], batch["rollout_logp"])
         (loss, (aux, logp, entropy)), grads = grad_fn(params, batch, norm)
         metrics = all_metrics(batch, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(entropy))
         return loss, {**aux, **metrics}, grads

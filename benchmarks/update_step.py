@@ -7,7 +7,7 @@ trainer spends its trainer-side time. Both sides start from the SAME weights: a 
 model (4 layers, d=256, vocab 32k by default) is built by us, written with `models.save_hf` and loaded by
 transformers `Qwen3ForCausalLM.from_pretrained`, in float32.
 
-- jax: `train.step.make_update_fn` with `train.objective.PolicyObjective(objective_config("grpo"))` —
+- jax: `train.step.make_update_fn` with `train.objective.PolicyLoss(objective_config("grpo"))` —
   token PPO-clip (FP16 paper eq. 8), token-mean aggregation — jitted by `jit_update` (donated state,
   explicit shardings, 1-device mesh). The step also computes what it always computes: per-token
   entropy (chunked, rematerialised LM head) and the mismatch/health metrics.
@@ -63,7 +63,7 @@ from jaxrl_mismatch.train.compiles import count_compilations  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
 from jaxrl_mismatch.models.scoring import make_scorer  # noqa: E402
 from jaxrl_mismatch.train.batch import RolloutBatch  # noqa: E402
-from jaxrl_mismatch.train.objective import PolicyObjective  # noqa: E402
+from jaxrl_mismatch.train.objective import PolicyLoss  # noqa: E402
 from jaxrl_mismatch.train.state import init_state, split_model  # noqa: E402
 from jaxrl_mismatch.train.step import (  # noqa: E402
     jit_update,
@@ -150,7 +150,7 @@ def main() -> None:
     opt = make_optimizer("adamw", learning_rate=args.lr, max_grad_norm=MAX_GRAD_NORM)
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol)), mesh)
     obj_cfg = objective_config("grpo")
-    update_fn = make_update_fn(graphdef, opt, PolicyObjective(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
+    update_fn = make_update_fn(graphdef, opt, PolicyLoss(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
                                max_grad_norm=MAX_GRAD_NORM, chunk_size=args.chunk_size)
 
     np_batch = make_batch(args.batch, args.seq, args.prompt_len, cfg.vocab_size)
@@ -164,7 +164,7 @@ def main() -> None:
     exact = {}
     if args.exact_forward:  # same objective and optimizer; π(θ) valued by the exact program
         max_tokens = args.seq + 1 - args.prompt_len
-        exact_fn = make_update_fn(graphdef, opt, PolicyObjective(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
+        exact_fn = make_update_fn(graphdef, opt, PolicyLoss(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
                                   max_grad_norm=MAX_GRAD_NORM, chunk_size=args.chunk_size,
                                   exact_forward=(graphdef, max_tokens))
         own = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), params)  # the other update donates its buffers

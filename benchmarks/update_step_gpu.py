@@ -159,7 +159,7 @@ def part_jax(args, work: Path) -> dict:
     from jaxrl_mismatch.objectives import objective_config
     from jaxrl_mismatch.schedules import make_optimizer
     from jaxrl_mismatch.train.batch import RolloutBatch
-    from jaxrl_mismatch.train.objective import PolicyObjective
+    from jaxrl_mismatch.train.objective import PolicyLoss
     from jaxrl_mismatch.train.state import init_state, split_model
     from jaxrl_mismatch.models.scoring import make_scorer
     from jaxrl_mismatch.train.step import jit_update, make_update_fn, place_batch, place_state
@@ -171,7 +171,7 @@ def part_jax(args, work: Path) -> dict:
     save_hf(model, cfg, work / "ckpt")  # fp32: what the torch part and the engine load
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     obj_cfg = objective_config("grpo")
-    objective = PolicyObjective(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg))
+    objective = PolicyLoss(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg))
     opt = make_optimizer("adamw", learning_rate=LR, max_grad_norm=MAX_GRAD_NORM)
     candidates = ["none", "save_dots", "full"] if args.remat == "auto" else [args.remat]
     runs = []

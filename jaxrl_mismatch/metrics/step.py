@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxrl_mismatch.metrics._masked import Masked, f32
 from jaxrl_mismatch.metrics.config import MetricsConfig, as_metrics_config, bucket_names
-from jaxrl_mismatch.objectives import ObjectiveConfig, applied_weights, normalizers, surrogate_j, weight_distortion
+from jaxrl_mismatch.objectives import ObjectiveConfig, applied_weights, batch_constants, surrogate_j, weight_distortion
 from jaxrl_mismatch.objectives._types import Scalar, TokenFloat, TokenMask
 from jaxrl_mismatch.objectives.ratios import as_bool_mask, clamp_log_ratio, log_rho, seq_lengths
 
@@ -127,7 +127,7 @@ def step_metrics(old_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask
     m = as_bool_mask(mask)
     out = _mismatch(old_logp, rollout_logp, m, cfg)
     tok = Masked(m)
-    norm = normalizers(cfg.objective, m, old_logp, rollout_logp)
+    norm = batch_constants(cfg.objective, m, old_logp, rollout_logp)
     w = applied_weights(cfg.objective, old_logp, rollout_logp, m, global_weight_mean=norm.weight_mean,
                         token_weight=token_weight, m2_cut=norm.m2_cut)
     out["correction/weight_mean"] = tok.mean(w, empty=1.0)

@@ -37,15 +37,15 @@ from jaxrl_mismatch.objectives.ratios import (
 )
 
 sg = jax.lax.stop_gradient
-Objective = tuple[TokenFloat, dict[str, jax.Array]]
+Surrogate = tuple[TokenFloat, dict[str, jax.Array]]
 
 
 def _adv(advantages: TokenFloat, mask: TokenMask) -> TokenFloat:
     return jnp.where(as_bool_mask(mask), advantages.astype(jnp.float32), 0.0)
 
 
-def ppo_clip_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
-                       eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> Objective:
+def ppo_clip_surrogate(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
+                       eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None) -> Surrogate:
     """Token PPO-clip objective with decoupled ε and optional dual-clip c (FP16 paper eq. 8's surrogate; DAPO).
 
     Indicators: ``clip_low`` (A<0 and r<1−ε_low: the clipped branch is taken, gradient 0), ``clip_high``
@@ -62,8 +62,8 @@ def ppo_clip_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: Token
     return obj, ind
 
 
-def gspo_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
-                   eps_low: float = 3e-4, eps_high: float = 4e-4) -> Objective:
+def gspo_surrogate(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
+                   eps_low: float = 3e-4, eps_high: float = 4e-4) -> Surrogate:
     """GSPO(-token) objective with the length-normalised sequence ratio (objective-hacking eq. 16)."""
     m = as_bool_mask(mask)
     a = _adv(advantages, m)
@@ -75,8 +75,8 @@ def gspo_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloa
     return obj, ind
 
 
-def gmpo_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
-                   eps: float = 0.4) -> Objective:
+def gmpo_surrogate(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask, *,
+                   eps: float = 0.4) -> Surrogate:
     """GMPO objective: ``A · geometric mean of token ratios``, token log-ratios clipped to [−ε, ε] (GMPO eq. 1)."""
     m = as_bool_mask(mask)
     a = _adv(advantages, m)
@@ -90,7 +90,7 @@ def gmpo_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloa
     return obj, ind
 
 
-def pg_objective(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask) -> Objective:
+def pg_surrogate(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloat, mask: TokenMask) -> Surrogate:
     """Vanilla PG surrogate ``A_t · π_t/sg(π_t)``: value A_t, gradient ``A_t ∇log π_t`` (FP16 paper eqs. 3, 5)."""
     del old_logp
     m = as_bool_mask(mask)
@@ -107,9 +107,9 @@ def ref_kl_k3(logp: TokenFloat, ref_logp: TokenFloat, mask: TokenMask) -> TokenF
     return jnp.where(as_bool_mask(mask), jnp.expm1(q) - q, 0.0)
 
 
-LOSSES: dict[str, Callable[..., Objective]] = {
-    "ppo": ppo_clip_objective,
-    "gspo": gspo_objective,
-    "gmpo": gmpo_objective,
-    "pg": pg_objective,
+LOSSES: dict[str, Callable[..., Surrogate]] = {
+    "ppo": ppo_clip_surrogate,
+    "gspo": gspo_surrogate,
+    "gmpo": gmpo_surrogate,
+    "pg": pg_surrogate,
 }

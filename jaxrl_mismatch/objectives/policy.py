@@ -3,7 +3,7 @@
 ``policy_loss(cfg, logp=…, old_logp=…, rollout_logp=…, advantages=…, mask=…, norm=…) -> (loss, aux)``
 computes ``loss = −aggregate(w · objective)`` with ``w = is_weight · rejection_mask [/ global mean]
 [· token_weight]`` (all under stop_gradient). ``norm`` holds the *global* normalisers, computed once from the
-whole batch by ``normalizers(cfg, mask, old_logp, rollout_logp)``; a microbatch's ``(loss, aux)`` is then its
+whole batch by ``batch_constants(cfg, mask, old_logp, rollout_logp)``; a microbatch's ``(loss, aux)`` is then its
 exact additive share: summing over microbatches (or ``psum`` over devices) gives the full-batch loss,
 gradient and aux values. ``cfg.advantages`` names the estimator the recipe's advantages come from
 (``compute_advantages(cfg.advantages, …)``, computed by the caller before the loss).
@@ -149,8 +149,8 @@ def objective_config(preset: str = "grpo", **overrides) -> ObjectiveConfig:
     return ObjectiveConfig(**{**PRESETS[preset], **overrides})
 
 
-class Normalizers(NamedTuple):
-    """Whole-batch constants every microbatch needs (see ``normalizers``)."""
+class BatchConstants(NamedTuple):
+    """Whole-batch constants every microbatch needs (see ``batch_constants``)."""
 
     loss: Scalar         # the aggregation normaliser of cfg.agg
     tokens: Scalar       # number of response tokens, ≥ 1 (token means of extra terms: KL, entropy)
@@ -158,8 +158,8 @@ class Normalizers(NamedTuple):
     m2_cut: Scalar | float = float("inf")  # M2PO: the largest (log ρ)² kept (inf unless cfg.m2po_threshold)
 
 
-def normalizers(cfg: ObjectiveConfig, mask: TokenMask, old_logp: TokenFloat | None = None,
-                rollout_logp: TokenFloat | None = None) -> Normalizers:
+def batch_constants(cfg: ObjectiveConfig, mask: TokenMask, old_logp: TokenFloat | None = None,
+                rollout_logp: TokenFloat | None = None) -> BatchConstants:
     """Compute the global normalisers from the *whole* batch (call before splitting into microbatches)."""
     wm, cut = jnp.float32(1.0), jnp.float32(jnp.inf)
     if cfg.m2po_threshold is not None:
@@ -171,7 +171,7 @@ def normalizers(cfg: ObjectiveConfig, mask: TokenMask, old_logp: TokenFloat | No
             raise ValueError("normalize_weights=True needs old_logp and rollout_logp of the whole batch")
         w = _raw_weights(cfg, old_logp, rollout_logp, mask)
         wm = weight_mean(w, mask)
-    return Normalizers(loss=global_normalizer(mask, cfg.agg, max_len=cfg.max_len),
+    return BatchConstants(loss=global_normalizer(mask, cfg.agg, max_len=cfg.max_len),
                        tokens=jnp.maximum(num_tokens(mask), 1.0), weight_mean=wm, m2_cut=cut)
 
 
@@ -189,12 +189,12 @@ def correction_weights(cfg: ObjectiveConfig, num_logp: TokenFloat, rollout_logp:
     w = _raw_weights(cfg, num_logp, rollout_logp, mask)
     if cfg.normalize_weights:
         if weight_mean_ is None:
-            raise ValueError("normalize_weights=True needs the global weight mean (Normalizers.weight_mean)")
+            raise ValueError("normalize_weights=True needs the global weight mean (BatchConstants.weight_mean)")
         w = batch_normalize(w, mask, weight_mean_)
     return sg(w)
 
 
-def _objective(cfg: ObjectiveConfig, logp, old_logp, advantages, mask):
+def _surrogate(cfg: ObjectiveConfig, logp, old_logp, advantages, mask):
     """The configured per-token objective and its clip indicators (``losses.py``), with cfg's bounds."""
     if cfg.loss == "ppo":
         return LOSSES["ppo"](logp, old_logp, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
@@ -220,12 +220,12 @@ def clip_indicators(cfg: ObjectiveConfig, logp: TokenFloat, old_logp: TokenFloat
     GMPO — the token log-ratio against ±ε (GMPO eq. 1); PG — never clipped.
     """
     m = as_bool_mask(mask)
-    _, ind = _objective(cfg, sg(logp), old_logp, advantages, m)
+    _, ind = _surrogate(cfg, sg(logp), old_logp, advantages, m)
     return {k: ind.get(k, jnp.zeros(m.shape, bool)) for k in CLIP_KINDS}
 
 
 def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: TokenFloat, rollout_logp: TokenFloat,
-                advantages: TokenFloat, mask: TokenMask, norm: Normalizers,
+                advantages: TokenFloat, mask: TokenMask, norm: BatchConstants,
                 token_weight: TokenFloat | None = None) -> tuple[Scalar, dict[str, Scalar]]:
     """The policy loss to minimise, ``−aggregate(w · objective)``, and its aux ``{"loss/policy": loss}``.
 
@@ -233,7 +233,7 @@ def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: Token
       cfg: an ``ObjectiveConfig`` or a preset name (``PRESETS``).
       logp: ``log π(y_t|θ)``, differentiable. old_logp: ``log π(y_t|θ_old)``. rollout_logp: ``log μ(y_t|θ_old)``.
       advantages: per-token advantages ``[B, T]`` (``token_advantages`` broadcasts per-sequence ones).
-      mask: response mask. norm: ``normalizers(cfg, full_mask, …)`` of the whole batch.
+      mask: response mask. norm: ``batch_constants(cfg, full_mask, …)`` of the whole batch.
       token_weight: optional extra per-token weight (diagnostics: φ of objective-hacking eq. 18, ξ of eq. 21).
 
     The loss (and so ``loss/policy``) of a microbatch is its additive share of the whole-batch loss. Clip
@@ -244,7 +244,7 @@ def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: Token
         cfg = objective_config(cfg)
     m = as_bool_mask(mask)
     old_logp = proximal_logp(cfg.proximal, old_logp, rollout_logp)  # π_prox (objectives/decoupled.py)
-    obj, _ = _objective(cfg, logp, old_logp, advantages, m)
+    obj, _ = _surrogate(cfg, logp, old_logp, advantages, m)
     w = applied_weights(cfg, sg(logp) if cfg.loss == "pg" else old_logp, rollout_logp, m,
                         global_weight_mean=norm.weight_mean, token_weight=token_weight, m2_cut=norm.m2_cut)
     loss = -aggregate(w * obj, m, cfg.agg, norm.loss)
@@ -255,16 +255,16 @@ def applied_weights(cfg: ObjectiveConfig, num_logp: TokenFloat, rollout_logp: To
                     global_weight_mean: Scalar | None = None, token_weight: TokenFloat | None = None,
                     m2_cut: Scalar | None = None) -> TokenFloat:
     """The weight ``policy_loss`` multiplies each token's objective by: ``correction_weights × token_weight``
-    (× M2PO's mask when ``cfg.m2po_threshold``: ``m2_cut`` is ``Normalizers.m2_cut`` of the whole batch).
+    (× M2PO's mask when ``cfg.m2po_threshold``: ``m2_cut`` is ``BatchConstants.m2_cut`` of the whole batch).
 
     ``num_logp`` is the ratio's numerator: ``old_logp`` for the PPO family (ρ = π(θ_old)/μ, FP16 eqs. 9–10),
-    ``sg(logp)`` for ``pg`` (π(θ)/μ, FP16 eqs. 5–7). ``global_weight_mean``: ``Normalizers.weight_mean`` of the
+    ``sg(logp)`` for ``pg`` (π(θ)/μ, FP16 eqs. 5–7). ``global_weight_mean``: ``BatchConstants.weight_mean`` of the
     whole batch (needed when ``cfg.normalize_weights``). No gradient; 0 on padding.
     """
     w = correction_weights(cfg, num_logp, rollout_logp, mask, global_weight_mean)
     if cfg.m2po_threshold is not None:
         if m2_cut is None:
-            raise ValueError("m2po_threshold needs the batch's cut (Normalizers.m2_cut)")
+            raise ValueError("m2po_threshold needs the batch's cut (BatchConstants.m2_cut)")
         w = w * m2po_mask(num_logp, rollout_logp, mask, m2_cut)
     if token_weight is not None:
         w = w * sg(jnp.where(as_bool_mask(mask), token_weight.astype(jnp.float32), 0.0))

@@ -19,7 +19,7 @@ from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.train.config import exact_forward_enabled
 from jaxrl_mismatch.train.config_checks import check_mesh, check_model
-from jaxrl_mismatch.train.objective import Diagnostics, PolicyObjective
+from jaxrl_mismatch.train.objective import LossInterventions, PolicyLoss
 from jaxrl_mismatch.train.optimizer import build_optimizer, build_schedule
 
 
@@ -49,7 +49,7 @@ class LearnerConfig:
     microbatches: int
     seed: int
     # What is optimised, and how.
-    objective: PolicyObjective
+    objective: PolicyLoss
     optimizer: Any  # optax.GradientTransformation of config.optim
     max_grad_norm: float
     constant_lr: float | None  # optim.lr when the in-graph schedule is a constant (set again on resume), else None
@@ -64,17 +64,17 @@ class LearnerConfig:
         return self.exact_rollout or self.exact_forward
 
 
-def build_objective(c: ml_collections.ConfigDict) -> PolicyObjective:
+def build_policy_loss(c: ml_collections.ConfigDict) -> PolicyLoss:
     """The configured objective: preset + overrides, metrics bounds taken from it, diagnostics."""
     obj_cfg = objective_config(c.objective.preset, **c.objective.overrides.to_dict())
     d = c.diagnostics
     on = d.weight_distortion_delta >= 0  # surrogate J measures the configured φ, else the paper's δ = 2
     metrics_cfg = metrics_config(obj_cfg, phi_delta=d.weight_distortion_delta if on else None,
                                  phi_pi_low=d.weight_distortion_pi_low if on else None)
-    return PolicyObjective(
+    return PolicyLoss(
         cfg=obj_cfg, metrics_cfg=metrics_cfg, kl_coef=c.objective.kl_coef, entropy_coef=c.objective.entropy_coef,
         router_aux_coef=c.objective.router_aux_coef,
-        diagnostics=Diagnostics(weight_distortion_delta=d.weight_distortion_delta,
+        interventions=LossInterventions(weight_distortion_delta=d.weight_distortion_delta,
                                 weight_distortion_pi_low=d.weight_distortion_pi_low, variance_sigma=d.variance_sigma))
 
 
@@ -93,6 +93,6 @@ def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
         max_tokens=c.rollout.max_tokens, max_staleness=int(c.rollout.max_staleness),
         rows=c.batch.prompts_per_step * c.rollout.group_size, ppo_epochs=c.batch.ppo_epochs,
         minibatches=c.batch.minibatches, microbatches=c.batch.microbatches, seed=c.seed,
-        objective=build_objective(c), optimizer=build_optimizer(c.optim), max_grad_norm=c.optim.max_grad_norm,
+        objective=build_policy_loss(c), optimizer=build_optimizer(c.optim), max_grad_norm=c.optim.max_grad_norm,
         constant_lr=None if callable(build_schedule(c.optim)) else float(c.optim.lr),
     )

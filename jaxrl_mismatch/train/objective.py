@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jaxrl_mismatch.metrics import MetricsConfig, step_metrics, update_stats
 from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
 from jaxrl_mismatch.objectives import (
-    Normalizers,
+    BatchConstants,
     ObjectiveConfig,
-    normalizers,
+    batch_constants,
     policy_loss,
     ref_kl_k3,
     variance_weights,
@@ -28,8 +28,8 @@ from jaxrl_mismatch.train.batch import RolloutBatch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Diagnostics:
-    """Objective-hacking paper interventions on the loss (both off by default).
+class LossInterventions:
+    """Objective-hacking paper interventions on the loss (both off by default; config section `diagnostics`).
 
     `weight_distortion_delta` ≥ 0 multiplies tokens with π(θ_old) < `weight_distortion_pi_low` by δ
     (φ, eq. 18); `variance_sigma` > 0 multiplies every token by ξ ~ N(1, σ²) (eq. 21).
@@ -41,7 +41,7 @@ class Diagnostics:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PolicyObjective:
+class PolicyLoss:
     """loss = policy_loss + kl_coef · KL_k3(π‖π_ref) − entropy_coef · H(π), token-averaged over the batch
     (+ router_aux_coef · load-balancing loss for mixture-of-experts policies, `router_loss`).
 
@@ -52,15 +52,16 @@ class PolicyObjective:
 
     cfg: ObjectiveConfig
     metrics_cfg: MetricsConfig  # `metrics.metrics_config(cfg, ...)`: every bound is the objective's
-    diagnostics: Diagnostics = Diagnostics()
+    interventions: LossInterventions = LossInterventions()
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     router_aux_coef: float = 0.0  # MoE: Qwen3-MoE's `router_aux_loss_coef` (HF default 0.001; 0 = off)
 
-    def normaliser(self, batch: RolloutBatch) -> Normalizers:
-        return normalizers(self.cfg, batch.response_mask, batch.old_logp, batch.rollout_logp)
+    def batch_constants(self, batch: RolloutBatch) -> BatchConstants:
+        return batch_constants(self.cfg, batch.response_mask, batch.old_logp, batch.rollout_logp)
 
-    def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, norm: Normalizers) -> tuple[jax.Array, dict]:
+    def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, norm: BatchConstants
+             ) -> tuple[jax.Array, dict]:
         mask = mb.response_mask
         loss, aux = policy_loss(self.cfg, logp=logp, old_logp=mb.old_logp, rollout_logp=mb.rollout_logp,
                                 advantages=mb.advantages, mask=mask, norm=norm, token_weight=mb.token_weight)
@@ -89,8 +90,8 @@ class PolicyObjective:
         return extra, {"moe/aux_loss": lb}
 
     def token_weight(self, batch: RolloutBatch, seed: jax.Array) -> jax.Array | None:
-        """φ × ξ of the configured diagnostics over the whole batch (drawn once, never per microbatch)."""
-        d, mask, weight = self.diagnostics, batch.response_mask, None
+        """φ × ξ of the configured interventions over the whole batch (drawn once, never per microbatch)."""
+        d, mask, weight = self.interventions, batch.response_mask, None
         if d.weight_distortion_delta >= 0:
             weight = weight_distortion(batch.old_logp, mask, delta=d.weight_distortion_delta,
                                        pi_low=d.weight_distortion_pi_low)

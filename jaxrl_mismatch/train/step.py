@@ -52,12 +52,13 @@ from jaxrl_mismatch.train.packing import unpack_targets
 from jaxrl_mismatch.train.state import TrainState, state_shardings
 
 
-class Objective(Protocol):
-    """What the step needs from a loss: normalisers, the microbatch loss, and its statistics."""
+class StepLoss(Protocol):
+    """What the step needs from a loss: its whole-batch constants (normalisers, weight mean, M2PO cut), the
+    microbatch loss, and its statistics."""
 
-    def normaliser(self, batch: RolloutBatch) -> Any: ...
+    def batch_constants(self, batch: RolloutBatch) -> Any: ...
 
-    def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, normaliser: Any) -> tuple[jax.Array, dict]: ...
+    def loss(self, logp: jax.Array, entropy: jax.Array, mb: RolloutBatch, consts: Any) -> tuple[jax.Array, dict]: ...
 
     def router_loss(self, router: RouterOutput, input_tokens: jax.Array) -> tuple[jax.Array, dict]: ...
 
@@ -132,7 +133,7 @@ def gradient_noise(sum_sq_micro: jax.Array, norm_big: jax.Array, num_micro: int,
 def make_update_fn(
     graphdef: nnx.GraphDef,
     opt: optax.GradientTransformation,
-    objective: Objective,
+    objective: StepLoss,
     *,
     num_microbatches: int = 1,
     max_grad_norm: float | None = 1.0,
@@ -157,7 +158,7 @@ def make_update_fn(
     forward's), so at θ = θ_old the ratio is exactly 1.
     """
 
-    def microbatch_loss(params, mb, normaliser, input_tokens, scale_state):
+    def microbatch_loss(params, mb, consts, input_tokens, scale_state):
         if exact_forward is not None:  # value: the exact scorer's program; gradient: the batched forward's
             if mb.packed is not None or mb.replay_routing is not None:
                 raise ValueError("the exact forward scores unpacked dense rows; packing and routing replay are off")
@@ -174,7 +175,7 @@ def make_update_fn(
         else:
             logp, entropy, router = score_tokens(graphdef, params, mb.tokens, mb.attention_mask, chunk_size=chunk_size,
                                                  temperature=temperature, routing=mb.replay_routing, kept=mb.kept_count)
-        loss, aux = objective.loss(logp, entropy, mb, normaliser)
+        loss, aux = objective.loss(logp, entropy, mb, consts)
         if router is not None:
             extra, router_aux = objective.router_loss(router, input_tokens)
             loss, aux = loss + extra, {**aux, **router_aux}
@@ -183,7 +184,7 @@ def make_update_fn(
     grad_fn = jax.grad(microbatch_loss, has_aux=True)
 
     def update(state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict[str, jax.Array]]:
-        normaliser = objective.normaliser(batch)
+        consts = objective.batch_constants(batch)
         input_tokens = jnp.sum(batch.attention_mask[:, :-1]).astype(jnp.float32)  # the routers' valid tokens
         mbs = _split_microbatches(batch, num_microbatches)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
@@ -193,11 +194,11 @@ def make_update_fn(
         aux_zeros = jax.tree_util.tree_map(
             lambda x: jnp.zeros(x.shape, jnp.float32),
             jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], mbs),
-                                           normaliser, input_tokens, state.loss_scale)[1][1]),
+                                           consts, input_tokens, state.loss_scale)[1][1]),
         )
 
         def body(acc, mb):
-            grads, (loss, aux, logp, entropy) = grad_fn(state.params, mb, normaliser, input_tokens, state.loss_scale)
+            grads, (loss, aux, logp, entropy) = grad_fn(state.params, mb, consts, input_tokens, state.loss_scale)
             acc_grads, acc_loss, acc_aux, acc_sq = acc
             acc_grads = jax.tree_util.tree_map(jnp.add, acc_grads, grads)
             acc_aux = jax.tree_util.tree_map(jnp.add, acc_aux, aux)
@@ -255,7 +256,7 @@ def make_update_fn(
     return update
 
 
-def make_prepare_fn(graphdef: nnx.GraphDef, objective: Objective, *, chunk_size: int = 256,
+def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: int = 256,
                     temperature: float = 1.0, routing_replay: str = "off",
                     moe_layers: tuple[int, ...] = ()) -> Callable:
     """`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)`; see the module docstring.

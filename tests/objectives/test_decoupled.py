@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_mismatch.objectives import PRESETS, m2po_cut, normalizers, objective_config, policy_loss
+from jaxrl_mismatch.objectives import PRESETS, m2po_cut, batch_constants, objective_config, policy_loss
 from jaxrl_mismatch.objectives.decoupled import DECOUPLED_PRESETS
 
 B, T = 5, 9
@@ -35,7 +35,7 @@ def np_decoupled(logp, prox, mu, adv, mask, eps=0.2, keep=None):
 
 
 def _loss(cfg, logp, prox, mu, adv, mask):
-    norm = normalizers(cfg, jnp.asarray(mask), jnp.asarray(prox), jnp.asarray(mu))
+    norm = batch_constants(cfg, jnp.asarray(mask), jnp.asarray(prox), jnp.asarray(mu))
     return policy_loss(cfg, logp=jnp.asarray(logp), old_logp=jnp.asarray(prox), rollout_logp=jnp.asarray(mu),
                        advantages=jnp.asarray(adv), mask=jnp.asarray(mask), norm=norm)[0]
 

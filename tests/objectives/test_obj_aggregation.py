@@ -13,7 +13,7 @@ from jaxrl_mismatch.objectives import (
     AGGREGATIONS,
     aggregate,
     global_normalizer,
-    normalizers,
+    batch_constants,
     objective_config,
     policy_loss,
 )
@@ -90,7 +90,7 @@ def test_loss_grad_aux_invariant_to_microbatch_split(mode, seed, variant, cuts):
     preset, over = VARIANTS[variant]
     logp, old, roll, adv, mask = make_batch(seed)
     cfg = objective_config(preset, agg=mode, max_len=L, **over)
-    norm = normalizers(cfg, mask, old, roll)  # from the whole batch
+    norm = batch_constants(cfg, mask, old, roll)  # from the whole batch
     (full, full_aux), full_grad = _loss_fn(cfg, old, roll, adv, mask, norm)(jnp.asarray(logp))
     edges = [0, *sorted(cuts), B]
     total, grads, aux_sum = 0.0, [], {k: 0.0 for k in full_aux}
@@ -120,9 +120,9 @@ def test_appending_padding_changes_nothing(mode, seed, variant, pad, rows, fill)
         return np.concatenate([x, np.full((rows, T + pad), v, x.dtype)], 0)
 
     big = [padded(x, fill) for x in (logp, old, roll, adv)] + [padded(mask, False)]
-    (l1, a1), g1 = _loss_fn(cfg, old, roll, adv, mask, normalizers(cfg, mask, old, roll))(jnp.asarray(logp))
+    (l1, a1), g1 = _loss_fn(cfg, old, roll, adv, mask, batch_constants(cfg, mask, old, roll))(jnp.asarray(logp))
     lp2, old2, roll2, adv2, mask2 = big
-    (l2, a2), g2 = _loss_fn(cfg, old2, roll2, adv2, mask2, normalizers(cfg, mask2, old2, roll2))(jnp.asarray(lp2))
+    (l2, a2), g2 = _loss_fn(cfg, old2, roll2, adv2, mask2, batch_constants(cfg, mask2, old2, roll2))(jnp.asarray(lp2))
     # float32 sums are reordered by the new shape; terms are O(1), so compare at float32 resolution
     np.testing.assert_allclose(l2, l1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(g2)[:B, :T], g1, rtol=1e-5, atol=1e-8)
@@ -141,7 +141,7 @@ def test_data_parallel_sharding_matches_single_device(mode):
 
     @jax.jit
     def step(lp, o, r, a, m):
-        norm = normalizers(cfg, m, o, r)
+        norm = batch_constants(cfg, m, o, r)
         return _loss_fn(cfg, o, r, a, m, norm)(lp)
 
     (l1, _), g1 = step(logp, old, roll, adv, mask)

@@ -1,4 +1,4 @@
-"""Diagnostics (VeXact zero-mismatch, controlled injection, φ, ξ, J) and the config registry."""
+"""LossInterventions (VeXact zero-mismatch, controlled injection, φ, ξ, J) and the config registry."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from jaxrl_mismatch.objectives import (
     ObjectiveConfig,
     compute_advantages,
     is_weights,
-    normalizers,
+    batch_constants,
     objective_config,
     policy_loss,
     ref_kl_k3,
@@ -48,7 +48,7 @@ def test_variance_weights_eq21_statistics_and_loss_use():
     old, roll, mask, adv = make_batch(4)
     xi = variance_weights(mask, sigma=0.2, seed=1)
     cfg = objective_config("pg")
-    norm = normalizers(cfg, mask)
+    norm = batch_constants(cfg, mask)
     args = dict(old_logp=old, rollout_logp=roll, advantages=adv, mask=mask, norm=norm)
     g = jax.grad(lambda lp: policy_loss(cfg, logp=lp, token_weight=xi, **args)[0])(jnp.asarray(old))
     g0 = jax.grad(lambda lp: policy_loss(cfg, logp=lp, **args)[0])(jnp.asarray(old))
@@ -122,5 +122,5 @@ def test_every_preset_builds_and_runs(preset):
     cfg = objective_config(preset, max_len=16) if preset.startswith("drgrpo") else objective_config(preset)
     hash(cfg)  # jit-static
     loss, aux = policy_loss(cfg, logp=old + 0.01, old_logp=old, rollout_logp=roll, advantages=adv, mask=mask,
-                            norm=normalizers(cfg, mask, old, roll))
+                            norm=batch_constants(cfg, mask, old, roll))
     assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in aux.values())

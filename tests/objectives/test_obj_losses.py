@@ -12,7 +12,7 @@ from jaxrl_mismatch.objectives import (
     AGGREGATIONS,
     applied_weights,
     clip_indicators,
-    normalizers,
+    batch_constants,
     objective_config,
     policy_loss,
 )
@@ -107,7 +107,7 @@ CASES = [
 def test_policy_loss_value_grad_aux_match_numpy(preset, over, agg):
     logp, old, roll, adv, mask = make_batch(zlib.crc32(f"{preset}/{agg}".encode()) % 1000)
     cfg = objective_config(preset, agg=agg, max_len=L, **over)
-    norm = normalizers(cfg, mask, old, roll)
+    norm = batch_constants(cfg, mask, old, roll)
 
     def f(lp):
         return policy_loss(cfg, logp=lp, old_logp=old, rollout_logp=roll, advantages=adv, mask=mask, norm=norm)
@@ -156,7 +156,7 @@ def _seq_mean(x, m):
 def test_gspo_gradient_equals_sequence_objective_gradient():
     logp, old, _, adv, mask = make_batch(11, noise=0.05)
     cfg = objective_config("gspo", eps_low=0.01, eps_high=0.02)
-    norm = normalizers(cfg, mask)
+    norm = batch_constants(cfg, mask)
     nseq = mask.any(-1).sum()
 
     def paper(lp):  # GSPO: (1/G) Σ_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log r_t)
@@ -175,7 +175,7 @@ def test_gspo_gradient_equals_sequence_objective_gradient():
 def test_gmpo_gradient_equals_sequence_objective_gradient():
     logp, old, _, adv, mask = make_batch(12, noise=0.3)
     cfg = objective_config("gmpo", gmpo_eps=0.25)
-    norm = normalizers(cfg, mask)
+    norm = batch_constants(cfg, mask)
     nseq = mask.any(-1).sum()
 
     def paper(lp):  # GMPO: A_i · (Π_t clip-pessimistic r_t)^{1/|y_i|}
@@ -196,7 +196,7 @@ def test_pg_seq_is_gradient_is_fp16_eq5():
     """∇ of our surrogate = mean_i [π(y_i|θ)/μ(y_i) · ∇ log π(y_i|θ) · A_i] = ∇ mean_i [π(y_i|θ)/μ(y_i) · A_i]."""
     logp, old, roll, adv, mask = make_batch(13, noise=0.2)
     cfg = objective_config("pg_seq_is")
-    norm = normalizers(cfg, mask)
+    norm = batch_constants(cfg, mask)
     nseq = mask.any(-1).sum()
 
     def paper(lp):
@@ -215,7 +215,7 @@ def test_drgrpo_token_tis_is_fp16_eq9():
     logp, old, roll, adv, mask = make_batch(14)
     cfg = objective_config("drgrpo_token_tis", correction_cap=1.2, max_len=L)
     assert cfg.advantages == "drgrpo" and cfg.agg == "seq-mean-token-sum-norm" and cfg.eps_high == 0.28
-    norm = normalizers(cfg, mask)
+    norm = batch_constants(cfg, mask)
     nseq = mask.any(-1).sum() * L
 
     old_, roll_ = np.where(mask, old, 0), np.where(mask, roll, 0)  # the formula is defined on response tokens only
@@ -239,7 +239,7 @@ def test_loss_has_no_gradient_through_rollout_logp():
     logp, old, roll, adv, mask = make_batch(15)
     for preset in ("grpo_token_tis", "grpo_seq_mis", "pg_seq_is", "icepop"):
         cfg = objective_config(preset)
-        norm = normalizers(cfg, mask)
+        norm = batch_constants(cfg, mask)
         g = jax.grad(lambda r: policy_loss(cfg, logp=logp, old_logp=old, rollout_logp=r, advantages=adv,
                                            mask=mask, norm=norm)[0])(jnp.asarray(roll))
         assert np.all(np.asarray(g) == 0), preset
@@ -248,7 +248,7 @@ def test_loss_has_no_gradient_through_rollout_logp():
 def test_policy_loss_accepts_preset_name_and_is_jittable():
     logp, old, roll, adv, mask = make_batch(16)
     cfg = objective_config("grpo_seq_mis")
-    norm = normalizers(cfg, mask)
+    norm = batch_constants(cfg, mask)
     eager = policy_loss("grpo_seq_mis", logp=logp, old_logp=old, rollout_logp=roll, advantages=adv, mask=mask,
                         norm=norm)[0]
     jitted = jax.jit(lambda *a: policy_loss(cfg, logp=a[0], old_logp=a[1], rollout_logp=a[2], advantages=a[3],

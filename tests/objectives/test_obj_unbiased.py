@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_mismatch.objectives import normalizers, objective_config, policy_loss, token_advantages
+from jaxrl_mismatch.objectives import batch_constants, objective_config, policy_loss, token_advantages
 
 T, V, N = 3, 3, 40_000
 
@@ -39,7 +39,7 @@ def test_pg_seq_is_is_unbiased_and_uncorrected_pg_is_not():
 
     def estimate(preset):
         cfg = objective_config(preset)  # seq-mean-token-sum: the eq. 5 expectation over sequences
-        norm = normalizers(cfg, mask)
+        norm = batch_constants(cfg, mask)
 
         def loss(th):
             logp = jax.nn.log_softmax(th, -1)[jnp.arange(T)[None, :], ys]

@@ -29,11 +29,11 @@ def test_schedule_kwargs_override_reaches_the_schedule():
 
 
 def test_objective_overrides_reach_the_objective():
-    from jaxrl_mismatch.train.learner_config import build_objective
+    from jaxrl_mismatch.train.learner_config import build_policy_loss
 
     c = load_config(CONFIG, [("objective.overrides.eps_high", "0.31"), ("objective.overrides.dual_clip", "3.0"),
                              ("objective.preset", "dapo")])
-    obj = build_objective(c)
+    obj = build_policy_loss(c)
     assert obj.cfg.eps_high == 0.31 and obj.cfg.dual_clip == 3.0
     assert obj.cfg.correction == "token_tis"  # set by the config file, kept
 

@@ -96,9 +96,9 @@ def test_qwen3_30b_a3b_config_mirrors_the_paper():
     assert (c.batch.prompts_per_step, c.rollout.group_size, c.batch.minibatches) == (128, 16, 4)
     assert c.rollout.max_tokens == 8192 and c.task.name == "dapo"
     assert (c.rollout.engine, c.rollout.dtype, c.trainer.precision) == ("vllm", "bfloat16", "bf16")
-    from jaxrl_mismatch.train.learner_config import build_objective
+    from jaxrl_mismatch.train.learner_config import build_policy_loss
 
-    obj = build_objective(c)
+    obj = build_policy_loss(c)
     assert (obj.cfg.eps_low, obj.cfg.eps_high, obj.cfg.correction, obj.cfg.advantages) == (0.2, 0.2, "token_tis", "grpo")
     assert c.trainer.mesh["expert"] > 1 and c.trainer.routing_replay == "off"
     # Its documented R3 switch is valid only together with the jax engine.

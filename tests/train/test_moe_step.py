@@ -22,7 +22,7 @@ from jaxrl_mismatch.models.sharding import make_mesh
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import make_optimizer
 from jaxrl_mismatch.train.batch import RolloutBatch
-from jaxrl_mismatch.train.objective import PolicyObjective
+from jaxrl_mismatch.train.objective import PolicyLoss
 from jaxrl_mismatch.train.state import init_state, split_model
 from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn, make_update_fn, place_batch
 from tests.train.tiny_policy import synthetic_batch, tiny_config
@@ -50,9 +50,9 @@ def host_batch():
     return b
 
 
-def _objective(aux: float = 0.0) -> PolicyObjective:
+def _loss(aux: float = 0.0) -> PolicyLoss:
     cfg = objective_config("grpo")
-    return PolicyObjective(cfg=cfg, metrics_cfg=metrics_config(cfg), router_aux_coef=aux)
+    return PolicyLoss(cfg=cfg, metrics_cfg=metrics_config(cfg), router_aux_coef=aux)
 
 
 _JITTED: dict = {}  # one jitted function per (kind, option): jit then reuses its trace per batch structure
@@ -63,7 +63,7 @@ def _prepare(graphdef, params, batch: RolloutBatch, replay: str):
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
     key = ("prepare", replay)
     if key not in _JITTED:
-        _JITTED[key] = jit_prepare(make_prepare_fn(graphdef, _objective(), chunk_size=8, routing_replay=replay,
+        _JITTED[key] = jit_prepare(make_prepare_fn(graphdef, _loss(), chunk_size=8, routing_replay=replay,
                                                    moe_layers=LAYERS), mesh)
     out, metrics = _JITTED[key](params, None, place_batch(batch, mesh), jax.random.key_data(jax.random.key(0)))
     return jax.tree.map(np.asarray, out), {k: float(v) for k, v in metrics.items()}
@@ -74,7 +74,7 @@ def _grad(graphdef, params, batch: RolloutBatch, aux: float = 0.0, microbatches:
     state = init_state(params, _OPT, precision.loss_scale_for(precision.policy("fp32")), seed=0)
     key = ("update", aux, microbatches)
     if key not in _JITTED:
-        _JITTED[key] = jax.jit(make_update_fn(graphdef, _OPT, _objective(aux), num_microbatches=microbatches,
+        _JITTED[key] = jax.jit(make_update_fn(graphdef, _OPT, _loss(aux), num_microbatches=microbatches,
                                               max_grad_norm=None, chunk_size=8))
     new, stats = _JITTED[key](state, batch)
     grad = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), params, new.params)

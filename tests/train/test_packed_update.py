@@ -24,7 +24,7 @@ from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.config import ConfigError, base_config
 from jaxrl_mismatch.train.config_checks import check_model, validate
-from jaxrl_mismatch.train.objective import PolicyObjective
+from jaxrl_mismatch.train.objective import PolicyLoss
 from jaxrl_mismatch.train.packing import pack_batch, packed_layout
 from jaxrl_mismatch.train.step import jit_update, place_batch
 from tests.train.tiny_policy import build, synthetic_batch
@@ -95,7 +95,7 @@ def _prepare(mesh_axes, ndev, *, packed: bool, scramble: bool = False):
     from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn
 
     mesh, graphdef, state, _, _, _ = build(mesh_axes, jax.devices()[:ndev])
-    objective = PolicyObjective(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
+    objective = PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
     prepare = jit_prepare(make_prepare_fn(graphdef, objective, chunk_size=8), mesh)
     b = synthetic_batch(batch=32, seq=40, prompt_len=5, seed=4)
     host = RolloutBatch(**b, rollout_logp=-np.abs(np.random.default_rng(0).normal(size=b["response_mask"].shape))

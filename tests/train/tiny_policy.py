@@ -12,7 +12,7 @@ from jaxrl_mismatch.metrics import metrics_config
 from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.schedules import make_optimizer
 from jaxrl_mismatch.train.batch import RolloutBatch
-from jaxrl_mismatch.train.objective import PolicyObjective
+from jaxrl_mismatch.train.objective import PolicyLoss
 from jaxrl_mismatch.train.state import init_state, split_model
 from jaxrl_mismatch.models.scoring import make_scorer
 from jaxrl_mismatch.train.step import make_update_fn, jit_update, place_batch, place_state
@@ -62,7 +62,7 @@ def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=
     graphdef, params = split_model(model)
     opt = make_optimizer(optimizer, learning_rate=lr, max_grad_norm=max_grad_norm)
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol), seed=seed), mesh)
-    objective = objective or PolicyObjective(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
+    objective = objective or PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
     update_fn = make_update_fn(graphdef, opt, objective, num_microbatches=num_microbatches,
                                max_grad_norm=max_grad_norm, chunk_size=8)
     return mesh, graphdef, state, update_fn, make_scorer(graphdef, mesh, chunk_size=8), opt
