@@ -28,6 +28,7 @@ from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
 from jaxrl_mismatch.train.learner_config import LearnerConfig
 from jaxrl_mismatch.train.minibatches import jit_take_rows, minibatch_order, place_rows
+from jaxrl_mismatch.train.packed_scoring import make_packed_scorer
 from jaxrl_mismatch.train.packing import pack_batch, packed_layout
 from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import (
@@ -70,7 +71,8 @@ class Learner:
         self.minibatch_rows = cfg.minibatch_rows
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
         # Asynchronous rollouts: π_behav of stale rows, scored like π(θ_old) (train/behaviour.py).
-        self._forward = make_scorer(graphdef, self.mesh, **kw) if cfg.max_staleness else None
+        scorer = make_packed_scorer if cfg.packing else make_scorer  # packed: no forward on padding
+        self._forward = scorer(graphdef, self.mesh, **kw) if cfg.max_staleness else None
         self.behaviour = BehaviourScorer(cfg.max_staleness, self._score)
 
     @property
