@@ -1,4 +1,4 @@
-"""How benchmark result JSON records a path: relative to the repository root when inside it.
+"""How benchmark result JSON records a path (relative to the repository root when inside it), and how it is written.
 
 Results are committed; an absolute path would name one machine's checkout (or a worktree that no longer
 exists) and change on every rerun. Relative paths and paths outside the repository are kept as given.
@@ -6,6 +6,7 @@ exists) and change on every rerun. Relative paths and paths outside the reposito
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,3 +24,12 @@ def repo_relative(path: str | os.PathLike | None) -> str | None:
 def repo_relative_args(args: dict) -> dict:
     """A copy of parsed arguments with every absolute path inside the repository made relative to it."""
     return {k: repo_relative(v) if isinstance(v, (str, os.PathLike)) else v for k, v in args.items()}
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write a benchmark's result JSON atomically (a temporary sibling renamed into place, as every output of
+    the package is written: `jaxrl_mismatch.outputs.staged_file`), creating its folder."""
+    from jaxrl_mismatch.outputs import staged_file
+
+    with staged_file(str(path)) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2))

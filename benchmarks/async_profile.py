@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import repo_relative  # noqa: E402
+from benchmarks._paths import repo_relative, write_json  # noqa: E402
 
 # (module, attribute path, phase name): the functions timed.
 PHASES = (
@@ -225,14 +225,10 @@ def main() -> int:
         results[f"staleness_{s}"] = json.loads(line[len("RESULT "):])
     text = table(results)
     print(text)
-    out_path = Path(a.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     body = {"modes": results, "steps": a.steps, "warmup": a.warmup, "model": repo_relative(a.model),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load_at_start,
                         "loadavg_at_end": os.getloadavg()}, "table": text}
-    tmp_path = out_path.with_name(out_path.name + ".tmp")
-    tmp_path.write_text(json.dumps(body, indent=2))
-    os.replace(tmp_path, out_path)
+    write_json(a.out, body)
     return 0
 
 

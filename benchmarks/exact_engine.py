@@ -21,7 +21,6 @@ load average. Writes benchmarks/results/exact_engine.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._paths import repo_relative_args  # noqa: E402
+from benchmarks._paths import repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
 from jaxrl_mismatch.models.exact import canonical_length  # noqa: E402
@@ -133,11 +132,7 @@ def main() -> int:
     result = {"device": str(jax.devices()[0]), "machine": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "load_average_1min": load, "canonical_length": length,
               "config": repo_relative_args(vars(a)), "results": results}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out)
+    write_json(a.out, result)
     print(f"wrote {a.out}")
     return 0
 

@@ -15,7 +15,6 @@ Writes benchmarks/results/learner_transfers.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ from jaxrl_mismatch.train import distributed  # noqa: E402
 from jaxrl_mismatch.train.minibatches import minibatch_order  # noqa: E402
 from jaxrl_mismatch.train.packing import pack_batch  # noqa: E402
 from jaxrl_mismatch.train.step import jit_update, place_batch  # noqa: E402
+from _paths import write_json  # noqa: E402
 from packing import DEMO_MODEL, SHAPES, learner_for, make_batch  # noqa: E402
 
 
@@ -114,8 +114,7 @@ def main() -> int:
     out = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "platform": platform.platform(),
            "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32), demo batch [256, ~129]",
            "repeats": a.repeats, "results": results}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
+    write_json(a.out, out)
     print(f"wrote {a.out}")
     return 0
 

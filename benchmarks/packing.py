@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._paths import write_json  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -187,8 +187,7 @@ def main() -> int:
            "model": dataclasses.asdict(DEMO_MODEL),
            "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32)",
            "repeats": {n: a.repeats or REPEATS[n] for n in names}, "results": results}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
+    write_json(a.out, out)
     print(f"wrote {a.out}")
     return 0
 
