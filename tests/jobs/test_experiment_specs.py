@@ -35,7 +35,7 @@ def _module(name: str):
 
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
-         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "long_ppo", "long_exact", "long_ppo@1e-4"])]
+         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4"])]
 
 
 def _known(key: str) -> bool:
@@ -132,13 +132,18 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
             if spec["overrides"]["objective.preset"].startswith("drgrpo"):
                 max_tokens = spec["overrides"].get("rollout.max_tokens", m.MAX_TOKENS)
                 assert spec["overrides"]["objective.overrides.max_len"] == max_tokens
-    exact = m.get_spec("long_exact")["variants"]
-    assert {k: x for k, x in exact["bf16_exact"].items() if k != "rollout.exact"} == exact["bf16"]
-    assert exact["bf16_exact"]["rollout.exact"] is True
+    for grid in ("exact", "long_exact"):
+        exact = m.get_spec(grid)["variants"]
+        assert {k: x for k, x in exact["bf16_exact"].items() if k != "rollout.exact"} == exact["bf16"]
+        assert exact["bf16_exact"]["rollout.exact"] is True
+    # The default task's exact grid has the other default grids' steps and PPO's objective, in its own directory.
+    assert m.get_spec("exact")["overrides"] == m.get_spec("ppo")["overrides"]
+    assert m.get_spec("exact")["out"] == "runs/compare/e3_short_exact"
+    assert m.get_spec("long_exact")["overrides"]["steps"] == m.EXACT_STEPS
     with pytest.raises(ValueError, match="unknown grid 'grpo'"):
         m.get_spec("grpo")
-    with pytest.raises(ValueError, match="unknown grid 'exact'"):
-        m.get_spec("exact")  # exact sampling runs only on the :long grid
+    with pytest.raises(ValueError, match="unknown grid 'long_grpo'"):
+        m.get_spec("long_grpo")
     # The default task and the :long one differ in config and batch, not in the algorithm.
     short, long = m.get_spec("ppo"), m.get_spec("long_ppo")
     assert short["config"] == "configs/arith_length_cpu.py" and long["config"].endswith(":long")
