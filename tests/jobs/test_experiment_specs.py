@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,26 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
     for bad, msg in (("ppo@fast", "not a number"), ("ppo@0", "must be > 0")):
         with pytest.raises(ValueError, match=msg):
             m.get_spec(bad)
+
+
+def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(tmp_path):
+    m = _module("e3_summary")
+
+    def cell(mean, lo, hi, wins):
+        return {"val_final": {"mean": mean, "ci95": [lo, hi], "wins": wins, "n": 5}}
+
+    def variant(final, collapsed):
+        return {"summary": {"val_final": {"mean": final}}, "collapsed": collapsed}
+
+    (tmp_path / "e3_short_ppo.json").write_text(json.dumps({
+        "variants": {"bf16": variant(0.41, 0), "fp16": variant(0.45, 1), "fp32": variant(0.43, 0)},
+        "paired": {"fp16": cell(0.04, 0.01, 0.07, 5), "fp32": cell(0.02, -0.01, 0.05, 3)},
+        "paired_controls": {"fp16 vs fp32": cell(0.02, -0.03, 0.07, 3)}}))
+    (tmp_path / "e3_short_exact.json").write_text(json.dumps({
+        "variants": {"bf16": variant(0.40, 0), "bf16_exact": variant(0.38, 2)},
+        "paired": {"bf16_exact": cell(-0.02, -0.05, -0.001, 1)}}))
+    text, counts = m.summary(tmp_path)
+    assert "| `ppo` | 0.410 / 0.450 / 0.430 | 0 / 1 / 0 | +0.040 [+0.010, +0.070], 5/5 |" in text
+    assert "| `exact` | 0.400 / 0.380 | 0 / 2 | -0.020 [-0.050, -0.001], 1/5 |" in text
+    assert counts["intervals"] == 4 and counts["excluding_zero"] == ["ppo fp16 − bf16", "exact bf16_exact − bf16"]
+    assert "seq_tis" in counts["missing"] and "ppo" not in counts["missing"]

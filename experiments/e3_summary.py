@@ -1,0 +1,86 @@
+"""E3's one-table summary across algorithms, from the grids' results (docs/results/e3_short_*.json).
+
+    python experiments/e3_summary.py [--results docs/results]
+
+Each E3 grid (experiments/e3_precision.py:ALGO) is one algorithm in three precisions, paired against bf16;
+`compare` writes one table per grid. This prints the row per algorithm that docs/experiments.md shows —
+final validation per precision, collapses, and the three paired differences (fp16 − bf16, fp32 − bf16, and
+the control fp16 − fp32) as mean [95 % t interval], wins k/n — then the exact grid's bf16_exact − bf16 and
+how many intervals exclude 0 out of how many were computed (so "one in twenty at 95 %" can be checked).
+Every number is read from the JSON `compare` wrote; a grid that has not been run is listed as missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ORDER = ("ppo", "token_tis", "seq_mis", "seq_tis", "pg_seq_is", "pg_seq_tis", "pg_seq_mis", "gspo")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def paired_cell(d: dict) -> str:
+    lo, hi = d["ci95"]
+    return f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}], {d['wins']}/{d['n']}"
+
+
+def excludes_zero(d: dict) -> bool:
+    lo, hi = d["ci95"]
+    return lo > 0 or hi < 0
+
+
+def summary(results: Path) -> tuple[str, dict]:
+    rows, missing, intervals, excluding = [], [], 0, []
+    for algo in ORDER:
+        path = results / f"e3_short_{algo}.json"
+        if not path.exists():
+            missing.append(algo)
+            continue
+        d = json.loads(path.read_text())
+        v = d["variants"]
+        finals = " / ".join(f"{v[p]['summary']['val_final']['mean']:.3f}" for p in PRECISIONS)
+        collapsed = " / ".join(str(v[p]["collapsed"]) for p in PRECISIONS)
+        cells = {"fp16 − bf16": d["paired"]["fp16"]["val_final"], "fp32 − bf16": d["paired"]["fp32"]["val_final"],
+                 "fp16 − fp32": d["paired_controls"]["fp16 vs fp32"]["val_final"]}
+        for name, cell in cells.items():
+            intervals += 1
+            if excludes_zero(cell):
+                excluding.append(f"{algo} {name}")
+        rows.append(f"| `{algo}` | {finals} | {collapsed} | " + " | ".join(paired_cell(c) for c in cells.values()) + " |")
+    lines = ["| algorithm | val final bf16 / fp16 / fp32 | collapsed | fp16 − bf16 | fp32 − bf16 | fp16 − fp32 (control) |",
+             "| --- | --- | --- | --- | --- | --- |", *rows]
+    exact_path = results / "e3_short_exact.json"
+    if exact_path.exists():
+        d = json.loads(exact_path.read_text())
+        v = d["variants"]
+        cell = d["paired"]["bf16_exact"]["val_final"]
+        intervals += 1
+        if excludes_zero(cell):
+            excluding.append("exact bf16_exact − bf16")
+        lines += ["", "| PPO | val final bf16 / bf16 + exact | collapsed | bf16_exact − bf16 |", "| --- | --- | --- | --- |",
+                  f"| `exact` | {v['bf16']['summary']['val_final']['mean']:.3f} / "
+                  f"{v['bf16_exact']['summary']['val_final']['mean']:.3f} | {v['bf16']['collapsed']} / "
+                  f"{v['bf16_exact']['collapsed']} | {paired_cell(cell)} |"]
+    else:
+        missing.append("exact")
+    lines += ["", f"{len(excluding)} of {intervals} intervals exclude 0" + (f": {', '.join(excluding)}" if excluding else "")
+              + (f". Not run: {', '.join(missing)}." if missing else ".")]
+    return "\n".join(lines), {"intervals": intervals, "excluding_zero": excluding, "missing": missing}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"),
+                    help="folder with compare's e3_short_*.json")
+    args = ap.parse_args()
+    results = Path(args.results)
+    if not results.is_dir():
+        print(f"error: --results {results}: not a folder", file=sys.stderr)
+        sys.exit(2)
+    print(summary(results)[0])
+
+
+if __name__ == "__main__":
+    main()
