@@ -3,6 +3,7 @@ the loss clips (GSPO: the sequence ratio); any split of a step into minibatches 
 exactly the whole-step statistic; the accumulator's reductions and errors."""
 
 import ast
+import functools
 import math
 import pathlib
 
@@ -74,8 +75,15 @@ def np_reference(logp, old, adv, mask, ent, cfg):
     }
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _jit_stats(logp, old, adv, mask, ent, cfg):
+    return update_stats(logp, old, adv, mask, cfg=cfg, entropy=ent)
+
+
 def _stats(logp, old, adv, mask, ent, cfg):
-    return jax.jit(lambda *a: update_stats(*a[:4], cfg=cfg, entropy=a[4]))(logp, old, adv, mask, ent)
+    # One jitted function for the file (the config is static and hashable): each (config, shape) compiles
+    # once, where a fresh lambda per call recompiled every minibatch of every Hypothesis example.
+    return _jit_stats(logp, old, adv, mask, ent, cfg=cfg)
 
 
 def _accumulate(parts):
