@@ -274,7 +274,7 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, body in ((".json", json.dumps(result, indent=2)),
-                         (".md", f"# Asynchronous rollouts ({a.steps} steps per mode)\n\n{a.note}\n\n{text}\n")):
+                         (".md", f"# Asynchronous rollouts ({f'{a.steps} steps per mode' if loop else f'--part {a.part}'})\n\n{a.note}\n\n{text}\n")):
         tmp_path = out.with_suffix(suffix + ".tmp")
         tmp_path.write_text(body)
         os.replace(tmp_path, out.with_suffix(suffix))

@@ -13,7 +13,9 @@ teacher-forced forward.
 One forward per distinct lag ℓ > 0, over the rows with that lag only (`train/row_scoring.py`): a batch
 with lags 0/1/2 in thirds costs two forwards of a third of the batch, not two of the whole batch. Rows with
 lag 0 are not scored at all: their sample version is the current one, so π_behav = π_prox, which `prepare`
-computes anyway (`metrics/staleness.py` reads π_prox there).
+computes anyway (`metrics/staleness.py` reads π_prox there). These forwards stay outside `prepare`'s jitted
+call: each lag has its own weights and the set of lags varies per step, so one program would compile per
+combination of lags and packed shapes (docs/rollout.md, "Cost").
 """
 
 from __future__ import annotations

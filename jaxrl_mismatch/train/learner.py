@@ -137,9 +137,10 @@ class Learner:
         response = np.asarray(batch.response_mask)
         if self.cfg.scores_exactly:  # batch-invariant: a subset's rows are bit for bit the whole batch's
             idx, out = np.flatnonzero(rows), np.zeros(response.shape, np.float32)
-            out[idx] = score_exact(self._exact_graphdef, distributed.gather_params(params), np.asarray(batch.tokens)[idx],
-                                   np.asarray(batch.attention_mask)[idx], response[idx], max_tokens=self.cfg.max_tokens,
-                                   temperature=self.cfg.temperature, kept=None if kept is None else kept[idx])
+            tokens, mask = np.asarray(batch.tokens)[idx], np.asarray(batch.attention_mask)[idx]
+            out[idx] = score_exact(self._exact_graphdef, distributed.gather_params(params), tokens, mask, response[idx],
+                                   max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
+                                   kept=None if kept is None else kept[idx])
             return out
         return score_rows(self._forward, params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), rows,
                           kept=kept, packed=self.cfg.packing, multiple=self._batch_shards) * response

@@ -63,7 +63,8 @@ def test_mixed_lags_score_each_row_with_its_version_on_its_rows_only(policy, pac
         return forward(p, tokens, mask, kept)
 
     def score(p, rb, rows):
-        return score_rows(counting, p, rb.tokens, rb.attention_mask, rows, packed=packed, multiple=shards) * rb.response_mask
+        logp = score_rows(counting, p, rb.tokens, rb.attention_mask, rows, packed=packed, multiple=shards)
+        return logp * rb.response_mask
 
     scorer = BehaviourScorer(2, score)
     versions = _versions(params)
