@@ -23,12 +23,14 @@ core of its own. From each run's metrics (the first `--warmup` steps, which comp
 interleaved; the saving is the median difference.
 
 `behaviour`: the asynchronous loop's one forward the synchronous loop does not have — π_behav, every lagged
-row scored with the weights of its version (`train/behaviour.py`) — timed on demo batches (all rows one
-version behind, as at staleness 1) through `BehaviourScorer.behav_logp` with the unpacked scorer
-(`models.scoring.make_scorer`) and with the packed one (`train/packed_scoring.py`), interleaved; the saving
-is the median difference. `prepare`'s own θ_old forward (packed) is the `bypass` part's "θ_old forward" row.
+row scored with the weights of its version (`train/behaviour.py`) — timed through `BehaviourScorer.behav_logp`
+on demo batches of two kinds: all rows one version behind (as at staleness 1), and lags 0/1/2 by group in
+thirds (a batch whose Generate calls straddled pushes). Four scorers, interleaved: the unpacked scorer
+(`models.scoring.make_scorer`) and the packed one (`train/packed_scoring.py`), each scoring the whole batch
+once per lag (before `train/row_scoring.py`) or only the lag's rows (now); medians. `prepare`'s own θ_old forward (packed) is the `bypass` part's "θ_old forward" row.
 
-Prints a table and writes docs/results/async_rollouts.{json,md} (`--out` another stem). The target (issue 20): ≥ 1.4× the
+Prints a table and writes docs/results/async_rollouts.{json,md} (`--part bypass` / `behaviour` alone:
+async_rollouts_<part>.{json,md}; `--out` another stem). The target (issue 20): ≥ 1.4× the
 synchronous step rate at staleness 1 on 2 cores. Timings are only meaningful on an otherwise idle machine.
 """
 
@@ -135,7 +137,8 @@ def bypass_saving(a, work: Path) -> dict:
 
 
 def behaviour_saving(a) -> dict:
-    """Median π_behav time of `BehaviourScorer.behav_logp` on demo batches: unpacked vs packed scorer."""
+    """Median π_behav time of `BehaviourScorer.behav_logp` on demo batches: unpacked vs packed scorer, each
+    scoring the whole batch per lag (as before train/row_scoring.py) or the lag's rows only; two batch kinds."""
     import numpy as np
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -146,15 +149,15 @@ def behaviour_saving(a) -> dict:
     from jaxrl_mismatch import precision
     from jaxrl_mismatch.models import load_hf
     from jaxrl_mismatch.models.scoring import make_scorer
-    from jaxrl_mismatch.train import distributed
     from jaxrl_mismatch.train.behaviour import BehaviourScorer
     from jaxrl_mismatch.train.learner_config import learner_config
     from jaxrl_mismatch.train.packed_scoring import make_packed_scorer
+    from jaxrl_mismatch.train.row_scoring import score_rows
     from jaxrl_mismatch.train.state import split_model
 
     c = get_config()
     c.model.path = str(a.model)
-    c.rollout.max_staleness = 1
+    c.rollout.max_staleness = 2
     lc = learner_config(c)
     policy = precision.policy(lc.precision, fp32_lm_head=lc.fp32_lm_head, param_dtype="float32")
     model_cfg, model = load_hf(lc.model_path, policy=policy, mesh=lc.mesh, scan_layers=lc.scan_layers,
@@ -164,29 +167,41 @@ def behaviour_saving(a) -> dict:
     scorers = {}
     for name, make in (("unpacked", make_scorer), ("packed", make_packed_scorer)):
         forward = make(graphdef, lc.mesh, **kw)
+        for how in ("whole", "rows"):
+            # What `Learner._score` does outside exact mode; "whole": every row scored for every lag (before).
+            def score(p, batch, rows, forward=forward, packed=name == "packed", whole=how == "whole"):
+                rows = np.ones_like(rows) if whole else rows
+                return score_rows(forward, p, batch.tokens, batch.attention_mask, rows,
+                                  packed=packed) * np.asarray(batch.response_mask)
 
-        def score(p, batch, forward=forward):  # what `Learner._score` does outside exact mode
-            logp = forward(p, np.asarray(batch.tokens), np.asarray(batch.attention_mask))[0]
-            return distributed.to_host(logp) * np.asarray(batch.response_mask)
-
-        scorers[name] = BehaviourScorer(1, score)
-        scorers[name].remember(1, params)
-        scorers[name].remember(2, params)  # the current version; rows one behind are scored with version 1
-    times: dict[str, list[float]] = {n: [] for n in scorers}
-    diff = 0.0
+            scorers[name, how] = s = BehaviourScorer(2, score)
+            for v in (1, 2, 3):  # version 3 is current: lag 1 is scored with version 2, lag 2 with version 1
+                s.remember(v, params)
+    shape = SHAPES["demo"]
+    kinds = {"lag1": lambda rows: np.ones(rows, np.int32),  # staleness 1: every row one version behind
+             "mixed": lambda rows: np.repeat(np.arange(shape["prompts"]) % 3, shape["group"]).astype(np.int32)}
+    times = {(k, *n): [] for k in kinds for n in scorers}
+    diff = {k: 0.0 for k in kinds}
     for i in range(a.bypass_repeats + 2):
-        batch = make_batch(SHAPES["demo"], model_cfg.vocab_size, seed=i)
-        batch = batch.replace(version_lag=np.ones(batch.num_rows, np.int32))
-        outs = {}
-        for n in (list(scorers) if i % 2 else list(scorers)[::-1]):
-            t0 = time.perf_counter()
-            outs[n] = scorers[n].behav_logp(batch)
-            if i >= 2:  # the first two batches compile (bucketed shapes)
-                times[n].append(time.perf_counter() - t0)
-        diff = max(diff, float(np.max(np.abs(outs["packed"] - outs["unpacked"]))))
-    unp, pk = statistics.median(times["unpacked"]), statistics.median(times["packed"])
-    return {"behav_s_unpacked": unp, "behav_s_packed": pk, "saving_s": unp - pk, "saving_frac": (unp - pk) / unp,
-            "max_abs_logp_diff": diff, "repeats": a.bypass_repeats}
+        for kind, lags in kinds.items():
+            batch = make_batch(shape, model_cfg.vocab_size, seed=i)
+            batch = batch.replace(version_lag=lags(batch.num_rows))
+            outs = {}
+            for n in (list(scorers) if i % 2 else list(scorers)[::-1]):
+                t0 = time.perf_counter()
+                outs[n] = scorers[n].behav_logp(batch)
+                if i >= 2:  # the first two batches compile (bucketed shapes)
+                    times[(kind, *n)].append(time.perf_counter() - t0)
+            ref = outs["unpacked", "whole"]
+            diff[kind] = max(diff[kind], *(float(np.max(np.abs(o - ref))) for o in outs.values()))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {"behav_s_unpacked": med["lag1", "unpacked", "rows"], "behav_s_packed": med["lag1", "packed", "rows"],
+           "repeats": a.bypass_repeats, "median_s": {"/".join(k): v for k, v in med.items()},
+           "max_abs_logp_diff": max(diff.values()),
+           "mixed_lags": "lag of group g = g mod 3 (32 groups of 8: 11/11/10 groups at lags 0/1/2)"}
+    out["saving_s"] = out["behav_s_unpacked"] - out["behav_s_packed"]
+    out["saving_frac"] = out["saving_s"] / out["behav_s_unpacked"]
+    return out
 
 
 def table(loop: dict, bypass: dict | None, behaviour: dict | None = None) -> str:
@@ -205,11 +220,13 @@ def table(loop: dict, bypass: dict | None, behaviour: dict | None = None) -> str
                   f"| bypass (naive_ppo) | {bypass['prepare_s_bypass']:.4f} |",
                   f"| saving | {bypass['saving_s']:.4f} ({bypass['saving_frac_of_prepare']:.0%}) |"]
     if behaviour:
-        lines += ["", "| π_behav forward (demo batch, all rows 1 version behind) | median s |", "| --- | --- |",
-                  f"| unpacked (make_scorer) | {behaviour['behav_s_unpacked']:.4f} |",
-                  f"| packed (make_packed_scorer) | {behaviour['behav_s_packed']:.4f} |",
-                  f"| saving | {behaviour['saving_s']:.4f} ({behaviour['saving_frac']:.0%}); "
-                  f"max abs log-prob difference {behaviour['max_abs_logp_diff']:.1e} |"]
+        m = behaviour["median_s"]
+        lines += ["", "| π_behav forward, median s (demo batch) | all rows lag 1 | lags 0/1/2 (groups in thirds) |",
+                  "| --- | --- | --- |"]
+        for name in ("unpacked", "packed"):
+            for how, what in (("whole", "whole batch per lag (before)"), ("rows", "the lag's rows only")):
+                lines.append(f"| {name}, {what} | {m[f'lag1/{name}/{how}']:.4f} | {m[f'mixed/{name}/{how}']:.4f} |")
+        lines.append(f"| max abs log-prob difference to unpacked whole-batch | {behaviour['max_abs_logp_diff']:.1e} | |")
     return "\n".join(lines)
 
 
@@ -221,8 +238,11 @@ def main() -> int:
     ap.add_argument("--part", choices=("all", "loop", "bypass", "behaviour"), default="all")
     ap.add_argument("--bypass-repeats", type=int, default=10)
     ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine's load)")
-    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "async_rollouts"))
+    ap.add_argument("--out", default=None, help="results stem (default docs/results/async_rollouts, or "
+                    "async_rollouts_<part> for --part bypass/behaviour alone: the loop's results stay)")
     a = ap.parse_args()
+    a.out = a.out or str(REPO / "docs" / "results" / ("async_rollouts" if a.part in ("all", "loop")
+                                                      else f"async_rollouts_{a.part}"))
     load_at_start = os.getloadavg()
     if not (Path(a.model) / "config.json").exists():
         print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start: jaxrl-mismatch train "
@@ -254,7 +274,7 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, body in ((".json", json.dumps(result, indent=2)),
-                         (".md", f"# Asynchronous rollouts ({a.steps} steps per mode)\n\n{a.note}\n\n{text}\n")):
+                         (".md", f"# Asynchronous rollouts ({f'{a.steps} steps per mode' if loop else f'--part {a.part}'})\n\n{a.note}\n\n{text}\n")):
         tmp_path = out.with_suffix(suffix + ".tmp")
         tmp_path.write_text(body)
         os.replace(tmp_path, out.with_suffix(suffix))

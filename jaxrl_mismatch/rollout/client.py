@@ -232,9 +232,8 @@ class RolloutClient:
         return self._call("GetInfo", lambda: self._stub.GetInfo(req, timeout=self._timeout_s))
 
     def info(self) -> EngineInfo:
-        r = self._get_info(False)
-        self._observe_server(r.server_id)
-        return protocol.info_from_proto(r)
+        """What the server serves; also records its process id and shared-memory host, as a push's sync does."""
+        return protocol.info_from_proto(self._sync_server())
 
     def request_limits(self) -> Limits:
         """The server's per-request token limits (a larger Generate must be split by the caller)."""
@@ -285,20 +284,24 @@ class RolloutClient:
         log.warning("rollout server %s restarted (new server_id %s)", self.target, server_id)
         return True
 
-    def _sync_server(self) -> None:
+    def _sync_server(self) -> rollout_pb2.GetInfoResponse:
         r = self._get_info(False)
         self._observe_server(r.server_id)
         self._server_host_id = r.shm_host_id
+        return r
 
     # -- weights -------------------------------------------------------------------------------------
-    def push_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+    def push_weights(self, tensors: Mapping[str, np.ndarray], version: int, *, synced: bool = False) -> None:
         """Stream HF-named tensors to the server as weight `version`; returns once they are in service.
 
         Floating tensors are cast to the dtype the engine expects (e.g. float32 master weights to a
         bfloat16 engine, round-to-nearest-even like a checkpoint load); the tensor set is checked
-        against the engine's before any byte is sent.
+        against the engine's before any byte is sent. The push first reads the server's GetInfo (a restart
+        since the last call, its shared-memory host); `synced=True`: the caller has just called `info()`,
+        which read and recorded the same, so the push does not ask again.
         """
-        self._sync_server()
+        if not synced:
+            self._sync_server()
         self._push(tensors, version)
 
     def _push(self, tensors: Mapping[str, np.ndarray], version: int) -> None:

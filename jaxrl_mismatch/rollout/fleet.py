@@ -167,9 +167,12 @@ class RolloutFleet:
         candidates = [m for m in self.members if m.up or self._revived(m)]
         if not candidates:
             raise NoServerLeftError(f"no rollout server left to push weights to ({self.describe()})")
-        served = [v for v in self._parallel(candidates, lambda m: m.session.info().weight_version) if v is not None]
+        infos = self._parallel(candidates, lambda m: m.session.info().weight_version)
+        served = [v for v in infos if v is not None]
         version = max([self.version, *served]) + 1
-        results = self._parallel(candidates, lambda m: m.session.push(weights, version), what="UpdateWeights")
+        read = {id(m) for m, v in zip(candidates, infos) if v is not None}  # their push needs no GetInfo of its own
+        results = self._parallel(candidates, lambda m: m.session.push(weights, version, synced=id(m) in read),
+                                 what="UpdateWeights")
         ok = [m for m, r in zip(candidates, results) if r is not None]
         if not ok:
             raise NoServerLeftError(f"every rollout server failed the push of version {version} ({self.describe()})")

@@ -100,12 +100,15 @@ class RolloutSession:
         self.client.check_compatible(architecture=architecture, vocab_size=vocab_size,
                                      tokenizer_vocab_size=tokenizer_vocab_size)
 
-    def push(self, weights: Mapping[str, np.ndarray], version: int | None = None) -> int:
+    def push(self, weights: Mapping[str, np.ndarray], version: int | None = None, *, synced: bool = False) -> int:
         """Push HF-named tensors as the next weight version (or as `version`, a fleet's); returns it. The
-        session keeps a reference to `weights` to re-push them after a server restart."""
+        session keeps a reference to `weights` to re-push them after a server restart. One GetInfo per push:
+        the one that reads the server's version also serves the push's sync (`synced`: the caller's `info()`
+        just did)."""
         if version is None:
             version = max(self.version, self.info().weight_version) + 1
-        self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version))
+            synced = True
+        self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version, synced=synced))
         self.version, self._weights = version, weights
         return version
 

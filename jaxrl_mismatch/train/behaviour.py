@@ -3,10 +3,19 @@
 Asynchronous rollouts (`rollout.max_staleness` = s) train on samples up to s versions old. To split the
 step's mismatch into staleness and precision (`metrics/staleness.py`) the trainer scores each lagged row
 with the weights it had at that row's version, so it keeps the parameters of the last s + 1 pushed versions
-(s extra copies of the policy's parameters, on the devices, sharded like the live ones). Rows are scored
-by the same forward as π_prox, over the engine's top-k/top-p support when it truncated: the batch-invariant
-exact scorer in `rollout.exact` mode (then π_behav equals μ bit for bit, unless the engine serves quantized
-weights or injects noise: that difference is the precision part), else the trainer's teacher-forced forward.
+(s + 1 copies of the policy's parameters besides the live ones, on the devices, sharded like them: the
+current version's copy is what its rows will need once the update has moved the live weights on). Rows are
+scored by the same forward as π_prox, over the engine's top-k/top-p support when it truncated: the
+batch-invariant exact scorer in `rollout.exact` mode (then π_behav equals μ bit for bit, unless the engine
+serves quantized weights or injects noise: that difference is the precision part), else the trainer's
+teacher-forced forward.
+
+One forward per distinct lag ℓ > 0, over the rows with that lag only (`train/row_scoring.py`): a batch
+with lags 0/1/2 in thirds costs two forwards of a third of the batch, not two of the whole batch. Rows with
+lag 0 are not scored at all: their sample version is the current one, so π_behav = π_prox, which `prepare`
+computes anyway (`metrics/staleness.py` reads π_prox there). These forwards stay outside `prepare`'s jitted
+call: each lag has its own weights and the set of lags varies per step, so one program would compile per
+combination of lags and packed shapes (docs/rollout.md, "Cost").
 """
 
 from __future__ import annotations
@@ -21,9 +30,9 @@ import numpy as np
 class BehaviourScorer:
     """Keeps the parameters of recent weight versions and scores lagged rows with them."""
 
-    def __init__(self, max_staleness: int, score: Callable[[Any, Any], np.ndarray]) -> None:
+    def __init__(self, max_staleness: int, score: Callable[[Any, Any, np.ndarray], np.ndarray]) -> None:
         self.s = int(max_staleness)
-        self._score = score  # (params, batch) -> [B, S-1] host log-probs (masked)
+        self._score = score  # (params, batch, rows [B] bool) -> [B, S-1] host log-probs of `rows` (masked)
         self._params: dict[int, Any] = {}
         self.version: int | None = None  # the current (latest pushed) version
 
@@ -49,5 +58,5 @@ class BehaviourScorer:
                 raise ValueError(f"version_lag: rows {ell} versions behind (version {v}) but only versions "
                                  f"{sorted(self._params)} are kept (rollout.max_staleness = {self.s})")
             rows = lag == ell
-            out[rows] = np.asarray(self._score(self._params[v], batch), np.float32)[rows]
+            out[rows] = np.asarray(self._score(self._params[v], batch, rows), np.float32)[rows]
         return out

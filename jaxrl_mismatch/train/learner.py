@@ -30,6 +30,7 @@ from jaxrl_mismatch.train.learner_config import LearnerConfig
 from jaxrl_mismatch.train.minibatches import jit_take_rows, minibatch_order, place_rows
 from jaxrl_mismatch.train.packed_scoring import make_packed_scorer
 from jaxrl_mismatch.train.packing import pack_batch, packed_layout
+from jaxrl_mismatch.train.row_scoring import score_rows
 from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import (
     jit_prepare,
@@ -128,17 +129,21 @@ class Learner:
         key = jax.random.key_data(jax.random.key(seed))
         return self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
 
-    def _score(self, params, batch: RolloutBatch) -> np.ndarray:
-        """log π(y_t) of the batch's targets under `params`, masked, on the host: the exact scorer in exact
-        mode, else the teacher-forced forward (what `prepare` computes for π(θ_old)), over the engine's
-        top-k/top-p support when it truncated."""
-        if self.cfg.scores_exactly:
-            return score_exact(self._exact_graphdef, distributed.gather_params(params), batch.tokens,
-                               batch.attention_mask, batch.response_mask, max_tokens=self.cfg.max_tokens,
-                               temperature=self.cfg.temperature, kept=batch.kept_count)
+    def _score(self, params, batch: RolloutBatch, rows: np.ndarray) -> np.ndarray:
+        """log π(y_t) of the targets of `rows` ([B] bool) under `params`, masked, on the host (0 in other rows):
+        the exact scorer in exact mode, else the teacher-forced forward (what `prepare` computes for π(θ_old)),
+        over the engine's top-k/top-p support when it truncated; only those rows are computed."""
         kept = None if batch.kept_count is None else np.asarray(batch.kept_count)
-        logp = self._forward(params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), kept)[0]
-        return distributed.to_host(logp) * np.asarray(batch.response_mask)
+        response = np.asarray(batch.response_mask)
+        if self.cfg.scores_exactly:  # batch-invariant: a subset's rows are bit for bit the whole batch's
+            idx, out = np.flatnonzero(rows), np.zeros(response.shape, np.float32)
+            tokens, mask = np.asarray(batch.tokens)[idx], np.asarray(batch.attention_mask)[idx]
+            out[idx] = score_exact(self._exact_graphdef, distributed.gather_params(params), tokens, mask, response[idx],
+                                   max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
+                                   kept=None if kept is None else kept[idx])
+            return out
+        return score_rows(self._forward, params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), rows,
+                          kept=kept, packed=self.cfg.packing, multiple=self._batch_shards) * response
 
     def _check_routing(self, routing: np.ndarray) -> None:
         shape, experts = self.routing_shape, self.model_cfg.num_experts

@@ -9,6 +9,9 @@ batch shard, `row_buckets` packed shapes per bucketed length), it computes the s
 `tests/train/test_packed_scoring.py`) on fewer token slots, and the same way π_prox is computed, so a row
 scored with the current weights gives the same π_behav as π_prox.
 
+`train/row_scoring.py` scores a subset of the rows through it (π_behav of one lag) by zeroing the other rows'
+attention masks: only the subset's sequences are packed, into a row count bucketed on the whole batch.
+
 Packed rows carry no top-k/top-p kept-set sizes (`config_checks` forbids packing with truncated sampling);
 a call with `kept` takes the unpacked scorer.
 """

@@ -73,6 +73,7 @@ def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(
     weights, as through the unpacked one; unlagged rows 0."""
     from jaxrl_mismatch.train.batch import RolloutBatch
     from jaxrl_mismatch.train.behaviour import BehaviourScorer
+    from jaxrl_mismatch.train.row_scoring import score_rows
 
     graphdef, params = policy
     b = synthetic_batch(batch=8, seq=16, seed=7)
@@ -83,9 +84,8 @@ def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(
     for name, make in (("unpacked", make_scorer), ("packed", make_packed_scorer)):
         forward = make(graphdef, None, chunk_size=8)
 
-        def score(p, rb, forward=forward):
-            logp = forward(p, np.asarray(rb.tokens), np.asarray(rb.attention_mask))[0]
-            return np.asarray(logp) * np.asarray(rb.response_mask)
+        def score(p, rb, rows, forward=forward, packed=name == "packed"):
+            return score_rows(forward, p, rb.tokens, rb.attention_mask, rows, packed=packed) * rb.response_mask
 
         scorer = BehaviourScorer(2, score)
         for v, p in versions.items():
