@@ -26,10 +26,16 @@ def repo_relative_args(args: dict) -> dict:
     return {k: repo_relative(v) if isinstance(v, (str, os.PathLike)) else v for k, v in args.items()}
 
 
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write a benchmark's result JSON atomically (a temporary sibling renamed into place, as every output of
-    the package is written: `jaxrl_mismatch.outputs.staged_file`), creating its folder."""
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a benchmark's result file (a JSON record, a Markdown table) atomically: a temporary sibling renamed
+    into place, as every output of the package is written (`jaxrl_mismatch.outputs.staged_file`), creating its
+    folder. An interrupted run leaves the previous result intact, never a half-written one."""
     from jaxrl_mismatch.outputs import staged_file
 
     with staged_file(str(path)) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=2))
+        f.write(text)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write a benchmark's result JSON (indented, ending in a newline) atomically, as `write_text`."""
+    write_text(path, json.dumps(obj, indent=2) + "\n")

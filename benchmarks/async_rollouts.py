@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import repo_relative  # noqa: E402
+from benchmarks._paths import repo_relative, write_json, write_text  # noqa: E402
 
 MODES = {"sync": 0, "staleness_1": 1, "staleness_2": 2}
 
@@ -272,12 +272,8 @@ def main() -> int:
                                           "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()},
               "speedup_staleness_1": (loop["staleness_1"]["steps_per_s"] / loop["sync"]["steps_per_s"]) if loop else None}
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, body in ((".json", json.dumps(result, indent=2)),
-                         (".md", f"# Asynchronous rollouts ({f'{a.steps} steps per mode' if loop else f'--part {a.part}'})\n\n{a.note}\n\n{text}\n")):
-        tmp_path = out.with_suffix(suffix + ".tmp")
-        tmp_path.write_text(body)
-        os.replace(tmp_path, out.with_suffix(suffix))
+    write_json(out.with_suffix(".json"), result)
+    write_text(out.with_suffix(".md"), f"# Asynchronous rollouts ({f'{a.steps} steps per mode' if loop else f'--part {a.part}'})\n\n{a.note}\n\n{text}\n")
     return 0
 
 

@@ -17,7 +17,6 @@ load average at start is recorded. Writes benchmarks/results/forward_throughput.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from benchmarks._paths import write_json  # noqa: E402
 from jaxrl_mismatch.models import load_hf, positions_from_mask, token_logprobs  # noqa: E402
 from jaxrl_mismatch.precision import policy  # noqa: E402
 
@@ -132,8 +132,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -14,7 +14,6 @@ Prints a table and writes benchmarks/results/metrics_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import statistics
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._paths import write_json  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config, step_metrics, update_stats  # noqa: E402
 from jaxrl_mismatch.objectives import batch_constants, objective_config, policy_loss  # noqa: E402
 
@@ -159,8 +159,7 @@ def main():
     print(f"overhead (medians): {overhead:+.2f} %   paired median: {paired:+.2f} %   "
           f"metrics alone: {med_alone / med_off * 100:.2f} % of the step   "
           f"({n_metrics} metrics, target ≤ 3 %, device {result['device']})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -19,7 +19,6 @@ Writes docs/results/mismatch_sources.json and .md (through temporary siblings re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -34,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._paths import repo_relative, repo_relative_args  # noqa: E402
+from benchmarks._paths import repo_relative, repo_relative_args, write_json, write_text  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
 from jaxrl_mismatch.metrics.step import step_metrics  # noqa: E402
@@ -64,13 +63,6 @@ def sources() -> list[dict]:
     out += [dict(name=f"{q} + exact (fp32)", dtype="float32", quantize=q, sigma=0.0, exact=True) for q in ("int8", "fp8")]
     out += [dict(name=f"σ = {s:g} (fp32 engine)", dtype="float32", quantize="none", sigma=s, exact=False) for s in SIGMAS]
     return out
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _warmstart(c) -> None:
@@ -147,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                          "temperature": r.temperature}, "sources": sources(), "mean": mean, "per_seed": per_seed,
               "seconds": elapsed}
     out = Path(a.out)
-    _write(out, json.dumps(result, indent=2) + "\n")
-    _write(out.with_suffix(".md"), f"# Mismatch sources vs the fp32 trainer ({Path(a.config).name})\n\n"
+    write_json(out, result)
+    write_text(out.with_suffix(".md"), f"# Mismatch sources vs the fp32 trainer ({Path(a.config).name})\n\n"
            f"Written by `benchmarks/mismatch_sources.py`: {setup}.\n\n{table}")
     print(f"wrote {out} and {out.with_suffix('.md')} ({elapsed:.0f} s)")
     return 0

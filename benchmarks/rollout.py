@@ -37,6 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._paths import write_json  # noqa: E402
 from jaxrl_mismatch.rollout.client import RolloutClient  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
 
@@ -257,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'-':<8} {'raw TCP loopback':<22} {b['tcp_loopback_MBps']:>8.0f} "
           f"{nbytes / 1e6 / b['tcp_loopback_MBps']:>8.4f} {b['tcp_loopback_MBps'] / b['memcpy_MBps']:>9.1%}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
     print(f"wrote {out}")
     return 0
 

@@ -33,7 +33,6 @@ less load-sensitive of the two). Writes benchmarks/results/update_step.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -53,6 +52,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
+from benchmarks._paths import write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
 from jaxrl_mismatch.models.exact import canonical_length  # noqa: E402
@@ -308,11 +308,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(path)
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

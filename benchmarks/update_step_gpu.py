@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import repo_relative_args  # noqa: E402
+from benchmarks._paths import repo_relative_args, write_json  # noqa: E402
 
 SHAPES = {
     # Qwen3-0.6B / -1.7B config.json shapes (tied embeddings, q/k norms, GQA 16/8, head_dim 128).
@@ -603,7 +603,7 @@ def main() -> None:
 
     if args._part:  # a child: one part, result to <work>/<part>.json
         result = PARTS[args._part](args, Path(args._work))
-        (Path(args._work) / f"{args._part}.json").write_text(json.dumps(result, indent=2))
+        write_json(Path(args._work) / f"{args._part}.json", result)
         return
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -620,10 +620,9 @@ def main() -> None:
     print_table(args, summary, results)
     slug = re.sub(r"[^a-z0-9]+", "-", summary["device"].lower()).strip("-")
     out = Path(args.out or REPO / f"benchmarks/results/update_step_gpu_{slug}_{args.shape}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     config = repo_relative_args({k: v for k, v in vars(args).items() if not k.startswith("_")})
-    out.write_text(json.dumps({"config": config, "summary": summary, "parts": results,
-                               "machine": platform.machine(), "cpus": os.cpu_count()}, indent=2))
+    write_json(out, {"config": config, "summary": summary, "parts": results,
+                     "machine": platform.machine(), "cpus": os.cpu_count()})
     print(f"wrote {out}")
 
 
