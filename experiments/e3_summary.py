@@ -23,7 +23,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 
 def paired_cell(d: dict) -> str:
     lo, hi = d["ci95"]
-    return f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}], {d['wins']}/{d['n']}"
+    return f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}], {d['wins']}/{d['n']}".replace("-", "−")  # the docs' minus
 
 
 def excludes_zero(d: dict) -> bool:

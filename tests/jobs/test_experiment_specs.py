@@ -179,6 +179,6 @@ def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(t
         "paired": {"bf16_exact": cell(-0.02, -0.05, -0.001, 1)}}))
     text, counts = m.summary(tmp_path)
     assert "| `ppo` | 0.410 / 0.450 / 0.430 | 0 / 1 / 0 | +0.040 [+0.010, +0.070], 5/5 |" in text
-    assert "| `exact` | 0.400 / 0.380 | 0 / 2 | -0.020 [-0.050, -0.001], 1/5 |" in text
+    assert "| `exact` | 0.400 / 0.380 | 0 / 2 | −0.020 [−0.050, −0.001], 1/5 |" in text
     assert counts["intervals"] == 4 and counts["excluding_zero"] == ["ppo fp16 − bf16", "exact bf16_exact − bf16"]
     assert "seq_tis" in counts["missing"] and "ppo" not in counts["missing"]
