@@ -65,7 +65,8 @@ class Trainer:
         self.data = TaskData(c, self.learner.model_cfg.vocab_size)
         self.controller = build_controller(c.controller)
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), max_to_keep=c.checkpoint.keep)
-        self.step, self.version = 0, 0
+        self.step = 0
+        self._version = 0  # the weight version where no session counts it: restored, or on processes > 0
         self._pushed_step: int | None = None  # the step whose weights the server serves
         self.session: RolloutSession | None = None
         self.producer: RolloutProducer | None = None  # rollout.max_staleness > 0 (process 0 only)
@@ -141,7 +142,7 @@ class Trainer:
             rollout_fields(with_routing=self.collect_routing,
                            with_kept=self.c.rollout.top_p < 1.0 or self.c.rollout.top_k > 0) + ("sample_version",),
             STAT_KEYS + ("rollout/mismatch_scale",) + (ASYNC_STAT_KEYS if asynchronous else ()))
-        versions = arrays.pop("sample_version")[:, 0]
+        versions = arrays.pop("sample_version")
         batch = RolloutBatch(**arrays)
         batch = batch.replace(version_lag=(self.version - versions).astype(np.int32))
         t_rollout = time.perf_counter() - t0
@@ -157,6 +158,13 @@ class Trainer:
         metrics.update({"rollout/weight_version": float(self.version), "time/rollout_s": t_rollout,
                         "time/update_s": time.perf_counter() - t0 - t_rollout, "time/step_s": time.perf_counter() - t0})
         return metrics
+
+    @property
+    def version(self) -> int:
+        """The weight version the rollout server serves. Counted in one place: the rollout session on process 0
+        (started at the checkpoint's version, one up per push); processes without a session keep the value
+        each push broadcasts (and, before the session opens, the restored one)."""
+        return self.session.version if self.session is not None else self._version
 
     def close(self) -> None:
         try:
@@ -179,8 +187,10 @@ class Trainer:
         weights = self.learner.hf_weights()  # every process joins the gather (multi-host); process 0 pushes
         if self.producer is not None:
             self.producer.before_push()
-        self.version = int(distributed.on_lead(self.is_lead, lambda: {"version": float(self.session.push(weights))},
-                                               ("version",))["version"])
+        version = int(distributed.on_lead(self.is_lead, lambda: {"version": float(self.session.push(weights))},
+                                          ("version",))["version"])
+        if self.session is None:  # process > 0: the lead's session counted it
+            self._version = version
         self._pushed_step = self.step
         self.learner.behaviour.remember(self.version, self.learner.state.params)
         if self.producer is not None:
@@ -212,7 +222,7 @@ class Trainer:
 
     def _rollout(self, index: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """(the rollout fields of step `index`'s batch (default: this step) and each row's weight version as
-        "sample_version" [B, 1], rollout statistics); process 0 only."""
+        "sample_version" [B], rollout statistics); process 0 only."""
         c = self.c
         step = self.step if index is None else index
         collected = collect(self.session, self.data.next_prompts,
@@ -226,7 +236,7 @@ class Trainer:
             return np.asarray(compute_advantages(kind, rewards, group_ids, num_groups))
 
         batch = to_batch(collected.groups, advantages, pad_id=self.data.pad_id, with_routing=self.collect_routing)
-        versions = np.array([[cm.weight_version] for g in collected.groups for cm in g.completions], np.int32)
+        versions = np.array([cm.weight_version for g in collected.groups for cm in g.completions], np.int32)
         # The strength travels with the batch: after a dropped batch the producer's indices run ahead of the
         # trainer's step, and the logged scale must be the one the batch was sampled with.
         stats = {**collected.stats, "rollout/mismatch_scale": self._mismatch_scale(step)}
@@ -267,7 +277,7 @@ class Trainer:
     def _open_session(self) -> RolloutSession:
         r = self.c.rollout
         timeouts = dict(timeout_s=r.push_timeout_s, generate_timeout_s=r.generate_timeout_s,
-                        ready_timeout_s=r.startup_timeout_s, start_version=self.version,
+                        ready_timeout_s=r.startup_timeout_s, start_version=self._version,
                         weight_transport=r.weight_transport)
         addresses = [a.strip() for a in r.address.split(",") if a.strip()]
         if len(addresses) > 1 or r.num_servers > 1:  # a fleet: spread requests, fail over (rollout/fleet.py)
@@ -318,7 +328,7 @@ class Trainer:
         # A damaged newest checkpoint is moved aside (one warning) and the next older one restored.
         _, (state, meta) = self.ckpt.newest_good(self._read_checkpoint)
         self.learner.load_state(state)
-        self.step, self.version = int(meta["step"]), int(meta["weight_version"])
+        self.step, self._version = int(meta["step"]), int(meta["weight_version"])
         self.data.prompts.restore(meta["data"])
         if self.controller is not None and meta.get("controller") is not None:
             self.controller.load_state_dict(meta["controller"])

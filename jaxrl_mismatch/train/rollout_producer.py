@@ -39,7 +39,7 @@ class Produced:
     """One step's rollout batch, made ahead of time."""
 
     index: int                    # the step it was made for (seeds, prompt order)
-    arrays: dict[str, np.ndarray]  # wire arrays of `Trainer._rollout`, incl. "sample_version" [B, 1]
+    arrays: dict[str, np.ndarray]  # wire arrays of `Trainer._rollout`, incl. "sample_version" [B]
     stats: dict[str, float]
     data_start: dict              # prompt position before it drew its prompts (resume regenerates from here)
     generate_s: float             # wall time the producer spent making it

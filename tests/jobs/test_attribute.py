@@ -157,6 +157,7 @@ def test_cli_exits_2_with_one_line(tiny, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--prompt-ids" in lines[0], p.stderr
 
 
+@pytest.mark.slow
 def test_moe_router_and_experts_ablations(tmp_path):
     """On a tiny Qwen3-MoE the default components include the router; fp32 router and fp32 experts each reach the
     programs of both sides (the mismatch left changes)."""

@@ -120,6 +120,7 @@ def test_checkpoint_round_trip_and_weight_sync(checkpoints, tmp_path):
         hf_to_params(wire, cfg, params)
 
 
+@pytest.mark.slow
 def test_scanned_layers_equal_unrolled_and_mixed_layers_are_refused(checkpoints, tmp_path):
     d, _ = checkpoints("all_sparse", False)
     _, unrolled = load_hf(d, policy=policy("fp32"))
@@ -234,6 +235,7 @@ def test_replaying_the_own_routing_is_the_identity_and_other_routing_changes_the
         model.forward_routed(tokens, pos, mask, routing=router.expert_ids[:, :, :1])
 
 
+@pytest.mark.slow
 def test_kv_decode_matches_full_forward_with_routing(checkpoints):
     """Prefill + cached decode give the full forward's logits and each token's routing (fp32)."""
     d, _ = checkpoints("mlp_only_layers", False)
