@@ -11,13 +11,16 @@ same distribution, so they pick the same token unless their log-probs differ acr
 boundary.
 
 Algorithm (per row, all rows of a request batched):
-  1. Draft the rest of the row with the KV-cache sampler (batched prefill + decode) using the row's own
-     step keys fold_in(row_key, t), from its first unsettled position t0.
+  1. Draft the rest of the row but its last token with the KV-cache sampler (batched prefill + decode)
+     using the row's own step keys fold_in(row_key, t), from its first unsettled position t0.
   2. Verify: one exact forward of the row (`models.exact.row_hidden` at the row's canonical length, the
-     LM head in `EXACT_CHUNK` chunks, exactly the scorer's program) gives, for every position, the token
-     the exact sampler would draw there and its log-prob.
+     LM head in `EXACT_CHUNK` chunks, exactly the scorer's program) gives, for every unsettled position, the
+     token the exact sampler would draw there and its log-prob (the head and the draw skip the chunks of
+     the prompt and of settled tokens; the trunk cannot: a position's bits come from the whole row's forward).
   3. Accept the longest draft prefix on which the exact token equals the draft token; at the first
-     disagreement keep the exact token (its prefix is settled, so it is the reference sampler's token).
+     disagreement keep the exact token (its prefix is settled, so it is the reference sampler's token); if
+     the whole draft agrees, also keep the exact token after it (the extra token of speculative decoding,
+     Leviathan et al. 2023) — which is why step 1 drafts one token short of the budget.
      Repeat from 1 for rows not yet stopped.
 
 Every returned token and log-prob comes from the exact forward (never from the draft), and causal
@@ -122,14 +125,16 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
             for k, r in enumerate(members):
                 t0, p = int(settled[r]), len(prompts[prompt_of[r]])
                 d = draft[picks[k], : draft_len[picks[k]]]
-                e = exact_tok[k, p - 1 + t0: p - 1 + t0 + len(d)]
-                lp = exact_lp[k, p - 1 + t0: p - 1 + t0 + len(d)]
-                kept[r, t0: t0 + len(d)] = exact_kept[k, p - 1 + t0: p - 1 + t0 + len(d)]
-                miss = np.flatnonzero(e != d)
-                keep = len(d) if miss.size == 0 else int(miss[0]) + 1  # through the first disagreement
-                stats.verified += keep
-                stats.accepted += keep - (0 if miss.size == 0 else 1)
+                # the exact token after each draft prefix: len(d) + 1 of them while the row has room (the
+                # last one follows the whole draft: a token no draft proposed, Leviathan et al. 2023, §2.3)
+                span = slice(p - 1 + t0, p - 1 + t0 + min(len(d) + 1, max_tokens - t0))
+                e, lp = exact_tok[k, span], exact_lp[k, span]
+                miss = np.flatnonzero(e[: len(d)] != d)
+                keep = len(e) if miss.size == 0 else int(miss[0]) + 1  # through the first disagreement
+                stats.verified += min(keep, len(d))
+                stats.accepted += min(keep, len(d)) - (0 if miss.size == 0 else 1)
                 tokens[r, t0: t0 + keep], logps[r, t0: t0 + keep] = e[:keep], lp[:keep]
+                kept[r, t0: t0 + keep] = exact_kept[k, span][:keep]
                 settled[r] = t0 + keep
                 hit = [q for q in range(keep) if int(e[q]) in stop_set]
                 if hit:  # the reference sampler stops at its first stop token
@@ -144,10 +149,12 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
            temperature, sigma, stop, base_key, inject, top_k, top_p, filtering, stats):
     """KV-cache draft of every active row from its first unsettled position (tokens [A, ≤max], lengths [A])."""
     a = len(active)
+    if int(max_tokens - settled[active].min()) <= 1:  # every row has one token left: the verify's own
+        return np.zeros((a, 0), np.int32), np.zeros((a,), np.int32)
     ctx = [list(prompts[prompt_of[r]]) + tokens[r, : settled[r]].tolist() for r in active]
     n_rows = _bucket(a, 1)
     ctx_len = _bucket(max(len(c) for c in ctx), 16)
-    new_len = _bucket(int(max_tokens - settled[active].min()), 16)
+    new_len = _bucket(int(max_tokens - settled[active].min() - 1), 16)
     ids = np.zeros((n_rows, ctx_len), np.int32)
     mask = np.zeros((n_rows, ctx_len), np.int32)
     mask[:, -1] = 1  # padding rows: one token, so no row is fully masked
@@ -157,7 +164,8 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     sj = np.zeros((n_rows,), np.int32)
     for k, (r, c) in enumerate(zip(active, ctx)):
         ids[k, ctx_len - len(c):], mask[k, ctx_len - len(c):] = c, 1
-        t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r], key_of[r], sample_of[r]
+        # one token short of the budget: the verify supplies the row's last token itself
+        t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r] - 1, key_of[r], sample_of[r]
     t_start = time.perf_counter()
     out = _draft_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(mask), base_key, jnp.asarray(pi),
                          jnp.asarray(sj), jnp.asarray(t0), jnp.asarray(limit), np.float32(temperature),
@@ -204,15 +212,18 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
     ids = np.zeros((padded, length), np.int32)
     n_valid = np.zeros((padded,), np.int32)  # 0: a padding row, skipped
     n_prompt = np.ones((padded,), np.int32)
+    first = np.zeros((padded,), np.int32)  # the first position whose next token is not settled yet
     pi = np.zeros((padded,), np.int32)
     sj = np.zeros((padded,), np.int32)
     for k, r in enumerate(members):
         p = prompts[prompt_of[r]]
         row = list(p) + tokens[r, : settled[r]].tolist() + draft[k, : draft_len[k]].tolist()
         ids[k, : len(row)], n_valid[k], n_prompt[k], pi[k], sj[k] = row, len(row), len(p), key_of[r], sample_of[r]
+        first[k] = len(p) - 1 + settled[r]
     t_start = time.perf_counter()
     out = _verify_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(n_valid), jnp.asarray(n_prompt),
-                          base_key, jnp.asarray(pi), jnp.asarray(sj), np.float32(temperature), np.float32(sigma),
+                          jnp.asarray(first), base_key, jnp.asarray(pi), jnp.asarray(sj), np.float32(temperature),
+                          np.float32(sigma),
                           np.int32(top_k), np.float32(top_p), inject=inject, filtering=filtering)
     tok, lp, kept = jax.device_get(out)
     stats.verify_s += time.perf_counter() - t_start
@@ -221,18 +232,23 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "inject", "filtering"))
 def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_valid: Int[Array, " rows"],
-                    n_prompt: Int[Array, " rows"], base_key, prompt_idx, sample_idx, temperature, sigma, top_k, top_p,
-                    *, inject: bool, filtering: bool
+                    n_prompt: Int[Array, " rows"], first: Int[Array, " rows"], base_key, prompt_idx, sample_idx,
+                    temperature, sigma, top_k, top_p, *, inject: bool, filtering: bool
                     ) -> tuple[Int[Array, "rows length"], Float[Array, "rows length"], Int[Array, "rows length"]]:
-    """Per row (alone, `lax.map`) and per position p: the token the exact sampler draws after ids[:p+1] —
-    categorical(fold_in(row_key, p + 1 − n_prompt), log π(· | ids[:p+1])) — and its log-prob. Row `p` of a
-    head chunk is `models.exact.next_token_logprobs` for n_valid = p + 1, bit for bit."""
+    """Per row (alone, `lax.map`) and per position p in [first, n_valid): the token the exact sampler draws
+    after ids[:p+1] — categorical(fold_in(row_key, p + 1 − n_prompt), log π(· | ids[:p+1])) — and its log-prob
+    (0 elsewhere). Row `p` of a head chunk is `models.exact.next_token_logprobs` for n_valid = p + 1, bit for bit.
+
+    The trunk runs over the whole row (a position's bits come from the forward of the whole canonical row),
+    but the LM head and the draw run only on the `EXACT_CHUNK` chunks that hold a wanted position: the
+    prompt's and the settled tokens' chunks are skipped (with a real vocabulary the head is a large part of
+    a position's cost)."""
     model = nnx.merge(graphdef, params, rest)
     keys = row_keys(base_key, prompt_idx, sample_idx)
     length = ids.shape[1]
 
     def one_row(args):
-        row, n, p0, row_key = args
+        row, n, p0, lo, row_key = args
 
         def run(_):
             hidden = row_hidden(model, row, n).reshape(length // EXACT_CHUNK, EXACT_CHUNK, -1)
@@ -240,6 +256,13 @@ def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_va
 
             def chunk(a):
                 h, start = a
+                return jax.lax.cond((start + EXACT_CHUNK > lo) & (start < n), head, skip_chunk, h, start)
+
+            def skip_chunk(h, start):
+                return (jnp.zeros((EXACT_CHUNK,), jnp.int32), jnp.zeros((EXACT_CHUNK,), jnp.float32),
+                        jnp.zeros((EXACT_CHUNK,), jnp.int32))
+
+            def head(h, start):
                 logp_all = chunk_logprobs(model, h, temperature)
                 t = jnp.maximum(start + jnp.arange(EXACT_CHUNK) + 1 - p0, 0)
                 step_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(row_key, t)
@@ -260,5 +283,5 @@ def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_va
 
         return jax.lax.cond(n > 0, run, skip, None)
 
-    return jax.lax.map(one_row, (ids, n_valid, n_prompt, keys))
+    return jax.lax.map(one_row, (ids, n_valid, n_prompt, first, keys))
 

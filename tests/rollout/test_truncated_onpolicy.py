@@ -39,6 +39,7 @@ def _graph(ckpt, dtype):
     return nnx.split(model, nnx.Param)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_exact_top_p_mu_equals_pi_old_bitwise_and_reaches_the_tokens(tiny_checkpoints, dtype):
     ckpt = tiny_checkpoints["untied"]
