@@ -126,6 +126,7 @@ def _rl_batch(engine, sigma):
     return b.replace(advantages=(adv[:, None] * b.response_mask).astype(np.float32))
 
 
+@pytest.mark.slow
 def test_training_step_metrics_are_exactly_zero_in_exact_mode_and_noise_reaches_the_gradient(tiny_checkpoints, tmp_path):
     import jax
 
