@@ -11,16 +11,20 @@ the machine's timing. The objectives (objectives/decoupled.py, presets pinned by
 
 - `naive_ppo`: PPO clip on π/μ, no weight (`proximal = "bypass"`: μ as the proximal policy);
 - `decoupled`: AReaL's decoupled PPO, clip on π/π_prox, weight π_prox/μ (untruncated);
-- `decoupled_m2po`: the same with M2PO's second-moment token mask, τ_M2 = 0.04.
+- `decoupled_m2po`: the same with M2PO's second-moment token mask, τ_M2 = 0.04;
+- `decoupled_tis` (s ≥ 1 only, a control added after the first grid): the decoupled weight truncated at
+  C = 3 (AReaL's behaviour-weight cap). In the first grid decoupled PPO lost to naive PPO from s = 1 on while
+  its weight π_prox/μ had a ρ std of 0.24–1.9; if that weight's variance is what costs it, capping the weight
+  recovers it. At s = 0 it is `decoupled` (ρ never reaches 3 at s = 0), so it is not run there.
 
 All three are GRPO-advantage, token-mean, ε = 0.2; only the proximal policy and the token weight differ. At
 staleness 0 `naive_ppo` is PPO around μ and `decoupled` is PPO around π(θ_old) with the precision weight ρ:
 the precision mismatch alone. `staleness/*` splits each step's mismatch into the staleness and precision
 parts (metrics/staleness.py). The baseline for paired differences is `decoupled_s0`.
 
-12 variants × 5 seeds × 80 steps at the edge-of-stability LR 7e-4 of E0 — the grid has not been run (issue 20:
-the spec first). At E2's ~115 s per 80-step run alone, about an hour per grid two at a time on an idle
-2-core machine, plus the producer's overlap (benchmarks/async_rollouts.py). Resumable.
+12 variants × 5 seeds × 80 steps at the edge-of-stability LR 7e-4 of E0, plus the 3 control variants: about
+an hour for the 60 main runs two at a time (~100–125 s each here), 15 min for the controls. Resumable: a
+rerun skips the finished runs, so adding the controls ran only their 15.
 """
 
 LR = 7e-4
@@ -31,6 +35,7 @@ SOURCES = {
 }
 OBJECTIVES = ("naive_ppo", "decoupled", "decoupled_m2po")
 STALENESS = (0, 1, 2, 4)
+CONTROLS = {"decoupled_tis": (1, 2, 4)}  # objective: the staleness it runs at (after the main grid's runs)
 
 
 def get_spec(source: str = "int8"):
@@ -43,7 +48,8 @@ def get_spec(source: str = "int8"):
         # s = 0 is the synchronous loop (fixed staleness needs s >= 1)
         "variants": {f"{obj}_s{s}": {"objective.preset": obj, "rollout.max_staleness": s,
                                      "rollout.fixed_staleness": s > 0}
-                     for obj in OBJECTIVES for s in STALENESS},
+                     for obj, staleness in [*((o, STALENESS) for o in OBJECTIVES), *CONTROLS.items()]
+                     for s in staleness},
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "decoupled_s0",
         "out": f"runs/compare/e4_staleness_{source}",

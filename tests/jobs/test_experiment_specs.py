@@ -36,7 +36,8 @@ def _module(name: str):
 
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
-         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4"])]
+         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4"]),
+         *(f"e4_staleness.py:{s}" for s in _module("e4_staleness").SOURCES)]
 
 
 def _known(key: str) -> bool:
@@ -182,3 +183,14 @@ def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(t
     assert "| `exact` | 0.400 / 0.380 | 0 / 2 | −0.020 [−0.050, −0.001], 1/5 |" in text
     assert counts["intervals"] == 4 and counts["excluding_zero"] == ["ppo fp16 − bf16", "exact bf16_exact − bf16"]
     assert "seq_tis" in counts["missing"] and "ppo" not in counts["missing"]
+
+
+def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skips_s0():
+    m = _module("e4_staleness")
+    variants = m.get_spec("int8")["variants"]
+    assert len(variants) == len(m.OBJECTIVES) * len(m.STALENESS) + sum(map(len, m.CONTROLS.values()))
+    assert "decoupled_tis_s0" not in variants and "decoupled_tis_s2" in variants
+    for name, v in variants.items():
+        s = int(name.rsplit("_s", 1)[1])
+        assert v == {"objective.preset": name.rsplit("_s", 1)[0], "rollout.max_staleness": s,
+                     "rollout.fixed_staleness": s > 0}
