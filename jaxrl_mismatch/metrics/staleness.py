@@ -37,20 +37,27 @@ def _kl(lr, tok: Masked) -> tuple[Scalar, Scalar, Scalar]:
     return tok.mean(-lr), tok.mean(jnp.expm1(lr) - lr), tok.std(r)
 
 
-def staleness_metrics(old_logp: TokenFloat, behav_logp: TokenFloat | None, rollout_logp: TokenFloat,
+def staleness_metrics(old_logp: TokenFloat | None, behav_logp: TokenFloat | None, rollout_logp: TokenFloat,
                       mask: TokenMask, version_lag: Int[Array, "batch"]) -> dict[str, Scalar]:
     """`staleness/*` of one step batch (see the module docstring).
 
-    old_logp: log π_prox (the trainer at the current version). behav_logp: log π_behav, the trainer at each
-    row's sample version (rows with lag 0 are not read; None: every row has lag 0). rollout_logp: log μ.
-    version_lag: [B] current version − the row's sample version (≥ 0)."""
+    old_logp: log π_prox (the trainer at the current version); None when there is no π_prox forward
+    (`proximal = "bypass"`: μ stands in for it), and then the staleness part — π_prox/π_behav — is not
+    computable and its three keys are left out (with μ in π_prox's place it would read back the precision
+    part, negated), and the precision part covers the stale rows only. behav_logp: log π_behav, the trainer at each row's sample version (rows with lag 0 are not
+    read; None: every row has lag 0). rollout_logp: log μ. version_lag: [B] current version − the row's
+    sample version (≥ 0)."""
     m = as_bool_mask(mask)
     tok, seq = Masked(m), Masked(jnp.any(m, axis=-1))
     lag = version_lag.astype(jnp.float32)
-    old = old_logp.astype(jnp.float32)
+    mu = rollout_logp.astype(jnp.float32)
+    old = mu if old_logp is None else old_logp.astype(jnp.float32)
     behav = old if behav_logp is None else jnp.where((lag > 0)[:, None], behav_logp.astype(jnp.float32), old)
     s_k1, s_k3, s_std = _kl(log_rho(old, behav, m), tok)
-    p_k1, p_k3, p_std = _kl(log_rho(behav, rollout_logp.astype(jnp.float32), m), tok)
+    # Without π_prox the lag-0 rows have no trainer log-prob at all (π_behav = π_prox there): the precision part
+    # is then taken over the stale rows only, where π_behav was scored.
+    p_tok = tok if old_logp is not None else Masked(m & (lag > 0)[:, None])
+    p_k1, p_k3, p_std = _kl(log_rho(behav, mu, m), p_tok)
     out = {
         "staleness/version_lag_mean": seq.mean(lag),
         "staleness/version_lag_max": seq.max(lag),
@@ -58,4 +65,7 @@ def staleness_metrics(old_logp: TokenFloat, behav_logp: TokenFloat | None, rollo
         "staleness/kl_k1": s_k1, "staleness/kl_k3": s_k3, "staleness/rho_std": s_std,
         "staleness/precision_kl_k1": p_k1, "staleness/precision_kl_k3": p_k3, "staleness/precision_rho_std": p_std,
     }
+    if old_logp is None:  # no π_prox: the staleness part is unknown, not zero
+        for key in ("staleness/kl_k1", "staleness/kl_k3", "staleness/rho_std"):
+            del out[key]
     return {k: f32(v) for k, v in out.items()}

@@ -306,8 +306,9 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
         batch = batch.replace(token_weight=objective.token_weight(batch, seed))
         metrics = objective.step_metrics(batch)
         if batch.version_lag is not None:  # staleness/* next to mismatch/* (metrics/staleness.py)
-            metrics.update(staleness_metrics(batch.old_logp, batch.behav_logp, batch.rollout_logp, mask,
-                                             batch.version_lag))
+            bypass = objective.cfg.proximal == "bypass"  # old_logp is μ itself: no π_prox to split against
+            metrics.update(staleness_metrics(None if bypass else batch.old_logp, batch.behav_logp,
+                                             batch.rollout_logp, mask, batch.version_lag))
         if router is not None:
             metrics.update(moe_step_metrics(
                 router.router_ids, router.entropy, router.load, batch.old_logp, batch.rollout_logp, mask,

@@ -68,3 +68,18 @@ def test_padding_and_unread_behav_rows_change_nothing():
     b = staleness_metrics(*map(jnp.asarray, (prox + junk, behav2 + junk, mu - junk, mask, lag)))
     for k in a:
         assert float(a[k]) == float(b[k]), k
+
+
+def test_without_a_proximal_policy_the_staleness_part_is_left_out_and_precision_covers_stale_rows():
+    """`proximal = "bypass"` has no π_prox forward: the staleness part is unknown (with μ in its place it read
+    back the precision part, negated — E4's naive-PPO runs logged that), and the precision part is π_behav/μ on
+    the rows where π_behav was scored."""
+    prox, behav, mu, mask, lag = _batch(0)
+    got = {k: float(v) for k, v in staleness_metrics(None, jnp.asarray(behav), jnp.asarray(mu), jnp.asarray(mask),
+                                                      jnp.asarray(lag)).items()}
+    assert not {"staleness/kl_k1", "staleness/kl_k3", "staleness/rho_std"} & set(got)
+    stale = mask & (lag[:, None] > 0)
+    lp = (behav - mu)[stale]
+    np.testing.assert_allclose(got["staleness/precision_kl_k1"], -lp.mean(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["staleness/precision_rho_std"], np.exp(lp).std(), rtol=1e-5, atol=1e-7)
+    assert got["staleness/version_lag_max"] == lag.max()
