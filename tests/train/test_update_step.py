@@ -13,7 +13,22 @@ from jaxrl_mismatch.train.step import jit_update, place_batch
 from tests.train.tiny_policy import VOCAB, build, full_batch, synthetic_batch
 
 
+_RUNS: dict = {}
+
+
 def _run(mesh_axes, devices, steps=2, num_microbatches=1, remat=False):
+    """`steps` updates of the tiny policy on the synthetic batch: (params, per-step metrics, final state).
+
+    Memoised for the file: a run is a pure function of its arguments (same seed, same batch, same program), and
+    four tests compare against the same 1-device whole-batch run, so each distinct run is compiled and run once.
+    The callers only read what it returns."""
+    key = (tuple(sorted(mesh_axes.items())), tuple(d.id for d in devices), steps, num_microbatches, remat)
+    if key not in _RUNS:
+        _RUNS[key] = _compute_run(mesh_axes, devices, steps, num_microbatches, remat)
+    return _RUNS[key]
+
+
+def _compute_run(mesh_axes, devices, steps, num_microbatches, remat):
     mesh, _, state, update_fn, old_lp, _ = build(mesh_axes, devices, num_microbatches=num_microbatches, remat=remat)
     batch = full_batch(mesh, old_lp, state.params, synthetic_batch())
     update = jit_update(update_fn, state, batch, mesh)
@@ -29,6 +44,7 @@ def _max_diff(a, b):
     return max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, y: float(np.max(np.abs(x - y))), a, b)))
 
 
+@pytest.mark.slow
 def test_eight_device_fsdp_data_equals_one_device():
     p1, h1, _ = _run({"data": 1}, jax.devices()[:1])
     p8, h8, s8 = _run({"data": 2, "fsdp": 4}, jax.devices()[:8])
@@ -42,6 +58,7 @@ def test_eight_device_fsdp_data_equals_one_device():
     assert kernel.addressable_shards[0].data.shape[0] == kernel.shape[0] // 4
 
 
+@pytest.mark.slow
 def test_microbatched_equals_whole_batch():
     p_whole, h_whole, _ = _run({"data": 1}, jax.devices()[:1], num_microbatches=1)
     p_micro, h_micro, _ = _run({"data": 1}, jax.devices()[:1], num_microbatches=4)
@@ -158,7 +175,8 @@ def test_gradient_noise_estimates_are_unbiased_on_known_gradients():
 
 
 def test_update_logs_gradient_noise_with_microbatches():
-    _, h, _ = _run({"data": 1}, jax.devices()[:1], steps=1, num_microbatches=4)
+    # The first step of the 2-step runs the other tests made (memoised: the same program on the same batch).
+    _, h, _ = _run({"data": 1}, jax.devices()[:1], num_microbatches=4)
     assert np.isfinite(h[0]["mean:grad/noise_trace"]) and h[0]["mean:grad/noise_trace"] != 0.0
-    _, h1, _ = _run({"data": 1}, jax.devices()[:1], steps=1, num_microbatches=1)
+    _, h1, _ = _run({"data": 1}, jax.devices()[:1], num_microbatches=1)
     assert "mean:grad/noise_trace" not in h1[0]  # needs >= 2 microbatches
