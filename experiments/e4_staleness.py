@@ -52,6 +52,11 @@ def get_spec(source: str = "int8"):
                      for s in staleness},
         "seeds": [0, 1, 2, 3, 4],
         "baseline": "decoupled_s0",
+        # At each staleness: decoupled vs naive PPO (AReaL's comparison), and each of decoupled's variants (the
+        # M2PO mask, the truncated weight) vs decoupled itself.
+        "controls": {**{f"decoupled_s{s}": f"naive_ppo_s{s}" for s in STALENESS},
+                     **{f"{obj}_s{s}": f"decoupled_s{s}" for obj, staleness in
+                        [("decoupled_m2po", STALENESS[1:]), *CONTROLS.items()] for s in staleness}},
         "out": f"runs/compare/e4_staleness_{source}",
         "metrics": ["reward/mean", "val/accuracy", "mismatch/rho_std", "staleness/rho_std",
                     "staleness/precision_rho_std", "staleness/version_lag_mean"],

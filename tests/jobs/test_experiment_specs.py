@@ -194,3 +194,7 @@ def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skip
         s = int(name.rsplit("_s", 1)[1])
         assert v == {"objective.preset": name.rsplit("_s", 1)[0], "rollout.max_staleness": s,
                      "rollout.fixed_staleness": s > 0}
+    # Every control pairs two variants at the same staleness.
+    controls = m.get_spec("int8")["controls"]
+    assert controls["decoupled_s2"] == "naive_ppo_s2" and controls["decoupled_tis_s4"] == "decoupled_s4"
+    assert all(v.rsplit("_s", 1)[1] == c.rsplit("_s", 1)[1] and c in variants for v, c in controls.items())
