@@ -198,3 +198,18 @@ def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skip
     controls = m.get_spec("int8")["controls"]
     assert controls["decoupled_s2"] == "naive_ppo_s2" and controls["decoupled_tis_s4"] == "decoupled_s4"
     assert all(v.rsplit("_s", 1)[1] == c.rsplit("_s", 1)[1] and c in variants for v, c in controls.items())
+
+
+def test_e4_summary_lays_out_the_grid_by_staleness_and_reads_the_paired_controls():
+    m = _module("e4_summary")
+
+    def variant(final, std, collapsed):
+        return {"summary": {"val_final": {"mean": final, "std": std}}, "collapsed": collapsed, "ok": 5}
+
+    d = {"variants": {"naive_ppo_s1": variant(0.3, 0.04, 0), "decoupled_s1": variant(0.1, 0.07, 2)},
+         "paired_controls": {"decoupled_s1 vs naive_ppo_s1": {
+             "val_final": {"mean": -0.2, "ci95": [-0.3, -0.1], "wins": 0, "n": 5}}}}
+    text = m.summary(d)
+    assert "| 1 | 0.300 ± 0.040 (0/5 collapsed) | 0.100 ± 0.070 (2/5 collapsed) | – | – |" in text
+    assert "| 1 | −0.200 [−0.300, −0.100], 0/5 | – | – |" in text
+    assert "| 0 | – | – | – | – |" in text
