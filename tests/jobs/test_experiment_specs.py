@@ -37,7 +37,7 @@ def _module(name: str):
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
          *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4"]),
-         *(f"e4_staleness.py:{s}" for s in _module("e4_staleness").SOURCES)]
+         *(f"e4_staleness.py:{s}" for s in _module("e4_staleness").SOURCES), "e4_staleness.py:int8@3e-4"]
 
 
 def _known(key: str) -> bool:
@@ -213,3 +213,16 @@ def test_e4_summary_lays_out_the_grid_by_staleness_and_reads_the_paired_controls
     assert "| 1 | 0.300 ± 0.040 (0/5 collapsed) | 0.100 ± 0.070 (2/5 collapsed) | – | – |" in text
     assert "| 1 | −0.200 [−0.300, −0.100], 0/5 | – | – |" in text
     assert "| 0 | – | – | – | – |" in text
+
+
+def test_e4_lr_control_runs_naive_and_decoupled_at_s0_and_s2_at_the_other_lr_in_its_own_directory():
+    m = _module("e4_staleness")
+    spec, main = m.get_spec("int8@3e-4"), m.get_spec("int8")
+    assert sorted(spec["variants"]) == ["decoupled_s0", "decoupled_s2", "naive_ppo_s0", "naive_ppo_s2"]
+    assert all(spec["variants"][v] == main["variants"][v] for v in spec["variants"])
+    assert spec["overrides"] == {**main["overrides"], "optim.lr": 3e-4}
+    assert spec["out"] == "runs/compare/e4_staleness_int8_lr0.0003" and main["out"] == "runs/compare/e4_staleness_int8"
+    assert spec["controls"] == {"decoupled_s0": "naive_ppo_s0", "decoupled_s2": "naive_ppo_s2"}
+    for bad, msg in (("int8@fast", "not a number"), ("int8@-1", "must be > 0"), ("int4", "unknown mismatch source")):
+        with pytest.raises(ValueError, match=msg):
+            m.get_spec(bad)
