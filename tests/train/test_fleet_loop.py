@@ -12,12 +12,16 @@ import pytest
 from jaxrl_mismatch.rollout.fleet import RolloutFleet
 from jaxrl_mismatch.runlog import read_jsonl
 
-from .test_loop_integration import _run, _warmstart, tiny_config
+from .test_loop_integration import _run, tiny_config
+
+pytestmark = pytest.mark.usefixtures("xla_cache")  # each test runs the same tiny Trainer twice
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    return _warmstart(tmp_path_factory.mktemp("base") / "ckpt", hidden=32, heads=2)
+def base_model(tiny_base_model):
+    # The session's shared warm start (tests/conftest.py): the same arguments this file's own warm start used
+    # (hidden 32, 2 heads, 40 steps), built once per test session instead of once more here.
+    return tiny_base_model
 
 
 def _kill_in_flight(monkeypatch, run_dir, victims):

@@ -169,10 +169,16 @@ def _learner_step(base_ckpt, run_dir, **trainer):
     return learner
 
 
-def test_learner_with_packing_trains_the_same_policy(base_ckpt, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def plain(base_ckpt, tmp_path_factory):
+    """The default Learner's step, shared by the two tests that compare another Learner with it (read only)."""
+    return _learner_step(base_ckpt, tmp_path_factory.mktemp("plain"))
+
+
+@pytest.mark.slow
+def test_learner_with_packing_trains_the_same_policy(base_ckpt, plain, tmp_path, monkeypatch):
     from jaxrl_mismatch.train import learner as learner_mod
 
-    plain = _learner_step(base_ckpt, tmp_path / "plain")
     packings = []  # (rows, groups) of every packing Learner asks for: prepare's whole batch, then each minibatch
 
     def spy(batch, **kw):
@@ -196,11 +202,11 @@ def test_learner_with_packing_trains_the_same_policy(base_ckpt, tmp_path, monkey
     assert step > 1e-2 and diff <= 1e-4 * step  # float rounding of the summation order only
 
 
-def test_learner_model_options_reach_the_model(base_ckpt, tmp_path):
+@pytest.mark.slow
+def test_learner_model_options_reach_the_model(base_ckpt, plain, tmp_path):
     """trainer.scan_layers / attention_impl / remat_policy build that model, and it trains the same policy."""
     from jaxrl_mismatch.models import params_to_hf
 
-    plain = _learner_step(base_ckpt, tmp_path / "plain")
     scanned = _learner_step(base_ckpt, tmp_path / "scan", scan_layers=True, attention_impl="chunked", remat=True,
                             remat_policy="save_dots")
     model = nnx.merge(scanned._graphdef, scanned.state.params)
@@ -253,6 +259,7 @@ def _update_temp_bytes(seq: int) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_update_step_memory_grows_linearly_to_8k_tokens():
     """The configs train on 8,192-token responses: the update step's temp memory must not be S×S."""
     temp = [_update_temp_bytes(s) for s in (2048, 4096, 8192)]
