@@ -20,16 +20,17 @@ import pytest
 
 from jaxrl_mismatch.runlog import read_jsonl
 
-from .test_loop_integration import REPO, _config_file, _warmstart, tiny_config
+from .test_loop_integration import REPO, _config_file, tiny_config
 
 MESH = "--config.trainer.mesh.data=4", "--config.trainer.mesh.fsdp=2"
 
 
 @pytest.fixture(scope="module")
-def config_file(tmp_path_factory) -> Path:
+def config_file(tiny_base_model, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mp")
-    base = _warmstart(root / "base", hidden=32, heads=2)
-    c = tiny_config(base, root / "unused")
+    # The session's shared warm start (tests/conftest.py: hidden 32, 2 heads, 40 steps, the arguments this file's
+    # own warm start used), read only: built once per test session instead of once more here.
+    c = tiny_config(tiny_base_model, root / "unused")
     c.steps = 2
     # Two minibatches, packed: each is gathered on the device from the batch sharded over both processes.
     c.batch.minibatches = 2
