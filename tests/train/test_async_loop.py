@@ -148,12 +148,21 @@ def test_kill_9_of_the_trainer_resumes_without_reusing_a_sample(base_model, tmp_
     cmd = [sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", str(cfg)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
+    # Kill only once 3 steps are logged (checkpoints every step): killed earlier, the rerun would start over and
+    # the test would say nothing about resuming. The wait is generous because on a loaded 2-core machine the
+    # first step (start-up, compilation) has taken minutes.
+    deadline, done = time.time() + 900, 0
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and sum(1 for r in read_jsonl(str(metrics)) if r["step"] >= 0) >= 3:
+        done = sum(1 for r in read_jsonl(str(metrics)) if r["step"] >= 0) if metrics.exists() else 0
+        if done >= 3:
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    if done < 3:
+        proc.kill()
+        proc.wait()
+        _stop_orphan_server(run_dir)
+        pytest.fail(f"the trainer logged {done} steps in 900 s: too slow to test a kill after step 2")
     proc.send_signal(signal.SIGKILL)  # batches are in flight: the producer runs up to 2 ahead
     proc.wait()
     _stop_orphan_server(run_dir)
