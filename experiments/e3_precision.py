@@ -37,6 +37,8 @@ Two task settings (configs/arith_length_cpu.py), because the first one tried doe
 Sizing: ~2 min per run here, two at a time: ~15–20 min per short grid. Resumable.
 """
 
+from jaxrl_mismatch.jobs.compare import split_lr
+
 LR = 3e-4  # every grid's default; `GRID@LR` runs it at another LR
 LONG_LR = 3e-4  # the LR the :long grids' directories were made with: another LR is part of their name
 STEPS, LONG_STEPS, EXACT_STEPS = 80, 60, 40
@@ -62,18 +64,12 @@ PRECISIONS = {
 
 
 def get_spec(grid: str = "ppo"):
-    grid, at, lr_text = grid.partition("@")
+    grid, lr = split_lr(grid, LR)
     long = grid.startswith("long_")
     algo_name = grid.removeprefix("long_")
     if algo_name not in ALGORITHMS and algo_name != "exact":
         raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact, the same with long_ "
                          f"(each optionally @LR)")
-    try:
-        lr = float(lr_text) if at else LR
-    except ValueError:
-        raise ValueError(f"grid {grid}@{lr_text}: the LR after '@' is not a number") from None
-    if not lr > 0:
-        raise ValueError(f"grid {grid}@{lr_text}: the LR must be > 0")
     exact = algo_name == "exact"
     algo = dict(ALGORITHMS["ppo" if exact else algo_name])
     max_tokens = LONG_MAX_TOKENS if long else MAX_TOKENS

@@ -33,6 +33,8 @@ an hour for the 60 main runs two at a time (~100–125 s each here), 15 min for 
 rerun skips the finished runs, so adding the controls ran only their 15.
 """
 
+from jaxrl_mismatch.jobs.compare import split_lr
+
 LR = 7e-4
 STEPS = 80
 SOURCES = {
@@ -46,15 +48,9 @@ LR_CONTROL_STALENESS = (0, 2)  # `SOURCE@LR`: naive vs decoupled at these stalen
 
 
 def get_spec(source: str = "int8"):
-    source, at, lr_text = source.partition("@")
+    source, lr = split_lr(source, LR)
     if source not in SOURCES:
         raise ValueError(f"unknown mismatch source {source!r}; valid: {', '.join(SOURCES)} (each optionally @LR)")
-    try:
-        lr = float(lr_text) if at else LR
-    except ValueError:
-        raise ValueError(f"grid {source}@{lr_text}: the LR after '@' is not a number") from None
-    if not lr > 0:
-        raise ValueError(f"grid {source}@{lr_text}: the LR must be > 0")
     if lr == LR:
         grid = [*((o, STALENESS) for o in OBJECTIVES), *CONTROLS.items()]
         controls = {**{f"decoupled_s{s}": f"naive_ppo_s{s}" for s in STALENESS},

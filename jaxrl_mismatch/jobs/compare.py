@@ -159,6 +159,21 @@ def _overrides(path: str, field: str, d: Any) -> dict[str, Any]:
     return dict(d)
 
 
+def split_lr(arg: str, default: float) -> tuple[str, float | None]:
+    """A spec argument `GRID[@LR]` -> (GRID, LR), LR None when not given: the experiments' way to rerun a grid at
+    another learning rate (`compare experiments/e3_precision.py:ppo@1e-4`). A bad LR is a ValueError naming it."""
+    grid, at, lr_text = arg.partition("@")
+    if not at:
+        return grid, default
+    try:
+        lr = float(lr_text)
+    except ValueError:
+        raise ValueError(f"grid {grid}@{lr_text}: the LR after '@' is not a number") from None
+    if not lr > 0:
+        raise ValueError(f"grid {grid}@{lr_text}: the LR must be > 0")
+    return grid, lr
+
+
 def load_spec(path: str) -> Spec:
     """The spec of the Python file `path` (its `get_spec()`; `FILE:ARG` calls `get_spec(ARG)`), checked field
     by field (not yet against the config: `validate_spec`). UsageError naming the field otherwise."""
