@@ -161,3 +161,19 @@ def wait_until(pred, timeout_s: float = 30.0, every_s: float = 0.1) -> bool:
             return True
         time.sleep(every_s)
     return pred()
+
+
+def in_process_servers(checkpoint, n: int):
+    """`n` in-process rollout servers on one fp32 JaxEngine checkpoint each (a generator for module fixtures:
+    yields the list, stops them after)."""
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+    from jaxrl_mismatch.rollout.server import RolloutServer
+
+    servers = []
+    for _ in range(n):
+        server = RolloutServer(port=0, token=TOKEN)
+        server.attach(JaxEngine(str(checkpoint), dtype="float32"))
+        servers.append(server)
+    yield servers
+    for server in servers:
+        server.stop(0)

@@ -12,11 +12,10 @@ import pytest
 
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.fleet import NoServerLeftError, RolloutFleet, token_pieces
-from jaxrl_mismatch.rollout.server import RolloutServer
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.rollout.protocol import Limits
 
-from .conftest import TOKEN, read_checkpoint
+from .conftest import TOKEN, in_process_servers, read_checkpoint
 
 SPEC = SamplingSpec(n=2, max_tokens=6, seed=11)
 PROMPTS = [[3 + i, 14, 15 + (i % 5)] + [9] * (i % 4) for i in range(12)]
@@ -46,16 +45,7 @@ def test_pieces_are_balanced_by_tokens_and_within_limits():
 
 @pytest.fixture(scope="module")
 def three_servers(tiny_checkpoints):
-    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
-
-    servers = []
-    for _ in range(3):
-        server = RolloutServer(port=0, token=TOKEN)
-        server.attach(JaxEngine(str(tiny_checkpoints["untied"]), dtype="float32"))
-        servers.append(server)
-    yield servers
-    for server in servers:
-        server.stop(0)
+    yield from in_process_servers(tiny_checkpoints["untied"], 3)
 
 
 def test_samples_do_not_depend_on_how_requests_are_spread(three_servers, tiny_checkpoints):

@@ -9,26 +9,16 @@ import pytest
 from jaxrl_mismatch.rollout.client import RolloutClient
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.fleet import RolloutFleet
-from jaxrl_mismatch.rollout.server import RolloutServer
 from jaxrl_mismatch.rollout.session import RolloutSession
 
-from .conftest import TOKEN, read_checkpoint
+from .conftest import TOKEN, in_process_servers, read_checkpoint
 
 SPEC = SamplingSpec(n=1, max_tokens=4, seed=1)
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_checkpoints):
-    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
-
-    out = []
-    for _ in range(2):
-        server = RolloutServer(port=0, token=TOKEN)
-        server.attach(JaxEngine(str(tiny_checkpoints["untied"]), dtype="float32"))
-        out.append(server)
-    yield out
-    for server in out:
-        server.stop(0)
+    yield from in_process_servers(tiny_checkpoints["untied"], 2)
 
 
 def _counted(client: RolloutClient) -> dict[str, int]:
