@@ -41,7 +41,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import hf_io, kv_cache, quantize as quant
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
-from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative
+from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative, verify_workers_default
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -82,10 +82,17 @@ class JaxEngine(Engine):
         weight memory) so a request's `quantize_strength` can blend the two (mid-run onset).
       exact_sampler: how exact mode samples — "speculative" (KV-cache draft verified by the exact forward,
         `spec_exact.py`) or "reference" (a full forward per token, `exact_sampler.py`); same bits either way.
+      exact_verify_workers: groups of rows the speculative exact sampler verifies concurrently; default
+        `spec_exact.verify_workers_default()` (the process's cores on CPU, 1 on an accelerator). Same bits
+        for every value.
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch_rows: int = 256, quantize: str = "none", exact_sampler: str = "speculative"):
+                 max_batch_rows: int = 256, quantize: str = "none", exact_sampler: str = "speculative",
+                 exact_verify_workers: int | None = None):
+        if exact_verify_workers is not None and exact_verify_workers < 1:
+            raise ValueError(f"exact_verify_workers must be ≥ 1, got {exact_verify_workers}")
+        self._verify_workers = exact_verify_workers or verify_workers_default()
         if exact_sampler not in ("speculative", "reference"):
             raise ValueError(f"exact_sampler must be 'speculative' or 'reference', got {exact_sampler!r}")
         self._exact_sampler = exact_sampler
@@ -173,7 +180,8 @@ class JaxEngine(Engine):
                     t, lp, n, s = sample_exact(self._graphdef, params, self._rest, prompts, part, **kw)
                 else:
                     t, lp, n, s, st, kc = sample_exact_speculative(self._graphdef, params, self._rest, prompts, part,
-                                                                  top_k=spec.top_k, top_p=spec.top_p, **kw)
+                                                                  top_k=spec.top_k, top_p=spec.top_p,
+                                                                  verify_workers=self._verify_workers, **kw)
                     self.exact_stats.add(st)
                     if filtering:
                         kept[sl] = kc

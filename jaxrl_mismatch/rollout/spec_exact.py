@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -83,11 +85,12 @@ def _bucket(n: int, minimum: int) -> int:
 def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]],
                              rows: list[tuple[int, int]], *, max_tokens: int, temperature: float,
                              logit_noise_std: float, stop_token_ids: tuple[int, ...], base_key: np.ndarray,
-                             stop_slots: int, prompt_offset: int = 0, top_k: int = 0, top_p: float = 1.0
-                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SpecStats, np.ndarray | None]:
+                             stop_slots: int, prompt_offset: int = 0, top_k: int = 0, top_p: float = 1.0,
+                             verify_workers: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, SpecStats, np.ndarray | None]:
     """Same contract and same bits as `exact_sampler.sample_exact` (prompt i draws its randomness as prompt
     `prompt_offset + i`, as there), plus the draft/verify counters and, with top-k/top-p, each sampled token's
-    kept-set size `[R, max_tokens]` (else None)."""
+    kept-set size `[R, max_tokens]` (else None). `verify_workers` > 1 verifies that many groups of rows
+    concurrently (`_verify_parallel`); the bits do not depend on it."""
     t_call = time.perf_counter()
     n = len(rows)
     filtering = top_k > 0 or top_p < 1.0
@@ -116,11 +119,10 @@ def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list
         for length in np.unique(canon[active]):
             members = active[canon[active] == length]
             picks = np.flatnonzero(canon[active] == length)
-            exact_tok, exact_lp, exact_kept = _verify(graphdef, params, rest, prompts, tokens, settled, members,
-                                                      prompt_of, key_of,
-                                          sample_of, draft[picks], draft_len[picks], length=int(length),
-                                          temperature=temperature, sigma=logit_noise_std, base_key=base_key,
-                                          inject=inject, stats=stats, **trunc)
+            exact_tok, exact_lp, exact_kept = _verify_parallel(
+                graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft[picks],
+                draft_len[picks], workers=verify_workers, stats=stats, length=int(length), temperature=temperature,
+                sigma=logit_noise_std, base_key=base_key, inject=inject, **trunc)
             stats.exact_forwards += len(members)
             for k, r in enumerate(members):
                 t0, p = int(settled[r]), len(prompts[prompt_of[r]])
@@ -204,8 +206,47 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
     return toks, lengths
 
 
+_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="exact-verify")
+
+
+def verify_workers_default() -> int:
+    """Concurrent verify programs for this process: its usable cores on a CPU backend (capped at 8), else 1.
+
+    Why: the verify computes each row alone (batch 1, `lax.map`), so its small matmuls leave all but one
+    core idle, while the normal sampler's batched matmuls use every core (intra-op parallelism). Running
+    groups of rows as separate executions on a thread pool (JAX releases the GIL while a program runs) gives
+    the exact path the same cores: measured 0.172 → ~0.085 s per verify on 2 cores
+    (benchmarks/exact_engine.py). On an accelerator concurrent executions share one device stream, so 1."""
+    if jax.default_backend() != "cpu":
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _verify_parallel(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft,
+                     draft_len, *, workers, stats, **kw):
+    """`_verify` of `members` split into ≤ `workers` contiguous groups run concurrently, results in member order.
+
+    Every row is computed alone by the same per-row program whatever the group's size (`lax.map` over rows),
+    so the bits are those of one call over all members (tests/rollout/test_spec_exact.py)."""
+    t_start = time.perf_counter()
+    groups = [g for g in np.array_split(np.arange(len(members)), max(1, min(workers, len(members)))) if g.size]
+    if len(groups) == 1:
+        outs = [_verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft,
+                        draft_len, **kw)]
+    else:
+        futures = [_POOL.submit(_verify, graphdef, params, rest, prompts, tokens, settled, members[g], prompt_of,
+                                key_of, sample_of, draft[g], draft_len[g], **kw) for g in groups]
+        outs = [f.result() for f in futures]
+    stats.verify_s += time.perf_counter() - t_start
+    return tuple(np.concatenate([o[i] for o in outs]) for i in range(3))
+
+
 def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft, draft_len, *,
-            length, temperature, sigma, base_key, inject, top_k, top_p, filtering, stats):
+            length, temperature, sigma, base_key, inject, top_k, top_p, filtering):
     """The exact sampler's token and log-prob at every position of each member row, given its draft."""
     m = len(members)
     padded = _bucket(m, 1)
@@ -220,13 +261,11 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
         row = list(p) + tokens[r, : settled[r]].tolist() + draft[k, : draft_len[k]].tolist()
         ids[k, : len(row)], n_valid[k], n_prompt[k], pi[k], sj[k] = row, len(row), len(p), key_of[r], sample_of[r]
         first[k] = len(p) - 1 + settled[r]
-    t_start = time.perf_counter()
     out = _verify_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(n_valid), jnp.asarray(n_prompt),
                           jnp.asarray(first), base_key, jnp.asarray(pi), jnp.asarray(sj), np.float32(temperature),
                           np.float32(sigma),
                           np.int32(top_k), np.float32(top_p), inject=inject, filtering=filtering)
     tok, lp, kept = jax.device_get(out)
-    stats.verify_s += time.perf_counter() - t_start
     return tok[:m], lp[:m], kept[:m]
 
 

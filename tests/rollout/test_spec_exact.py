@@ -70,3 +70,34 @@ def test_speculative_split_batch_samples_as_the_whole_batch(tiny_checkpoints):
     assert split == whole
     assert _flat(ref.generate(PROMPTS[1:], _spec(prompt_offset=1))) == whole[4:]
     assert _flat(fast.generate(PROMPTS[1:], _spec())) != whole[4:]  # the offset is what made them equal
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_concurrent_verify_keeps_the_bits(tiny_checkpoints, monkeypatch, dtype):
+    """Verifying groups of rows on several threads (`exact_verify_workers`) changes nothing in the output, and
+    the groups really run as separate programs on the pool's threads."""
+    import threading
+
+    from jaxrl_mismatch.rollout import spec_exact
+
+    ckpt = str(tiny_checkpoints["untied"])
+    seen: list[tuple[str, int]] = []
+    real_verify = spec_exact._verify
+
+    def recording_verify(*a, **kw):
+        seen.append((threading.current_thread().name, len(a[6])))  # a[6]: the member rows of this group
+        return real_verify(*a, **kw)
+
+    monkeypatch.setattr(spec_exact, "_verify", recording_verify)
+    one = JaxEngine(ckpt, dtype=dtype, exact_verify_workers=1)
+    three = JaxEngine(ckpt, dtype=dtype, exact_verify_workers=3)
+    spec = _spec(stop_token_ids=(), logit_noise_std=0.2)
+    a = _flat(one.generate(PROMPTS, spec))
+    assert all(not name.startswith("exact-verify") for name, _ in seen)
+    seen.clear()
+    b = _flat(three.generate(PROMPTS, spec))
+    assert a == b
+    pooled = [size for name, size in seen if name.startswith("exact-verify")]
+    assert len(pooled) >= 3 and max(pooled) < len(PROMPTS) * 4  # split into groups smaller than the batch
+    with pytest.raises(ValueError, match="exact_verify_workers"):
+        JaxEngine(ckpt, dtype=dtype, exact_verify_workers=0)
