@@ -2,6 +2,7 @@
 
     jaxrl-mismatch train --config configs/arith_length_cpu.py
     jaxrl-mismatch train --config configs/arith_length_cpu.py:long   # longer responses (experiments/e3_precision.py)
+    jaxrl-mismatch train --config configs/arith_length_cpu.py:long_discover   # RL grows them (the same)
 
 Why: on the demo task responses stay ~18 tokens, so the LR paper's length-triggered decay never fires
 and nothing collapses. Here the warm start teaches the full scratchpad, then for its last 150 steps mostly
@@ -15,7 +16,12 @@ precisions; docs/experiments.md has what they measured, with seed counts.
 is a full scratchpad, ~28 tokens instead of ~16 (the FP16 paper's point is that mismatch accumulates over a
 response's tokens). Its warm start (1200 steps) answered 57 % of held-out prompts at T = 1 (greedy 71 %)
 — inside the 20–80 % band of the FP16 paper's "perfectible" sanity set.
-(With 6–8 operands and 900 steps it answered 0.8 %: too hard for RL to start.)
+(With 6–8 operands and 900 steps it answered 0.8 %: too hard for RL to start.) At lr 1e-4–1e-3 RL does not
+improve it (docs/experiments.md, E3): its errors are not ones that 60 steps of RL fix.
+
+`:long_discover` is `:long`'s task (4–6 operands) with the default variant's shortcut phase (the last 150 of
+1200 warm-start steps mostly target the bare answer), so, as on the default task, RL has to rediscover the
+scratchpad and responses grow towards `:long`'s ~28 tokens during the run.
 """
 
 from jaxrl_mismatch.train.config import base_config
@@ -60,6 +66,12 @@ def get_config(variant: str = ""):
         c.model.path = "runs/arith_long_base"
         c.model.warmstart_args = "--steps 1200 --min-operands 4 --max-operands 6 --max-len 160"
         c.rollout.max_tokens = 64
+    elif variant == "long_discover":
+        c.run_dir = "runs/arith_long_discover"
+        c.model.path = "runs/arith_long_discover_base"
+        c.model.warmstart_args = ("--steps 1200 --min-operands 4 --max-operands 6 --max-len 160 "
+                                  "--shortcut-prob 0.8 --shortcut-steps 150")
+        c.rollout.max_tokens = 64
     elif variant:
-        raise ValueError(f"unknown variant {variant!r}; valid: '' (default), 'long'")
+        raise ValueError(f"unknown variant {variant!r}; valid: '' (default), 'long', 'long_discover'")
     return c

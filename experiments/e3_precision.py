@@ -6,6 +6,7 @@
     jaxrl-mismatch compare experiments/e3_precision.py:long_ppo       # on the :long task (responses ~28 tokens)
     jaxrl-mismatch compare experiments/e3_precision.py:exact          # bf16 vs bf16 + rollout.exact (PPO)
     jaxrl-mismatch compare experiments/e3_precision.py:long_exact     # the same on the :long task
+    jaxrl-mismatch compare experiments/e3_precision.py:discover_ppo   # on :long_discover (RL grows responses)
 
 The FP16 paper trains each of its algorithms in BF16 and FP16 (trainer and rollout engine in the same
 precision) and finds the outcome differs: BF16 runs collapse, FP16 ones keep improving, FP16 PG-seq-IS does
@@ -34,6 +35,9 @@ Two task settings (configs/arith_length_cpu.py), because the first one tried doe
   80–100 steps at 3e-4 in E1), 16 prompts × 8 samples, the config's 2 optimizer steps per batch, 80 steps,
   lr 3e-4 (E1's high LR, learning without mismatch). Responses are shorter (~16–20 tokens), so bf16's
   per-sequence mismatch is smaller than the paper's — the trade for runs that learn.
+- `discover_*`: the `:long_discover` task (`:long`'s 4–6 operands, warm start ending in the shortcut phase of
+  the default task, so RL has to rediscover the scratchpad: responses grow towards ~28 tokens), with the
+  default task's batch, 80 steps, lr 3e-4 — longer responses in a run that learns.
 Sizing: ~2 min per run here, two at a time: ~15–20 min per short grid. Resumable.
 """
 
@@ -66,26 +70,30 @@ PRECISIONS = {
 def get_spec(grid: str = "ppo"):
     grid, lr = split_lr(grid, LR)
     long = grid.startswith("long_")
-    algo_name = grid.removeprefix("long_")
+    discover = grid.startswith("discover_")
+    algo_name = grid.removeprefix("long_").removeprefix("discover_")
     if algo_name not in ALGORITHMS and algo_name != "exact":
         raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact, the same with long_ "
-                         f"(each optionally @LR)")
+                         f"or discover_ (each optionally @LR)")
     exact = algo_name == "exact"
     algo = dict(ALGORITHMS["ppo" if exact else algo_name])
-    max_tokens = LONG_MAX_TOKENS if long else MAX_TOKENS
+    max_tokens = LONG_MAX_TOKENS if long or discover else MAX_TOKENS
     if algo["objective.preset"].startswith("drgrpo"):
         algo["objective.overrides.max_len"] = max_tokens
     if long:
         name = f"e3_precision_{algo_name}" + ("" if lr == LONG_LR else f"_lr{lr:g}")
         setting = {"steps": EXACT_STEPS if exact else LONG_STEPS, "rollout.max_tokens": max_tokens,
                    "batch.prompts_per_step": 8, "batch.minibatches": 4, "batch.microbatches": 1}
+    elif discover:
+        name = f"e3_discover_{algo_name}" + ("" if lr == LR else f"_lr{lr:g}")
+        setting = {"steps": STEPS, "rollout.max_tokens": max_tokens}  # the task config's batch, as the default task's
     else:
         name = f"e3_short_{algo_name}" + ("" if lr == LR else f"_lr{lr:g}")
         setting = {"steps": STEPS}  # the task config's batch: 16 prompts × 8, 2 minibatches, 2 microbatches
     precisions = ("bf16", "bf16_exact") if exact else ("bf16", "fp16", "fp32")
     return {
         "name": name,
-        "config": "configs/arith_length_cpu.py" + (":long" if long else ""),
+        "config": "configs/arith_length_cpu.py" + (":long" if long else ":long_discover" if discover else ""),
         # (the order of the overrides is the order of the train command's flags: the :long grids' runs were
         # made with steps, optim.lr, then the batch, and `compare` resumes a run only under the same command)
         "overrides": {"steps": setting.pop("steps"), "optim.lr": lr, **setting, "eval.every": 10, "log.report": False,

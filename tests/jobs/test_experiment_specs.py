@@ -36,7 +36,8 @@ def _module(name: str):
 
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
-         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4"]),
+         *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4",
+                                                                          "discover_ppo", "discover_exact"]),
          *(f"e4_staleness.py:{s}" for s in _module("e4_staleness").SOURCES), "e4_staleness.py:int8@3e-4"]
 
 
@@ -123,7 +124,7 @@ def test_e0_control_runs_at_the_trigger_s_mean_lr():
 def test_e3_grids_compare_precisions_of_one_algorithm():
     m = _module("e3_precision")
     for algorithm in m.ALGORITHMS:
-        for grid in (algorithm, f"long_{algorithm}"):
+        for grid in (algorithm, f"long_{algorithm}", f"discover_{algorithm}"):
             spec = m.get_spec(grid)
             assert list(spec["variants"]) == ["bf16", "fp16", "fp32"]
             # Trainer and engine in the same precision in every arm; the algorithm is in the shared overrides.
@@ -134,7 +135,7 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
             if spec["overrides"]["objective.preset"].startswith("drgrpo"):
                 max_tokens = spec["overrides"].get("rollout.max_tokens", m.MAX_TOKENS)
                 assert spec["overrides"]["objective.overrides.max_len"] == max_tokens
-    for grid in ("exact", "long_exact"):
+    for grid in ("exact", "long_exact", "discover_exact"):
         exact = m.get_spec(grid)["variants"]
         assert {k: x for k, x in exact["bf16_exact"].items() if k != "rollout.exact"} == exact["bf16"]
         assert exact["bf16_exact"]["rollout.exact"] is True
@@ -157,6 +158,13 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
     assert {k: x for k, x in at["overrides"].items() if k != "optim.lr"} == {
         k: x for k, x in long["overrides"].items() if k != "optim.lr"}
     assert m.get_spec("ppo@1e-4")["out"] == "runs/compare/e3_short_ppo_lr0.0001"
+    # :long_discover: the default task's batch and steps, :long's response budget, its own config and directory.
+    disc = m.get_spec("discover_ppo")
+    assert disc["config"].endswith(":long_discover") and disc["out"] == "runs/compare/e3_discover_ppo"
+    assert disc["overrides"] == {**short["overrides"], "rollout.max_tokens": m.LONG_MAX_TOKENS,
+                                 "objective.overrides.max_len": m.LONG_MAX_TOKENS}
+    with pytest.raises(ValueError, match="unknown grid 'discover_grpo'"):
+        m.get_spec("discover_grpo")
     for bad, msg in (("ppo@fast", "not a number"), ("ppo@0", "must be > 0")):
         with pytest.raises(ValueError, match=msg):
             m.get_spec(bad)
