@@ -1,6 +1,6 @@
 """E3's one-table summary across algorithms, from the grids' results (docs/results/e3_short_*.json).
 
-    python experiments/e3_summary.py [--results docs/results]
+    python experiments/e3_summary.py [--results docs/results] [--task short|discover]
 
 Each E3 grid (experiments/e3_precision.py:ALGO) is one algorithm in three precisions, paired against bf16;
 `compare` writes one table per grid. This prints the row per algorithm that docs/experiments.md shows —
@@ -8,6 +8,7 @@ final validation per precision, collapses, and the three paired differences (fp1
 the control fp16 − fp32) as mean [95 % t interval], wins k/n — then the exact grid's bf16_exact − bf16 and
 how many intervals exclude 0 out of how many were computed (so "one in twenty at 95 %" can be checked).
 Every number is read from the JSON `compare` wrote; a grid that has not been run is listed as missing.
+`--task discover` reads the `:long_discover` grids (e3_discover_*.json, `e3_precision.py:discover_ALGO`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ def excludes_zero(d: dict) -> bool:
     return lo > 0 or hi < 0
 
 
-def summary(results: Path) -> tuple[str, dict]:
+TASKS = ("short", "discover")  # the grids' directory prefixes: e3_short_* (default task), e3_discover_*
+
+
+def summary(results: Path, task: str = "short") -> tuple[str, dict]:
     rows, missing, intervals, excluding = [], [], 0, []
     for algo in ORDER:
-        path = results / f"e3_short_{algo}.json"
+        path = results / f"e3_{task}_{algo}.json"
         if not path.exists():
             missing.append(algo)
             continue
@@ -51,7 +55,7 @@ def summary(results: Path) -> tuple[str, dict]:
         rows.append(f"| `{algo}` | {finals} | {collapsed} | " + " | ".join(paired_cell(c) for c in cells.values()) + " |")
     lines = ["| algorithm | val final bf16 / fp16 / fp32 | collapsed | fp16 − bf16 | fp32 − bf16 | fp16 − fp32 (control) |",
              "| --- | --- | --- | --- | --- | --- |", *rows]
-    exact_path = results / "e3_short_exact.json"
+    exact_path = results / f"e3_{task}_exact.json"
     if exact_path.exists():
         d = json.loads(exact_path.read_text())
         v = d["variants"]
@@ -74,12 +78,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"),
                     help="folder with compare's e3_short_*.json")
+    ap.add_argument("--task", default="short", help="which grids: short (default task) or discover (:long_discover)")
     args = ap.parse_args()
+    if args.task not in TASKS:
+        print(f"error: --task must be one of {', '.join(TASKS)}, got {args.task!r}", file=sys.stderr)
+        sys.exit(2)
     results = Path(args.results)
     if not results.is_dir():
         print(f"error: --results {results}: not a folder", file=sys.stderr)
         sys.exit(2)
-    print(summary(results)[0])
+    print(summary(results, args.task)[0])
 
 
 if __name__ == "__main__":

@@ -191,6 +191,10 @@ def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(t
     assert "| `exact` | 0.400 / 0.380 | 0 / 2 | −0.020 [−0.050, −0.001], 1/5 |" in text
     assert counts["intervals"] == 4 and counts["excluding_zero"] == ["ppo fp16 − bf16", "exact bf16_exact − bf16"]
     assert "seq_tis" in counts["missing"] and "ppo" not in counts["missing"]
+    # The :long_discover grids are read from their own files.
+    (tmp_path / "e3_discover_ppo.json").write_text((tmp_path / "e3_short_ppo.json").read_text().replace("0.41", "0.31"))
+    text, counts = m.summary(tmp_path, "discover")
+    assert "| `ppo` | 0.310 / 0.450 / 0.430 |" in text and "exact" in counts["missing"]
 
 
 def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skips_s0():
