@@ -1,12 +1,16 @@
 """E4's summary in the shape of AReaL's table: staleness down, objectives across, from the grid's results.
 
-    python experiments/e4_summary.py [--results docs/results] [--source int8]
+    python experiments/e4_summary.py [--results docs/results] [--source int8] [--figure PATH.png]
 
 `compare experiments/e4_staleness.py[:SOURCE]` writes one long table (docs/results/e4_staleness_SOURCE.md).
 This prints (1) final validation accuracy per staleness × objective, mean ± sample std over the seeds with the
 collapses k/n, and (2) the spec's paired controls at each staleness — decoupled − naive PPO, M2PO − decoupled,
 truncated weight − decoupled — as mean of the per-seed differences [95 % t interval], wins k/n. Every number
 is read from the JSON `compare` wrote; a variant that has not been run shows as "–".
+
+`--figure` draws the same grid as one panel: final validation accuracy against staleness, a line per
+objective (mean over seeds, 95 % t interval of the mean as a bar, each seed as a dot) — the one picture of
+E4 that compare's per-step overlay of 15 variants cannot be.
 """
 
 from __future__ import annotations
@@ -57,17 +61,67 @@ def summary(d: dict) -> str:
     return "\n".join(lines)
 
 
+def figure(d: dict, path: Path, title: str) -> None:
+    """Final validation accuracy vs staleness per objective (see the module docstring), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxrl_mismatch.outputs import staged_file
+    from jaxrl_mismatch.report.paired import t_interval
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for k, obj in enumerate(OBJECTIVES):
+        xs, means, errs = [], [], [[], []]
+        for s in STALENESS:
+            v = d["variants"].get(f"{obj}_s{s}")
+            finals = [r["stats"]["val_final"] for r in (v or {}).get("runs", []) if r.get("ok")]
+            if not finals:
+                continue
+            x = s + (k - (len(OBJECTIVES) - 1) / 2) * 0.08  # objectives side by side at each staleness
+            mean = sum(finals) / len(finals)
+            ci = t_interval(finals) if len(finals) > 1 else None
+            xs.append(x)
+            means.append(mean)
+            errs[0].append(mean - ci[0] if ci else 0.0)
+            errs[1].append(ci[1] - mean if ci else 0.0)
+            ax.scatter([x] * len(finals), finals, s=9, alpha=0.35, color=f"C{k}")
+        if xs:
+            ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3, color=f"C{k}", label=obj)
+    ax.set_xticks(STALENESS)
+    ax.set_xlabel("staleness s (weight versions behind)")
+    ax.set_ylabel("final validation accuracy")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, "line: mean over seeds; bar: 95 % t interval of the mean; dots: seeds", fontsize=7)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    with staged_file(str(path)) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
     ap.add_argument("--source", default="int8", help="the grid's mismatch source (experiments/e4_staleness.py)")
+    ap.add_argument("--figure", default=None, help="also draw final validation vs staleness to this PNG")
     a = ap.parse_args()
     path = Path(a.results) / f"e4_staleness_{a.source}.json"
     if not path.is_file():
         print(f"error: --results/--source: no {path} (run `compare experiments/e4_staleness.py:{a.source}`)",
               file=sys.stderr)
         sys.exit(2)
-    print(summary(json.loads(path.read_text())))
+    d = json.loads(path.read_text())
+    print(summary(d))
+    if a.figure:
+        out = Path(a.figure)
+        if not out.parent.is_dir():
+            print(f"error: --figure {out}: folder {out.parent} does not exist", file=sys.stderr)
+            sys.exit(2)
+        figure(d, out, f"E4: {d.get('name', path.stem)}")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -227,6 +227,16 @@ def test_e4_summary_lays_out_the_grid_by_staleness_and_reads_the_paired_controls
     assert "| 0 | – | – | – | – |" in text
 
 
+def test_e4_summary_figure_draws_the_seeds_and_leaves_only_the_png(tmp_path):
+    m = _module("e4_summary")
+    runs = lambda *finals: [{"ok": True, "stats": {"val_final": f}} for f in finals]  # noqa: E731
+    d = {"variants": {"naive_ppo_s0": {"runs": runs(0.2, 0.3, 0.25)}, "decoupled_s1": {"runs": runs(0.1, 0.05)},
+                      "decoupled_s2": {"runs": runs(0.04)}}}
+    out = tmp_path / "e4.png"
+    m.figure(d, out, "E4 test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == ["e4.png"]
+
+
 def test_e4_lr_control_runs_naive_and_decoupled_at_s0_and_s2_at_the_other_lr_in_its_own_directory():
     m = _module("e4_staleness")
     spec, main = m.get_spec("int8@3e-4"), m.get_spec("int8")
