@@ -1,6 +1,6 @@
 """E3's one-table summary across algorithms, from the grids' results (docs/results/e3_short_*.json).
 
-    python experiments/e3_summary.py [--results docs/results] [--task short|discover]
+    python experiments/e3_summary.py [--results docs/results] [--task short|discover] [--figure PATH.png]
 
 Each E3 grid (experiments/e3_precision.py:ALGO) is one algorithm in three precisions, paired against bf16;
 `compare` writes one table per grid. This prints the row per algorithm that docs/experiments.md shows —
@@ -9,6 +9,8 @@ the control fp16 − fp32) as mean [95 % t interval], wins k/n — then the exac
 how many intervals exclude 0 out of how many were computed (so "one in twenty at 95 %" can be checked).
 Every number is read from the JSON `compare` wrote; a grid that has not been run is listed as missing.
 `--task discover` reads the `:long_discover` grids (e3_discover_*.json, `e3_precision.py:discover_ALGO`).
+`--figure` draws the paired differences as a forest plot: one row per algorithm and comparison, the mean
+difference with its 95 % t interval, against the zero line — "does any interval leave 0?" at a glance.
 """
 
 from __future__ import annotations
@@ -74,11 +76,50 @@ def summary(results: Path, task: str = "short") -> tuple[str, dict]:
     return "\n".join(lines), {"intervals": intervals, "excluding_zero": excluding, "missing": missing}
 
 
+COMPARISONS = (("fp16 − bf16", "paired", "fp16"), ("fp32 − bf16", "paired", "fp32"),
+               ("fp16 − fp32", "paired_controls", "fp16 vs fp32"))
+
+
+def figure(results: Path, task: str, path: Path) -> None:
+    """Forest plot of every paired difference of the task's grids (module docstring), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxrl_mismatch.outputs import staged_file
+
+    rows = []  # (label, comparison index, mean, lo, hi)
+    for algo in (*ORDER, "exact"):
+        p = results / f"e3_{task}_{algo}.json"
+        if not p.exists():
+            continue
+        d = json.loads(p.read_text())
+        comparisons = ((("bf16_exact − bf16", "paired", "bf16_exact"),) if algo == "exact" else COMPARISONS)
+        for k, (name, section, key) in enumerate(comparisons):
+            cell = d.get(section, {}).get(key, {}).get("val_final")
+            if cell and cell.get("ci95"):
+                rows.append((f"{algo}: {name}", 3 if algo == "exact" else k, cell["mean"], *cell["ci95"]))
+    fig, ax = plt.subplots(figsize=(6.4, 0.28 * max(len(rows), 4) + 1.2))
+    for y, (label, k, mean, lo, hi) in enumerate(reversed(rows)):
+        ax.errorbar([mean], [y], xerr=[[mean - lo], [hi - mean]], fmt="o", color=f"C{k}", capsize=3, ms=4)
+    ax.set_yticks(range(len(rows)), [r[0] for r in reversed(rows)], fontsize=7)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("final validation accuracy, paired difference (5 seeds): mean and 95 % t interval", fontsize=8)
+    ax.set_title(f"E3 ({task} task): precision and the outcome", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    with staged_file(str(path)) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"),
                     help="folder with compare's e3_short_*.json")
     ap.add_argument("--task", default="short", help="which grids: short (default task) or discover (:long_discover)")
+    ap.add_argument("--figure", default=None, help="also draw the paired differences (forest plot) to this PNG")
     args = ap.parse_args()
     if args.task not in TASKS:
         print(f"error: --task must be one of {', '.join(TASKS)}, got {args.task!r}", file=sys.stderr)
@@ -88,6 +129,13 @@ def main() -> None:
         print(f"error: --results {results}: not a folder", file=sys.stderr)
         sys.exit(2)
     print(summary(results, args.task)[0])
+    if args.figure:
+        out = Path(args.figure)
+        if not out.parent.is_dir():
+            print(f"error: --figure {out}: folder {out.parent} does not exist", file=sys.stderr)
+            sys.exit(2)
+        figure(results, args.task, out)
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,10 @@ def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(t
     (tmp_path / "e3_discover_ppo.json").write_text((tmp_path / "e3_short_ppo.json").read_text().replace("0.41", "0.31"))
     text, counts = m.summary(tmp_path, "discover")
     assert "| `ppo` | 0.310 / 0.450 / 0.430 |" in text and "exact" in counts["missing"]
+    out = tmp_path / "fig" / "e3.png"
+    out.parent.mkdir()
+    m.figure(tmp_path, "short", out)  # ppo's three comparisons and the exact grid's one
+    assert out.read_bytes()[:4] == b"\x89PNG" and [p.name for p in out.parent.iterdir()] == ["e3.png"]
 
 
 def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skips_s0():
