@@ -162,6 +162,7 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused_by_pid(reference)
     assert sorted(steps_of(reference["run_dir"])) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_trainer_is_taken_over(tmp_path):
     from jaxrl_mismatch.train.runlock import RunDirLock
 
@@ -316,6 +317,7 @@ def _model_of(reference) -> Path:
 
 
 # ---- outputs that hold a user's files --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_warmstart_refuses_folders_and_files_it_did_not_write(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -158,6 +158,7 @@ def test_bad_config_names_the_field(base_model, tmp_path):
         validate(c)
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_config_before_any_work(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.py"),
