@@ -13,37 +13,47 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# -- one XLA compilation cache for the processes the tests start --------------------------------------------------
-# Many tests start the same tiny rollout server, CLI command or training process again (a resume, a second
-# process, a fault injected), and each new process compiled the same programs again. Those processes share
-# JAX's persistent compilation cache (keyed by the program, the XLA flags, the backend and jax's version) and
-# load what an earlier one compiled. The pytest processes themselves do not use it: a cache hit skips the
-# backend compile that `train/compiles.count_compilations` counts, and the "never recompiles" tests must see
-# every compile. The folder is new and empty for each session, so a fresh clone still pays every first
+# -- one XLA compilation cache for the session: the pytest workers and the processes the tests start ------------
+# Many tests build the same tiny model, Trainer, Learner or engine again (a fresh jit per test, or per resume), and
+# many start the same tiny rollout server, CLI command or training process again; each compiled the same programs
+# again. All of them share JAX's persistent compilation cache (keyed by the program, the XLA flags, the backend and
+# jax's version) and load what an earlier one compiled. Every program is cached, however fast it compiled (JAX's
+# default keeps only those over 1 s, most of the tests' tiny programs are not). A cache hit still goes through the
+# backend-compile step that `train/compiles.count_compilations` counts (jax 0.10: `pxla._cached_compilation` times
+# `compile_or_get_cached`, hits included; tests/test_conftest_cache.py checks it), so the "never recompiles" tests
+# still see every compile. The folder is new and empty for each session, so a fresh clone still pays every first
 # compilation; it is made before the xdist workers start, so they pass the same one on through the environment,
-# and it is deleted at the end. A JAX_COMPILATION_CACHE_DIR set by the caller is passed on as it is, and kept.
+# and it is deleted at the end. A JAX_COMPILATION_CACHE_DIR set by the caller is used as it is, and kept.
 _SESSION_XLA_CACHE = None
-_XLA_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", "")  # out of the environment while jax reads it
+_XLA_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+if not _XLA_CACHE:
+    _XLA_CACHE = _SESSION_XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-xla-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE  # for this process and every process the tests start
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", None)  # in case a plugin imported jax before this file
-if not _XLA_CACHE:
-    _XLA_CACHE = _SESSION_XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-xla-cache-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE  # for every process the tests start
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)  # in case a plugin imported jax before this file
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-# -- one tiny warm start for the whole session -----------------------------------------------------------------
+# -- tiny warm starts for the whole session ----------------------------------------------------------------------
 # Several test files need a small policy that already answers the arithmetic task (rollouts that end with EOS,
-# a reward that moves). Training it takes tens of seconds, so it is built once per test session and shared by
+# a reward that moves). Training one takes tens of seconds, so each is built once per test session and shared by
 # every xdist worker: the first worker to take the lock builds it under the session's common temp folder,
-# the others wait for the lock and reuse it.
+# the others wait for the lock and reuse it. Both are read-only for the tests that use them.
 TINY_BASE_ARGS = ("--steps", "40", "--num-eval", "0", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
                   "--intermediate", "64", "--layers", "1", "--num-train", "500")
+# Hidden 64 with 2 heads: head_dim 32, the least vLLM's CPU attention takes. 200 steps: long enough that some of a
+# step's 64 samples are right (1-2 % at T=1), so a run's updates are not all zero (tests/jobs/test_faults.py needs
+# it for "bit for bit" to cover the optimizer state; the vLLM loop test only needs the head_dim).
+TINY_BASE_H64_ARGS = ("--steps", "200", "--num-eval", "0", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
+                      "--intermediate", "128", "--layers", "1", "--num-train", "2000")
 
 
 def _session_root(tmp_path_factory) -> "os.PathLike":
@@ -52,43 +62,36 @@ def _session_root(tmp_path_factory) -> "os.PathLike":
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-@pytest.fixture(scope="session")
-def tiny_base_model(tmp_path_factory):
-    """A warm-started 1-layer, hidden-32 policy (HF checkpoint folder); read-only for the tests that use it."""
+def _shared_warmstart(tmp_path_factory, name: str, args: tuple[str, ...]):
     import fcntl
 
     from jaxrl_mismatch.jobs import warmstart
 
     root = _session_root(tmp_path_factory)
-    out = root / "tiny_base_model"
-    with open(root / "tiny_base_model.lock", "w") as lock:
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
-            assert warmstart.main(["--out", str(out), *TINY_BASE_ARGS]) == 0
+            assert warmstart.main(["--out", str(out), *args]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model(tmp_path_factory):
+    """A warm-started 1-layer, hidden-32 policy (HF checkpoint folder); read-only for the tests that use it."""
+    return _shared_warmstart(tmp_path_factory, "tiny_base_model", TINY_BASE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model_h64(tmp_path_factory):
+    """A warm-started 1-layer, hidden-64 policy with head_dim 32 (vLLM serves it), 200 steps; read-only."""
+    return _shared_warmstart(tmp_path_factory, "tiny_base_model_h64", TINY_BASE_H64_ARGS)
 
 
 def pytest_unconfigure(config):
     """Delete the session's compilation cache, in the process that made it (the xdist controller, or -n 0)."""
     if _SESSION_XLA_CACHE is not None:
         shutil.rmtree(_SESSION_XLA_CACHE, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def xla_cache():
-    """The session's compilation cache in this pytest process too, for one file: for files that build the same
-    Trainer, Learner or engine more than once and count no compilations (a cache hit skips the backend compile
-    that `count_compilations` counts). Off again when the file is done. Use with
-    `pytestmark = pytest.mark.usefixtures("xla_cache")`."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-    compilation_cache.reset_cache()  # the next compilation opens the cache at that folder
-    try:
-        yield
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
 
 
 # -- heavy files first under xdist --------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here runs the command line in a new process
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "tiny_cpu.py")
 

@@ -27,6 +27,7 @@ def test_every_subcommand_parses_into_its_module():
         p.parse_args(["attribute", "--out", "o"])
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line_and_exits_2(tmp_path):
     for argv in (["analyze"], ["analyze", "bf16-softmax", "--vocab", "0", "--out", str(tmp_path)]):
         p = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", *argv], cwd=REPO, capture_output=True,

@@ -147,6 +147,7 @@ def test_bad_flags(tiny, tmp_path, args, flag):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_one_line(tiny, tmp_path):
     ckpt, prompts, _ = tiny
     p = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", "analyze", "attribute", "--model", ckpt,

@@ -112,6 +112,7 @@ def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, nee
         assert n in message, (n, message)
 
 
+@pytest.mark.slow
 def test_spec_file_problems_and_the_cli_exit_code(tmp_path, fake_model):
     with pytest.raises(UsageError, match="no such file"):
         compare.main([str(tmp_path / "nope.py")])

@@ -58,6 +58,7 @@ def trained_run(tmp_path_factory):
     return root, base, lp, (tokens, mask)
 
 
+@pytest.mark.slow
 def test_export_matches_transformers_at_every_step(trained_run, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -77,6 +78,7 @@ def test_export_matches_transformers_at_every_step(trained_run, tmp_path):
     assert np.max(np.abs(lp[1] - lp[2])) > 1e-4  # the two steps really differ
 
 
+@pytest.mark.slow
 def test_export_bf16_and_bad_inputs(trained_run, tmp_path):
     import json
 

@@ -31,8 +31,9 @@ from jaxrl_mismatch.usage import EXIT_STOPPED, EXIT_STORAGE, UsageError
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
 
-# Long enough that some of a step's 64 samples are right (1-2 % at T=1), so the reference run's updates are
-# not all zero and "bit for bit" covers the optimizer state too (the fixture checks it).
+# The arguments of the session's shared `tiny_base_model_h64` (tests/conftest.py), used for the warm start
+# folder-safety checks too. Long enough that some of a step's 64 samples are right (1-2 % at T=1), so the reference
+# run's updates are not all zero and "bit for bit" covers the optimizer state too (the fixture checks it).
 WARMSTART = ["--steps", "200", "--num-eval", "0", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
              "--intermediate", "128", "--layers", "1", "--num-train", "2000"]
 
@@ -114,12 +115,9 @@ def copy_run(reference: Path, dest: Path, *, drop_newest: bool = False) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    from jaxrl_mismatch.jobs import warmstart
-
-    out = tmp_path_factory.mktemp("faults") / "base"
-    assert warmstart.main(["--out", str(out), *WARMSTART]) == 0
-    return out
+def base(tiny_base_model_h64) -> Path:
+    """The session's hidden-64 warm start (tests/conftest.py, built with WARMSTART's arguments), read only."""
+    return tiny_base_model_h64
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +162,7 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused_by_pid(reference)
     assert sorted(steps_of(reference["run_dir"])) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_trainer_is_taken_over(tmp_path):
     from jaxrl_mismatch.train.runlock import RunDirLock
 
@@ -318,6 +317,7 @@ def _model_of(reference) -> Path:
 
 
 # ---- outputs that hold a user's files --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_warmstart_refuses_folders_and_files_it_did_not_write(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()

@@ -237,22 +237,33 @@ def test_replaying_the_own_routing_is_the_identity_and_other_routing_changes_the
 
 @pytest.mark.slow
 def test_kv_decode_matches_full_forward_with_routing(checkpoints):
-    """Prefill + cached decode give the full forward's logits and each token's routing (fp32)."""
+    """Prefill + cached decode give the full forward's logits and each token's routing (fp32). Every forward is
+    jitted, as the engine runs them (op by op, the MoE forwards took most of this test's time)."""
     d, _ = checkpoints("mlp_only_layers", False)
     _, model = load_hf(d, policy=policy("fp32"))
     rng = np.random.default_rng(6)
     tokens = jnp.asarray(rng.integers(0, 256, size=(2, 9)), jnp.int32)
     mask = jnp.ones_like(tokens)
-    full_logits = model.logits(model(tokens, positions_from_mask(mask), mask))
-    _, full_router = model.forward_routed(tokens, positions_from_mask(mask), mask)
+
+    @nnx.jit
+    def full(model, tokens, mask):
+        positions = positions_from_mask(mask)
+        return model.logits(model(tokens, positions, mask)), model.forward_routed(tokens, positions, mask)[1]
+
+    @nnx.jit(static_argnames="block")
+    def cached_routing(model, token, position, k, v, key_mask, index, block):
+        return model.forward_cached_routed(token, position, k, v, key_mask, index, block=block)[3]
+
+    full_logits, full_router = full(model, tokens, mask)
     cache = init_cache(model.cfg, 2, 16)
-    logits, cache = prefill(model, tokens[:, :5], mask[:, :5], cache)
+    logits, cache = nnx.jit(prefill)(model, tokens[:, :5], mask[:, :5], cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits[:, 4]), atol=1e-5)
+    step = nnx.jit(decode_step)
     for t in range(5, 9):
-        _, _, _, r = model.forward_cached_routed(tokens[:, t:t + 1], cache.next_position[:, None], cache.k, cache.v,
-                                                 cache.key_mask.at[:, t].set(True), cache.index, block=cache.block)
+        r = cached_routing(model, tokens[:, t:t + 1], cache.next_position[:, None], cache.k, cache.v,
+                           cache.key_mask.at[:, t].set(True), cache.index, block=cache.block)
         assert np.array_equal(np.asarray(r.expert_ids[:, 0]), np.asarray(full_router.expert_ids[:, t]))
-        logits, cache = decode_step(model, tokens[:, t], cache)
+        logits, cache = step(model, tokens[:, t], cache)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits[:, t]), atol=1e-5)
 
 

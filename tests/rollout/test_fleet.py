@@ -48,6 +48,7 @@ def three_servers(tiny_checkpoints):
     yield from in_process_servers(tiny_checkpoints["untied"], 3)
 
 
+@pytest.mark.slow
 def test_samples_do_not_depend_on_how_requests_are_spread(three_servers, tiny_checkpoints):
     weights = _perturbed(tiny_checkpoints["untied"])
     addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
@@ -72,6 +73,7 @@ def test_samples_do_not_depend_on_how_requests_are_spread(three_servers, tiny_ch
     assert served[2] == served[1] and served[1] >= 2  # every push reached every server of the fleet
 
 
+@pytest.mark.slow
 def test_a_server_that_failed_the_push_sits_the_step_out(three_servers, tiny_checkpoints, monkeypatch, caplog):
     weights = _perturbed(tiny_checkpoints["untied"], 0.2)
     addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
@@ -135,6 +137,7 @@ def test_sigkill_mid_step_fails_over_and_the_server_rejoins(tmp_path, tiny_check
             fleet.generate(PROMPTS, SPEC)
 
 
+@pytest.mark.slow
 def test_a_stalled_server_is_taken_out_and_its_prompts_answered_once(three_servers, tiny_checkpoints, caplog):
     import threading
 

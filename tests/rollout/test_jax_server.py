@@ -64,6 +64,7 @@ def max_err(completions, reference) -> float:
     return max(float(np.max(np.abs(g - r))) for g, r in zip(got, reference))
 
 
+@pytest.mark.slow
 def test_info_and_compatibility(served):
     name, _, server, client = served
     assert server.ready["host"] == "127.0.0.1"  # loopback unless told otherwise
@@ -75,6 +76,7 @@ def test_info_and_compatibility(served):
         client.check_compatible(architecture="Qwen3ForCausalLM", vocab_size=151936)
 
 
+@pytest.mark.slow
 def test_logprobs_equal_teacher_forced_recompute(served):
     _, ckpt, _, client = served
     out = client.generate(PROMPTS, PLAIN)
@@ -85,6 +87,7 @@ def test_logprobs_equal_teacher_forced_recompute(served):
     assert client.generate(PROMPTS, SamplingSpec(n=2, max_tokens=12, seed=8)) != out
 
 
+@pytest.mark.slow
 def test_stop_tokens_truncate_the_same_draws(served):
     _, _, _, client = served
     full = client.generate(PROMPTS, PLAIN)
@@ -100,6 +103,7 @@ def test_stop_tokens_truncate_the_same_draws(served):
                 assert s == f
 
 
+@pytest.mark.slow
 def test_processed_logprobs_equal_sampling_recompute(served):
     """TRL #6789: with top-k/top-p, μ is renormalised over the kept tokens; sampling.py rebuilds it."""
     _, ckpt, _, client = served
@@ -109,6 +113,7 @@ def test_processed_logprobs_equal_sampling_recompute(served):
     assert max_err(out, recompute(ckpt, PROMPTS, out)) > 1e-2
 
 
+@pytest.mark.slow
 def test_greedy_temperature_is_the_argmax_with_logprob_zero(served):
     """Temperatures below 1e-5 (0 included) decode greedily, as vLLM does; sampling.py agrees."""
     _, ckpt, _, client = served
@@ -125,6 +130,7 @@ def _perturbed(tensors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarra
     return {k: (v + rng.normal(0.0, 0.3, v.shape)).astype(np.float32) for k, v in tensors.items()}
 
 
+@pytest.mark.slow
 def test_update_weights_then_logprobs_follow_new_weights(served, tmp_path):
     name, ckpt, server, client = served
     old = read_checkpoint(ckpt)
@@ -183,6 +189,7 @@ def _req(**kw):
     return rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=p) for p in prompts], **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs, field",
     [

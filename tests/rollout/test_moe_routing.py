@@ -57,6 +57,7 @@ def _rows(prompts, completions):
     return seqs, tokens, mask, routing
 
 
+@pytest.mark.slow
 def test_engine_routing_over_grpc_and_replay_reproduces_mu(served, moe_dir):
     info = served.info()
     assert "routing" in info.options
@@ -83,11 +84,13 @@ def test_engine_routing_over_grpc_and_replay_reproduces_mu(served, moe_dir):
     assert err <= 1e-5, err
 
 
+@pytest.mark.slow
 def test_without_return_routing_no_routing_is_sent(served):
     plain = served.generate(PROMPTS[:1], SamplingSpec(n=1, max_tokens=4, seed=1))
     assert plain[0][0].routing is None
 
 
+@pytest.mark.slow
 def test_engines_without_the_option_and_exact_mode_refuse(served):
     req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=[1, 2])], max_tokens=4, return_routing=True)
     vllm = EngineInfo(architecture="Qwen3MoeForCausalLM", vocab_size=256, dtype="bfloat16", engine="vllm",

@@ -34,6 +34,7 @@ def _counted(client: RolloutClient) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow
 def test_a_session_push_reads_getinfo_once(servers, tiny_checkpoints):
     server = servers[0]
     weights = read_checkpoint(tiny_checkpoints["untied"])
@@ -64,6 +65,7 @@ def test_a_session_push_reads_getinfo_once(servers, tiny_checkpoints):
         session.close()
 
 
+@pytest.mark.slow
 def test_a_fleet_push_reads_getinfo_once_per_server(servers, tiny_checkpoints):
     weights = read_checkpoint(tiny_checkpoints["untied"])
     fleet = RolloutFleet.attach([f"127.0.0.1:{s.port}" for s in servers], token=TOKEN, ready_timeout_s=30)

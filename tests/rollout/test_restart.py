@@ -24,6 +24,7 @@ def _perturbed(ckpt):
     return {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in read_checkpoint(ckpt).items()}
 
 
+@pytest.mark.slow
 def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
     ckpt = tiny_checkpoints["untied"]
     port = free_port()
@@ -56,6 +57,7 @@ def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
     session.close()
 
 
+@pytest.mark.slow
 def test_client_never_returns_completions_of_a_server_that_lost_the_weights(start_server, tiny_checkpoints):
     """Whichever call notices the restart first, Generate refuses until the weights are pushed again."""
     ckpt = tiny_checkpoints["untied"]

@@ -50,6 +50,7 @@ def _perturbed(tiny_checkpoints, scale: float) -> dict[str, np.ndarray]:
             for k, v in read_checkpoint(tiny_checkpoints["untied"]).items()}
 
 
+@pytest.mark.slow
 def test_shm_push_serves_the_same_weights_as_the_grpc_stream(served, tiny_checkpoints):
     weights = _perturbed(tiny_checkpoints, 0.5)
     with _client(served, weight_transport="grpc") as by_grpc, _client(served) as by_shm:
@@ -86,6 +87,7 @@ def _shm_msg(weights, version):
     return writer, writer.write(weights, version)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corrupt,code,needle", [
     (lambda m: setattr(m, "checksum", m.checksum ^ 1), grpc.StatusCode.INVALID_ARGUMENT, "checksum"),
     (lambda m: m.tensors.pop(), grpc.StatusCode.INVALID_ARGUMENT, "missing from the update"),
@@ -106,6 +108,7 @@ def test_bad_shm_push_is_refused_and_old_weights_stay(served, tiny_checkpoints, 
     assert served.engine.info().weight_version == before
 
 
+@pytest.mark.slow
 def test_shm_push_needs_the_token(served, tiny_checkpoints):
     before = served.engine.info().weight_version
     stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(f"127.0.0.1:{served.port}"))
@@ -118,6 +121,7 @@ def test_shm_push_needs_the_token(served, tiny_checkpoints):
     assert served.engine.info().weight_version == before
 
 
+@pytest.mark.slow
 def test_non_finite_weights_are_refused_over_shm_too(served, tiny_checkpoints):
     weights = read_checkpoint(tiny_checkpoints["untied"])
     name = sorted(weights)[0]
@@ -131,6 +135,7 @@ def test_non_finite_weights_are_refused_over_shm_too(served, tiny_checkpoints):
     assert served.engine.info().weight_version == before
 
 
+@pytest.mark.slow
 def test_transport_choice_follows_config_and_host_id(served, tiny_checkpoints, monkeypatch, caplog):
     weights = read_checkpoint(tiny_checkpoints["untied"])
     assert shm.is_local_target("127.0.0.1:5") and shm.is_local_target("[::1]:5") and shm.is_local_target("unix:/x")
@@ -154,6 +159,7 @@ def test_transport_choice_follows_config_and_host_id(served, tiny_checkpoints, m
     assert "using the gRPC stream from now on" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_buffer_that_cannot_be_written_falls_back_to_the_stream(served, tiny_checkpoints, monkeypatch, caplog):
     """No memory for the buffer or a file-size limit (EFBIG) on the trainer's side: auto pushes over gRPC and says
     so once; a forced 'shm' is refused naming the transport."""
@@ -211,6 +217,7 @@ def test_trainer_killed_mid_push_leaves_nothing_behind(served, tiny_checkpoints)
         assert len(client.generate(PROMPTS, SPEC)) == 2
 
 
+@pytest.mark.slow
 def test_session_passes_the_configured_transport(served, tiny_checkpoints):
     from jaxrl_mismatch.rollout.session import RolloutSession
     from jaxrl_mismatch.train.config import ConfigError, base_config

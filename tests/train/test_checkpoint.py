@@ -335,6 +335,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no orbax finalisation
 """
 
 
+@pytest.mark.slow
 def test_process_killed_during_an_async_save_never_restores_wrong_data(tmp_path):
     """A real crash: the writer is SIGKILLed right after an async `save` returns. Whatever the kill
     interrupted, the directory must restore a complete checkpoint whose data matches its step."""

@@ -14,8 +14,6 @@ from jaxrl_mismatch.runlog import read_jsonl
 
 from .test_loop_integration import _run, tiny_config
 
-pytestmark = pytest.mark.usefixtures("xla_cache")  # each test runs the same tiny Trainer twice
-
 
 @pytest.fixture(scope="module")
 def base_model(tiny_base_model):

@@ -21,16 +21,6 @@ from jaxrl_mismatch.runlog import read_jsonl
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _warmstart(out: Path, hidden: int, heads: int) -> Path:
-    from jaxrl_mismatch.jobs import warmstart
-
-    rc = warmstart.main(["--out", str(out), "--steps", "40", "--num-eval", "0", "--hidden", str(hidden),
-                         "--heads", str(heads), "--kv-heads", "1", "--intermediate", str(2 * hidden),
-                         "--layers", "1", "--num-train", "500"])
-    assert rc == 0
-    return out
-
-
 @pytest.fixture(scope="module")
 def base_model(tiny_base_model) -> Path:
     return tiny_base_model
@@ -168,6 +158,7 @@ def test_bad_config_names_the_field(base_model, tmp_path):
         validate(c)
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_config_before_any_work(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu.py"),
@@ -180,9 +171,9 @@ def test_cli_rejects_bad_config_before_any_work(tmp_path):
 
 
 @pytest.mark.vllm
-def test_loop_runs_with_the_vllm_engine(tmp_path_factory, tmp_path):
-    # vLLM's CPU attention needs head_dim >= 32: hidden 64 with 2 heads.
-    model = _warmstart(tmp_path_factory.mktemp("base_vllm") / "ckpt", hidden=64, heads=2)
+def test_loop_runs_with_the_vllm_engine(tiny_base_model_h64, tmp_path):
+    # vLLM's CPU attention needs head_dim >= 32: the session's hidden-64, 2-head warm start (tests/conftest.py).
+    model = tiny_base_model_h64
     c = tiny_config(model, tmp_path / "run", engine="vllm")
     c.steps = 2
     summary = _run(c)

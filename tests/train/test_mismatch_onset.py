@@ -11,8 +11,6 @@ from jaxrl_mismatch.train.config import ConfigError, base_config
 from jaxrl_mismatch.train.config_checks import validate
 from tests.train.test_loop_integration import _run, base_model, tiny_config  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("xla_cache")  # a run and its resume build the same Trainer twice
-
 
 def test_scale_is_zero_before_onset_then_ramps_linearly_to_one():
     assert [mismatch_scale(s, 0, 0) for s in range(3)] == [1.0, 1.0, 1.0]  # defaults: always on

@@ -170,7 +170,7 @@ def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch):
         ids, m = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
         return load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1])
 
-    value, g_lb = jax.value_and_grad(lb)(params)
+    value, g_lb = jax.jit(jax.value_and_grad(lb))(params)  # jitted: op by op it cost ~15 s
     assert s0["mean:moe/aux_loss"] == pytest.approx(float(value), rel=1e-5)  # logged also at coef 0
     assert s1["mean:moe/aux_loss"] == pytest.approx(float(value), rel=1e-5)
     assert s1["mean:loss/total"] == pytest.approx(s0["mean:loss/total"] + coef * float(value), rel=1e-5, abs=1e-6)
@@ -186,9 +186,13 @@ def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch):
 
 
 def _lb_of(graphdef, params, batch) -> float:
-    model = nnx.merge(graphdef, params)
-    ids, m = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
-    return float(load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1]))
+    @jax.jit  # one compiled program instead of the MoE forward op by op
+    def lb(p, tokens, mask):
+        model = nnx.merge(graphdef, p)
+        ids, m = tokens[:, :-1], mask[:, :-1]
+        return load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1])
+
+    return float(lb(params, batch.tokens, batch.attention_mask))
 
 
 # -- moe_step_metrics against NumPy -------------------------------------------------------------------------

@@ -131,6 +131,7 @@ def test_controller_trace_really_decays_the_lr(uninterrupted):
     assert [float(m["lr"]) for m in history] == pytest.approx([LR * s for s in EXPECTED_SCALES], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_on_the_same_mesh_is_bitwise_identical(uninterrupted, stopped_run):
     history, final = uninterrupted
     directory, before_stop, saved = stopped_run
@@ -163,6 +164,7 @@ def _controller_after_trace() -> LengthTriggeredDecay:
     return controller
 
 
+@pytest.mark.slow
 def test_resume_onto_another_mesh(uninterrupted, stopped_run):
     """Saved on 1 device, resumed on data=2 × fsdp=4: exact restore, then the same trajectory to fp32 rounding."""
     history, final = uninterrupted
