@@ -7,6 +7,7 @@
     jaxrl-mismatch compare experiments/e3_precision.py:exact          # bf16 vs bf16 + rollout.exact (PPO)
     jaxrl-mismatch compare experiments/e3_precision.py:long_exact     # the same on the :long task
     jaxrl-mismatch compare experiments/e3_precision.py:discover_ppo   # on :long_discover (RL grows responses)
+    jaxrl-mismatch compare experiments/e3_precision.py:discover_exact_pg_seq_is   # exact grid of another algorithm
 
 The FP16 paper trains each of its algorithms in BF16 and FP16 (trainer and rollout engine in the same
 precision) and finds the outcome differs: BF16 runs collapse, FP16 ones keep improving, FP16 PG-seq-IS does
@@ -72,11 +73,12 @@ def get_spec(grid: str = "ppo"):
     long = grid.startswith("long_")
     discover = grid.startswith("discover_")
     algo_name = grid.removeprefix("long_").removeprefix("discover_")
-    if algo_name not in ALGORITHMS and algo_name != "exact":
-        raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact, the same with long_ "
-                         f"or discover_ (each optionally @LR)")
-    exact = algo_name == "exact"
-    algo = dict(ALGORITHMS["ppo" if exact else algo_name])
+    exact = algo_name == "exact" or algo_name.startswith("exact_")
+    base_algo = algo_name.removeprefix("exact_") if algo_name.startswith("exact_") else "ppo" if exact else algo_name
+    if base_algo not in ALGORITHMS:
+        raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact (PPO), exact_ALGO, the same "
+                         f"with long_ or discover_ (each optionally @LR)")
+    algo = dict(ALGORITHMS[base_algo])
     max_tokens = LONG_MAX_TOKENS if long or discover else MAX_TOKENS
     if algo["objective.preset"].startswith("drgrpo"):
         algo["objective.overrides.max_len"] = max_tokens

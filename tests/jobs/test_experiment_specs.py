@@ -37,7 +37,8 @@ def _module(name: str):
 GRIDS = ["e0_controls.py", *(f"e1_timing.py:{s}" for s in _module("e1_timing").SOURCES),
          *(f"e2_corrections.py:{s}" for s in _module("e2_corrections").SOURCES),
          *(f"e3_precision.py:{a}" for a in [*_module("e3_precision").ALGORITHMS, "exact", "long_ppo", "long_exact", "long_ppo@1e-4",
-                                                                          "discover_ppo", "discover_exact"]),
+                                                                          "discover_ppo", "discover_exact",
+                                                                          "discover_exact_pg_seq_is"]),
          *(f"e4_staleness.py:{s}" for s in _module("e4_staleness").SOURCES), "e4_staleness.py:int8@3e-4"]
 
 
@@ -165,6 +166,13 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
                                  "objective.overrides.max_len": m.LONG_MAX_TOKENS}
     with pytest.raises(ValueError, match="unknown grid 'discover_grpo'"):
         m.get_spec("discover_grpo")
+    # exact_ALGO: the exact grid of another algorithm — that algorithm's objective, bf16 vs bf16 + exact.
+    ex = m.get_spec("discover_exact_pg_seq_is")
+    assert list(ex["variants"]) == ["bf16", "bf16_exact"] and ex["out"] == "runs/compare/e3_discover_exact_pg_seq_is"
+    assert ex["overrides"] == m.get_spec("discover_pg_seq_is")["overrides"]
+    assert m.get_spec("discover_exact")["overrides"] == disc["overrides"]  # plain `exact` stays PPO
+    with pytest.raises(ValueError, match="unknown grid 'exact_grpo'"):
+        m.get_spec("exact_grpo")
     for bad, msg in (("ppo@fast", "not a number"), ("ppo@0", "must be > 0")):
         with pytest.raises(ValueError, match=msg):
             m.get_spec(bad)
