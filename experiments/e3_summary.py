@@ -5,7 +5,8 @@
 Each E3 grid (experiments/e3_precision.py:ALGO) is one algorithm in three precisions, paired against bf16;
 `compare` writes one table per grid. This prints the row per algorithm that docs/experiments.md shows —
 final validation per precision, collapses, and the three paired differences (fp16 − bf16, fp32 − bf16, and
-the control fp16 − fp32) as mean [95 % t interval], wins k/n — then the exact grid's bf16_exact − bf16 and
+the control fp16 − fp32) as mean [95 % t interval], wins k/n — then the exact grids' bf16_exact − bf16 (PPO's
+`exact`, and `exact_ALGO` for another algorithm) and
 how many intervals exclude 0 out of how many were computed (so "one in twenty at 95 %" can be checked).
 Every number is read from the JSON `compare` wrote; a grid that has not been run is listed as missing.
 `--task discover` reads the `:long_discover` grids (e3_discover_*.json, `e3_precision.py:discover_ALGO`).
@@ -57,20 +58,25 @@ def summary(results: Path, task: str = "short") -> tuple[str, dict]:
         rows.append(f"| `{algo}` | {finals} | {collapsed} | " + " | ".join(paired_cell(c) for c in cells.values()) + " |")
     lines = ["| algorithm | val final bf16 / fp16 / fp32 | collapsed | fp16 − bf16 | fp32 − bf16 | fp16 − fp32 (control) |",
              "| --- | --- | --- | --- | --- | --- |", *rows]
-    exact_path = results / f"e3_{task}_exact.json"
-    if exact_path.exists():
+    exact_rows = []  # the exact grids: PPO's (`exact`) and any other algorithm's (`exact_ALGO`)
+    for grid in ("exact", *(f"exact_{a}" for a in ORDER)):
+        exact_path = results / f"e3_{task}_{grid}.json"
+        if not exact_path.exists():
+            if grid == "exact":
+                missing.append("exact")
+            continue
         d = json.loads(exact_path.read_text())
         v = d["variants"]
         cell = d["paired"]["bf16_exact"]["val_final"]
         intervals += 1
         if excludes_zero(cell):
-            excluding.append("exact bf16_exact − bf16")
-        lines += ["", "| PPO | val final bf16 / bf16 + exact | collapsed | bf16_exact − bf16 |", "| --- | --- | --- | --- |",
-                  f"| `exact` | {v['bf16']['summary']['val_final']['mean']:.3f} / "
-                  f"{v['bf16_exact']['summary']['val_final']['mean']:.3f} | {v['bf16']['collapsed']} / "
-                  f"{v['bf16_exact']['collapsed']} | {paired_cell(cell)} |"]
-    else:
-        missing.append("exact")
+            excluding.append(f"{grid} bf16_exact − bf16")
+        exact_rows.append(f"| `{grid}` | {v['bf16']['summary']['val_final']['mean']:.3f} / "
+                          f"{v['bf16_exact']['summary']['val_final']['mean']:.3f} | {v['bf16']['collapsed']} / "
+                          f"{v['bf16_exact']['collapsed']} | {paired_cell(cell)} |")
+    if exact_rows:
+        lines += ["", "| exact grid (`exact`: PPO) | val final bf16 / bf16 + exact | collapsed | bf16_exact − bf16 |",
+                  "| --- | --- | --- | --- |", *exact_rows]
     lines += ["", f"{len(excluding)} of {intervals} intervals exclude 0" + (f": {', '.join(excluding)}" if excluding else "")
               + (f". Not run: {', '.join(missing)}." if missing else ".")]
     return "\n".join(lines), {"intervals": intervals, "excluding_zero": excluding, "missing": missing}
@@ -90,16 +96,17 @@ def figure(results: Path, task: str, path: Path) -> None:
     from jaxrl_mismatch.outputs import staged_file
 
     rows = []  # (label, comparison index, mean, lo, hi)
-    for algo in (*ORDER, "exact"):
+    for algo in (*ORDER, "exact", *(f"exact_{a}" for a in ORDER)):
         p = results / f"e3_{task}_{algo}.json"
         if not p.exists():
             continue
         d = json.loads(p.read_text())
-        comparisons = ((("bf16_exact − bf16", "paired", "bf16_exact"),) if algo == "exact" else COMPARISONS)
+        exact = algo.startswith("exact")
+        comparisons = ((("bf16_exact − bf16", "paired", "bf16_exact"),) if exact else COMPARISONS)
         for k, (name, section, key) in enumerate(comparisons):
             cell = d.get(section, {}).get(key, {}).get("val_final")
             if cell and cell.get("ci95"):
-                rows.append((f"{algo}: {name}", 3 if algo == "exact" else k, cell["mean"], *cell["ci95"]))
+                rows.append((f"{algo}: {name}", 3 if exact else k, cell["mean"], *cell["ci95"]))
     fig, ax = plt.subplots(figsize=(6.4, 0.28 * max(len(rows), 4) + 1.2))
     for y, (label, k, mean, lo, hi) in enumerate(reversed(rows)):
         ax.errorbar([mean], [y], xerr=[[mean - lo], [hi - mean]], fmt="o", color=f"C{k}", capsize=3, ms=4)

@@ -198,6 +198,10 @@ def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(t
     assert "| `ppo` | 0.410 / 0.450 / 0.430 | 0 / 1 / 0 | +0.040 [+0.010, +0.070], 5/5 |" in text
     assert "| `exact` | 0.400 / 0.380 | 0 / 2 | −0.020 [−0.050, −0.001], 1/5 |" in text
     assert counts["intervals"] == 4 and counts["excluding_zero"] == ["ppo fp16 − bf16", "exact bf16_exact − bf16"]
+    # another algorithm's exact grid gets its own row and interval
+    (tmp_path / "e3_short_exact_pg_seq_is.json").write_text((tmp_path / "e3_short_exact.json").read_text())
+    text, counts = m.summary(tmp_path)
+    assert "| `exact_pg_seq_is` | 0.400 / 0.380 |" in text and counts["intervals"] == 5
     assert "seq_tis" in counts["missing"] and "ppo" not in counts["missing"]
     # The :long_discover grids are read from their own files.
     (tmp_path / "e3_discover_ppo.json").write_text((tmp_path / "e3_short_ppo.json").read_text().replace("0.41", "0.31"))
