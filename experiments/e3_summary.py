@@ -88,12 +88,9 @@ COMPARISONS = (("fp16 − bf16", "paired", "fp16"), ("fp32 − bf16", "paired", 
 
 def figure(results: Path, task: str, path: Path) -> None:
     """Forest plot of every paired difference of the task's grids (module docstring), written atomically."""
-    import matplotlib
+    from jaxrl_mismatch.report.plot import save_figure  # sets the Agg backend before pyplot loads
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from jaxrl_mismatch.outputs import staged_file
 
     rows = []  # (label, comparison index, mean, lo, hi)
     for algo in (*ORDER, "exact", *(f"exact_{a}" for a in ORDER)):
@@ -116,8 +113,7 @@ def figure(results: Path, task: str, path: Path) -> None:
     ax.set_title(f"E3 ({task} task): precision and the outcome", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    with staged_file(str(path)) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    save_figure(fig, str(path), dpi=120)
     plt.close(fig)
 
 
@@ -135,14 +131,19 @@ def main() -> None:
     if not results.is_dir():
         print(f"error: --results {results}: not a folder", file=sys.stderr)
         sys.exit(2)
+    if args.figure:  # a new path or an existing figure, never another file (`report.plot.check_figure_out`)
+        from jaxrl_mismatch.report.plot import check_figure_out
+        from jaxrl_mismatch.usage import UsageError
+
+        try:
+            check_figure_out("--figure", args.figure)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     print(summary(results, args.task)[0])
     if args.figure:
-        out = Path(args.figure)
-        if not out.parent.is_dir():
-            print(f"error: --figure {out}: folder {out.parent} does not exist", file=sys.stderr)
-            sys.exit(2)
-        figure(results, args.task, out)
-        print(f"wrote {out}")
+        figure(results, args.task, Path(args.figure))
+        print(f"wrote {args.figure}")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,9 @@ def summary(d: dict) -> str:
 
 def figure(d: dict, path: Path, title: str) -> None:
     """Final validation accuracy vs staleness per objective (see the module docstring), written atomically."""
-    import matplotlib
+    from jaxrl_mismatch.report.plot import save_figure  # sets the Agg backend before pyplot loads
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from jaxrl_mismatch.outputs import staged_file
     from jaxrl_mismatch.report.paired import t_interval
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -97,8 +94,7 @@ def figure(d: dict, path: Path, title: str) -> None:
     ax.legend(fontsize=8)
     fig.text(0.01, 0.01, "line: mean over seeds; bar: 95 % t interval of the mean; dots: seeds", fontsize=7)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    with staged_file(str(path)) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    save_figure(fig, str(path), dpi=120)
     plt.close(fig)
 
 
@@ -113,15 +109,20 @@ def main() -> None:
         print(f"error: --results/--source: no {path} (run `compare experiments/e4_staleness.py:{a.source}`)",
               file=sys.stderr)
         sys.exit(2)
+    if a.figure:  # a new path or an existing figure, never another file (`report.plot.check_figure_out`)
+        from jaxrl_mismatch.report.plot import check_figure_out
+        from jaxrl_mismatch.usage import UsageError
+
+        try:
+            check_figure_out("--figure", a.figure)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
     d = json.loads(path.read_text())
     print(summary(d))
     if a.figure:
-        out = Path(a.figure)
-        if not out.parent.is_dir():
-            print(f"error: --figure {out}: folder {out.parent} does not exist", file=sys.stderr)
-            sys.exit(2)
-        figure(d, out, f"E4: {d.get('name', path.stem)}")
-        print(f"wrote {out}")
+        figure(d, Path(a.figure), f"E4: {d.get('name', path.stem)}")
+        print(f"wrote {a.figure}")
 
 
 if __name__ == "__main__":

@@ -264,3 +264,18 @@ def test_e4_lr_control_runs_naive_and_decoupled_at_s0_and_s2_at_the_other_lr_in_
     for bad, msg in (("int8@fast", "not a number"), ("int8@-1", "must be > 0"), ("int4", "unknown mismatch source")):
         with pytest.raises(ValueError, match=msg):
             m.get_spec(bad)
+
+
+@pytest.mark.parametrize("script", ["e3_summary.py", "e4_summary.py"])
+def test_summary_figure_never_overwrites_a_file_it_did_not_write(script, tmp_path):
+    """`--figure` on an existing file that is not a figure (here text named .png) is refused in one line, exit 2,
+    and the file is left as it was."""
+    import subprocess
+    import sys
+
+    victim = tmp_path / "notes.png"
+    victim.write_text("not a figure\n")
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / script), "--figure", str(victim)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--figure" in r.stderr
+    assert victim.read_text() == "not a figure\n"
