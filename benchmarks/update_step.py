@@ -245,7 +245,6 @@ def main() -> None:
             if name in side_compiles:
                 side_compiles[name] += c["compiles"]
             (warmup_s if i < WARMUP else times)[name].append(dt)
-    compiles = {"compiles": side_compiles["jax"]}
     load_avg_end = os.getloadavg()[0]
 
     n_tokens = args.batch * args.seq
@@ -288,7 +287,7 @@ def main() -> None:
               f"alone at canonical length {exact['canonical_length']}")
     exact_compiles = f" (exact_forward update: {side_compiles['jax_exact']})" if exact else ""
     print(f"ratio jax/torch: {jax_tps / torch_tps:.2f}x (median), {ratio_at_min:.2f}x (min)   "
-          f"compilations of our update over {n_steps} distinct LRs: {compiles['compiles']}{exact_compiles}   "
+          f"compilations of our update over {n_steps} distinct LRs: {side_compiles['jax']}{exact_compiles}   "
           f"load avg {load_avg_start:.1f} -> {load_avg_end:.1f} on {os.cpu_count()} CPUs")
 
     out = {
@@ -308,7 +307,7 @@ def main() -> None:
         "ratio_jax_over_torch_at_min": ratio_at_min,
         "agreement": agreement,
         "lr_values": n_steps,
-        "compiles_of_update": compiles["compiles"],
+        "compiles_of_update": side_compiles["jax"],
         **({"compiles_of_exact_forward_update": side_compiles["jax_exact"]} if exact else {}),
         **({"exact_forward_over_ordinary": {
             "median": results["jax exact_forward"]["median_s"] / results["jax (jit update)"]["median_s"],

@@ -74,7 +74,7 @@ def get_spec(grid: str = "ppo"):
     discover = grid.startswith("discover_")
     algo_name = grid.removeprefix("long_").removeprefix("discover_")
     exact = algo_name == "exact" or algo_name.startswith("exact_")
-    base_algo = algo_name.removeprefix("exact_") if algo_name.startswith("exact_") else "ppo" if exact else algo_name
+    base_algo = "ppo" if algo_name == "exact" else algo_name.removeprefix("exact_")
     if base_algo not in ALGORITHMS:
         raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(ALGORITHMS)}, exact (PPO), exact_ALGO, the same "
                          f"with long_ or discover_ (each optionally @LR)")

@@ -206,11 +206,12 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_
     return toks, lengths
 
 
-_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="exact-verify")
+MAX_VERIFY_WORKERS = 8  # threads of the verify pool; more workers than this queue on it
+_POOL = ThreadPoolExecutor(max_workers=MAX_VERIFY_WORKERS, thread_name_prefix="exact-verify")
 
 
 def verify_workers_default() -> int:
-    """Concurrent verify programs for this process: its usable cores on a CPU backend (capped at 8), else 1.
+    """Concurrent verify programs for this process: its usable cores on a CPU backend (≤ `MAX_VERIFY_WORKERS`), else 1.
 
     Why: the verify computes each row alone (batch 1, `lax.map`), so its small matmuls leave all but one
     core idle, while the normal sampler's batched matmuls use every core (intra-op parallelism). Running
@@ -223,7 +224,7 @@ def verify_workers_default() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    return max(1, min(MAX_VERIFY_WORKERS, cores))
 
 
 def _verify_parallel(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft,
@@ -233,14 +234,13 @@ def _verify_parallel(graphdef, params, rest, prompts, tokens, settled, members, 
     Every row is computed alone by the same per-row program whatever the group's size (`lax.map` over rows),
     so the bits are those of one call over all members (tests/rollout/test_spec_exact.py)."""
     t_start = time.perf_counter()
-    groups = [g for g in np.array_split(np.arange(len(members)), max(1, min(workers, len(members)))) if g.size]
-    if len(groups) == 1:
-        outs = [_verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of, key_of, sample_of, draft,
-                        draft_len, **kw)]
-    else:
-        futures = [_POOL.submit(_verify, graphdef, params, rest, prompts, tokens, settled, members[g], prompt_of,
-                                key_of, sample_of, draft[g], draft_len[g], **kw) for g in groups]
-        outs = [f.result() for f in futures]
+
+    def group(g):
+        return _verify(graphdef, params, rest, prompts, tokens, settled, members[g], prompt_of, key_of, sample_of,
+                       draft[g], draft_len[g], **kw)
+
+    groups = np.array_split(np.arange(len(members)), max(1, min(workers, len(members))))  # none empty
+    outs = [group(groups[0])] if len(groups) == 1 else [f.result() for f in [_POOL.submit(group, g) for g in groups]]
     stats.verify_s += time.perf_counter() - t_start
     return tuple(np.concatenate([o[i] for o in outs]) for i in range(3))
 
