@@ -1,16 +1,25 @@
-"""How benchmark result JSON records a path (relative to the repository root when inside it), and how it is written.
+"""How benchmark result JSON records a path (relative to the repository root when inside it), where it may be
+written, and how it is written.
 
 Results are committed; an absolute path would name one machine's checkout (or a worktree that no longer
 exists) and change on every rerun. Relative paths and paths outside the repository are kept as given.
+
+A benchmark never overwrites what it did not write (`check_out`, called right after the flags are parsed,
+before the measurement): its `--out` must be new or a result of the same script — a JSON object whose
+`"benchmark"` key names the script (`write_json` records it in every result; the committed results carry it
+too). A Markdown table written beside the JSON (`.md`, same stem) may be replaced only when that JSON is
+such a result: the two are written together. Anything else is refused with one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MARKER = "benchmark"  # the key of a result JSON naming the script that wrote it
 
 
 def repo_relative(path: str | os.PathLike | None) -> str | None:
@@ -26,6 +35,39 @@ def repo_relative_args(args: dict) -> dict:
     return {k: repo_relative(v) if isinstance(v, (str, os.PathLike)) else v for k, v in args.items()}
 
 
+def script_name(script: str | os.PathLike) -> str:
+    """How a result names the benchmark script (its `__file__`) that wrote it: `benchmarks/<name>.py`."""
+    return f"benchmarks/{Path(script).name}"
+
+
+def is_result(path: str | os.PathLike, script: str | os.PathLike) -> bool:
+    """Whether `path` holds a result JSON written by `script` (its `MARKER` key names the script)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get(MARKER) == script_name(script)
+
+
+def check_out(flag: str, path: str | os.PathLike, script: str | os.PathLike, *, table: bool = False) -> None:
+    """Exit 2 with one line `error: ...` naming `flag` and the path unless `path` (and with `table` its `.md`
+    sibling) may receive `script`'s result: new, or that script's earlier result (see the module doc). As a
+    benchmark's other flag checks, before anything is measured."""
+    from jaxrl_mismatch.outputs import check_out_file
+    from jaxrl_mismatch.usage import UsageError
+
+    what = f"a result of {script_name(script)}"
+    try:
+        check_out_file(flag, str(path), ours=lambda p: is_result(p, script), what=what)
+        if table:
+            check_out_file(flag, str(Path(path).with_suffix(".md")), ours=lambda _: is_result(path, script),
+                           what=f"the table of {what}")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write a benchmark's result file (a JSON record, a Markdown table) atomically: a temporary sibling renamed
     into place, as every output of the package is written (`jaxrl_mismatch.outputs.staged_file`), creating its
@@ -36,6 +78,6 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write a benchmark's result JSON (indented, ending in a newline) atomically, as `write_text`."""
-    write_text(path, json.dumps(obj, indent=2) + "\n")
+def write_json(path: str | os.PathLike, obj: dict, script: str | os.PathLike) -> None:
+    """Write `script`'s result JSON (indented, ending in a newline; `MARKER` first) atomically, as `write_text`."""
+    write_text(path, json.dumps({MARKER: script_name(script), **obj}, indent=2) + "\n")

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import repo_relative, write_json  # noqa: E402
+from benchmarks._paths import check_out, repo_relative, write_json  # noqa: E402
 
 # (module, attribute path, phase name): the functions timed.
 PHASES = (
@@ -196,6 +196,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "async_profile.json"))
     ap.add_argument("--mode", type=int, default=None, help=argparse.SUPPRESS)  # one mode, in a pinned child
     a = ap.parse_args()
+    check_out("--out", a.out, __file__)
     if not (Path(a.model) / "config.json").exists():
         print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start, or pass --model)", file=sys.stderr)
         return 2
@@ -228,7 +229,7 @@ def main() -> int:
     body = {"modes": results, "steps": a.steps, "warmup": a.warmup, "model": repo_relative(a.model),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load_at_start,
                         "loadavg_at_end": os.getloadavg()}, "table": text}
-    write_json(a.out, body)
+    write_json(a.out, body, __file__)
     return 0
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import repo_relative, write_json, write_text  # noqa: E402
+from benchmarks._paths import check_out, repo_relative, write_json, write_text  # noqa: E402
 
 MODES = {"sync": 0, "staleness_1": 1, "staleness_2": 2}
 
@@ -243,6 +243,7 @@ def main() -> int:
     a = ap.parse_args()
     a.out = a.out or str(REPO / "docs" / "results" / ("async_rollouts" if a.part in ("all", "loop")
                                                       else f"async_rollouts_{a.part}"))
+    check_out("--out", Path(a.out).with_suffix(".json"), __file__, table=True)
     load_at_start = os.getloadavg()
     if not (Path(a.model) / "config.json").exists():
         print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start: jaxrl-mismatch train "
@@ -272,7 +273,7 @@ def main() -> int:
                                           "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()},
               "speedup_staleness_1": (loop["staleness_1"]["steps_per_s"] / loop["sync"]["steps_per_s"]) if loop else None}
     out = Path(a.out)
-    write_json(out.with_suffix(".json"), result)
+    write_json(out.with_suffix(".json"), result, __file__)
     write_text(out.with_suffix(".md"), f"# Asynchronous rollouts ({f'{a.steps} steps per mode' if loop else f'--part {a.part}'})\n\n{a.note}\n\n{text}\n")
     return 0
 

@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._paths import repo_relative_args, write_json  # noqa: E402
+from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
 from jaxrl_mismatch.models.exact import canonical_length  # noqa: E402
@@ -60,6 +60,7 @@ def main() -> int:
     ap.add_argument("--reference-repeats", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exact_engine.json"))
     a = ap.parse_args()
+    check_out("--out", a.out, __file__)
     dtypes = a.dtypes.split(",")
     if any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
         print(f"error: --dtypes: each must be float32, bfloat16 or float16, got {a.dtypes!r}", file=sys.stderr)
@@ -132,7 +133,7 @@ def main() -> int:
     result = {"device": str(jax.devices()[0]), "machine": platform.processor() or platform.machine(),
               "cpu_count": os.cpu_count(), "load_average_1min": load, "canonical_length": length,
               "config": repo_relative_args(vars(a)), "results": results}
-    write_json(a.out, result)
+    write_json(a.out, result, __file__)
     print(f"wrote {a.out}")
     return 0
 

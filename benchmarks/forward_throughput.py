@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from benchmarks._paths import write_json  # noqa: E402
+from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.models import load_hf, positions_from_mask, token_logprobs  # noqa: E402
 from jaxrl_mismatch.precision import policy  # noqa: E402
 
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=128)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/forward_throughput.json"))
     args = ap.parse_args()
+    check_out("--out", args.out, __file__)
 
     load_avg = os.getloadavg()[0]
     torch.manual_seed(0)
@@ -132,7 +133,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
-    write_json(args.out, out)
+    write_json(args.out, out, __file__)
     print(f"wrote {args.out}")
 
 

@@ -37,7 +37,7 @@ from jaxrl_mismatch.train import distributed  # noqa: E402
 from jaxrl_mismatch.train.minibatches import minibatch_order  # noqa: E402
 from jaxrl_mismatch.train.packing import pack_batch  # noqa: E402
 from jaxrl_mismatch.train.step import jit_update, place_batch  # noqa: E402
-from _paths import write_json  # noqa: E402
+from _paths import check_out, write_json  # noqa: E402
 from packing import DEMO_MODEL, SHAPES, learner_for, make_batch  # noqa: E402
 
 
@@ -100,6 +100,7 @@ def main() -> int:
     ap.add_argument("--packing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "learner_transfers.json"))
     a = ap.parse_args()
+    check_out("--out", a.out, __file__)
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[a.packing]
     results = []
     with tempfile.TemporaryDirectory() as d:
@@ -114,7 +115,7 @@ def main() -> int:
     out = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "platform": platform.platform(),
            "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32), demo batch [256, ~129]",
            "repeats": a.repeats, "results": results}
-    write_json(a.out, out)
+    write_json(a.out, out, __file__)
     print(f"wrote {a.out}")
     return 0
 

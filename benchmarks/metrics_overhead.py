@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks._paths import write_json  # noqa: E402
+from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config, step_metrics, update_stats  # noqa: E402
 from jaxrl_mismatch.objectives import batch_constants, objective_config, policy_loss  # noqa: E402
 
@@ -117,6 +117,7 @@ def main():
     ap.add_argument("--preset", default="grpo_token_tis")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = ap.parse_args()
+    check_out("--out", args.out, __file__)
 
     params = init_params(jax.random.key(0), args.vocab, args.dim, args.hidden)
     batch = make_batch(params, np.random.default_rng(0), args.batch, args.seq, args.vocab)
@@ -159,7 +160,7 @@ def main():
     print(f"overhead (medians): {overhead:+.2f} %   paired median: {paired:+.2f} %   "
           f"metrics alone: {med_alone / med_off * 100:.2f} % of the step   "
           f"({n_metrics} metrics, target ≤ 3 %, device {result['device']})")
-    write_json(args.out, result)
+    write_json(args.out, result, __file__)
     print(f"wrote {args.out}")
 
 

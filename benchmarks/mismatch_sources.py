@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._paths import repo_relative, repo_relative_args, write_json, write_text  # noqa: E402
+from benchmarks._paths import check_out, repo_relative, repo_relative_args, write_json, write_text  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
 from jaxrl_mismatch.metrics.step import step_metrics  # noqa: E402
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "mismatch_sources.json"))
     a = ap.parse_args(argv)
+    check_out("--out", a.out, __file__, table=True)
     if a.prompts < 1 or a.seeds < 1:
         raise UsageError("--prompts / --seeds: must be >= 1")
     c = load_config(a.config)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                          "temperature": r.temperature}, "sources": sources(), "mean": mean, "per_seed": per_seed,
               "seconds": elapsed}
     out = Path(a.out)
-    write_json(out, result)
+    write_json(out, result, __file__)
     write_text(out.with_suffix(".md"), f"# Mismatch sources vs the fp32 trainer ({Path(a.config).name})\n\n"
            f"Written by `benchmarks/mismatch_sources.py`: {setup}.\n\n{table}")
     print(f"wrote {out} and {out.with_suffix('.md')} ({elapsed:.0f} s)")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks._paths import write_json  # noqa: E402
+from benchmarks._paths import check_out, write_json  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -176,6 +176,7 @@ def main() -> int:
                     help=f"timed steps per learner after one compiling step (default {REPEATS})")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "packing.json"))
     a = ap.parse_args()
+    check_out("--out", a.out, __file__)
     names = tuple(SHAPES) if a.shape == "all" else (a.shape,)
     results = {}
     with tempfile.TemporaryDirectory() as d:
@@ -187,7 +188,7 @@ def main() -> int:
            "model": dataclasses.asdict(DEMO_MODEL),
            "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32)",
            "repeats": {n: a.repeats or REPEATS[n] for n in names}, "results": results}
-    write_json(a.out, out)
+    write_json(a.out, out, __file__)
     print(f"wrote {a.out}")
     return 0
 

@@ -37,7 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import write_json  # noqa: E402
+from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.rollout.client import RolloutClient  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
 
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "rollout.json"))
     args = p.parse_args(argv)
+    check_out("--out", args.out, __file__)
 
     results: dict = {"size": args.size, "model": SIZES[args.size], "machine": platform.machine(),
                      "cpus": os.cpu_count(), "engines": {}}
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'-':<8} {'raw TCP loopback':<22} {b['tcp_loopback_MBps']:>8.0f} "
           f"{nbytes / 1e6 / b['tcp_loopback_MBps']:>8.4f} {b['tcp_loopback_MBps'] / b['memcpy_MBps']:>9.1%}")
     out = Path(args.out)
-    write_json(out, results)
+    write_json(out, results, __file__)
     print(f"wrote {out}")
     return 0
 

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
-from benchmarks._paths import write_json  # noqa: E402
+from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
 from jaxrl_mismatch.models.exact import canonical_length  # noqa: E402
@@ -140,6 +140,7 @@ def main() -> None:
             sys.exit(2)
     if args.out is None:
         args.out = str(REPO / "benchmarks/results" / ("update_step_exact.json" if args.exact_forward else "update_step.json"))
+    check_out("--out", args.out, __file__)
 
     load_avg_start = os.getloadavg()[0]
     cfg = ModelConfig(**MODEL)
@@ -320,7 +321,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
-    write_json(args.out, out)
+    write_json(args.out, out, __file__)
     print(f"wrote {args.out}")
 
 

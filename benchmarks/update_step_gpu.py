@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._paths import repo_relative_args, write_json  # noqa: E402
+from benchmarks._paths import check_out, repo_relative_args, write_json, write_text  # noqa: E402
 
 SHAPES = {
     # Qwen3-0.6B / -1.7B config.json shapes (tied embeddings, q/k norms, GQA 16/8, head_dim 128).
@@ -603,8 +603,10 @@ def main() -> None:
 
     if args._part:  # a child: one part, result to <work>/<part>.json
         result = PARTS[args._part](args, Path(args._work))
-        write_json(Path(args._work) / f"{args._part}.json", result)
+        write_text(Path(args._work) / f"{args._part}.json", json.dumps(result))  # for the parent, not a result
         return
+    if args.out is not None:
+        check_out("--out", args.out, __file__)
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -620,9 +622,10 @@ def main() -> None:
     print_table(args, summary, results)
     slug = re.sub(r"[^a-z0-9]+", "-", summary["device"].lower()).strip("-")
     out = Path(args.out or REPO / f"benchmarks/results/update_step_gpu_{slug}_{args.shape}.json")
+    check_out("--out", out, __file__)  # the default names the device, known only now
     config = repo_relative_args({k: v for k, v in vars(args).items() if not k.startswith("_")})
     write_json(out, {"config": config, "summary": summary, "parts": results,
-                     "machine": platform.machine(), "cpus": os.cpu_count()})
+                     "machine": platform.machine(), "cpus": os.cpu_count()}, __file__)
     print(f"wrote {out}")
 
 

@@ -1,24 +1,29 @@
 """Benchmark results are written the way every output of the package is (`benchmarks/_paths.py` on
 `outputs.staged_file`): a temporary sibling renamed into place, so an interrupted write keeps the previous
-result and leaves no temporary behind; and no benchmark writes its results any other way."""
+result and leaves no temporary behind; no benchmark writes its results any other way; and a benchmark's
+`--out` that holds anything but that benchmark's own earlier result is refused before anything is measured."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks._paths import write_json, write_text
+from benchmarks._paths import check_out, is_result, write_json, write_text
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
 
 
 def test_write_json_creates_the_folder_and_leaves_only_the_result(tmp_path):
     out = tmp_path / "new" / "result.json"
-    write_json(out, {"tokens_per_s": 1.5})
-    assert json.loads(out.read_text()) == {"tokens_per_s": 1.5} and out.read_text().endswith("\n")
+    write_json(out, {"tokens_per_s": 1.5}, BENCHMARKS / "packing.py")
+    assert json.loads(out.read_text()) == {"benchmark": "benchmarks/packing.py", "tokens_per_s": 1.5}
+    assert out.read_text().endswith("\n")
     write_text(out.with_suffix(".md"), "| a |\n")
     assert sorted(p.name for p in out.parent.iterdir()) == ["result.json", "result.md"]
 
@@ -49,3 +54,79 @@ def test_update_step_refuses_a_bad_flag_in_one_line():
     r = subprocess.run([sys.executable, str(BENCHMARKS / "update_step.py"), "--seq", "16"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --prompt-len must be in 1..--seq − 1, got 32"]
+
+
+# -- what --out may hold: nothing, or the same benchmark's earlier result ---------------------------------------------
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def _refused(r: subprocess.CompletedProcess, path: Path) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: --out {path}: already exists and is not ") and "Traceback" not in r.stderr
+
+
+def test_a_benchmark_refuses_an_out_that_is_not_its_result_before_measuring(tmp_path):
+    """async_profile and async_rollouts (the two that import no JAX: seconds) stop at the check, in one line."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# my notes\n")
+    _refused(_run("async_profile.py", "--out", str(readme)), readme)
+    notes = tmp_path / "notes.json"  # async_rollouts' --out is a stem: <stem>.json and <stem>.md
+    notes.write_text('{"tokens_per_s": 3}\n')  # JSON, but no benchmark's result
+    _refused(_run("async_rollouts.py", "--out", str(tmp_path / "notes")), notes)
+    table = tmp_path / "table.md"  # no table.json: the table's name is taken by a file that is not ours
+    table.write_text("# my notes\n")
+    _refused(_run("async_rollouts.py", "--out", str(tmp_path / "table")), table)
+    assert readme.read_text() == table.read_text() == "# my notes\n" and notes.read_text() == '{"tokens_per_s": 3}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "notes.json", "table.md"]
+
+
+def test_a_benchmark_reruns_over_its_own_result(tmp_path):
+    """The check passes for the script's own earlier result: the run goes on to its next check (--model)."""
+    out = tmp_path / "async_profile.json"
+    write_json(out, {"modes": {}}, BENCHMARKS / "async_profile.py")
+    r = _run("async_profile.py", "--out", str(out), "--model", str(tmp_path / "none"))
+    assert r.returncode == 2 and r.stderr.startswith("error: --model:"), r.stderr
+    for stem in ("pair", "new"):
+        if stem == "pair":
+            write_json(tmp_path / "pair.json", {"loop": {}}, BENCHMARKS / "async_rollouts.py")
+            write_text(tmp_path / "pair.md", "# Asynchronous rollouts\n")
+        r = _run("async_rollouts.py", "--out", str(tmp_path / stem), "--model", str(tmp_path / "none"))
+        assert r.returncode == 2 and r.stderr.startswith("error: --model:"), r.stderr
+
+
+def test_check_out_refuses_another_benchmarks_result_a_folder_and_a_foreign_file(tmp_path, capsys):
+    packing = tmp_path / "packing.json"
+    write_json(packing, {"speedup": 2.0}, BENCHMARKS / "packing.py")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    check_out("--out", packing, BENCHMARKS / "packing.py")  # its own: accepted
+    check_out("--out", tmp_path / "new" / "r.json", BENCHMARKS / "packing.py")  # new: accepted
+    for path in (packing, tmp_path / "dir", tmp_path / "pyproject.toml"):
+        with pytest.raises(SystemExit) as e:
+            check_out("--out", path, BENCHMARKS / "update_step.py")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: --out {path}: ") and err.count("\n") == 1
+    assert json.loads(packing.read_text())["speedup"] == 2.0
+
+
+def test_every_committed_result_is_accepted_by_the_script_that_wrote_it():
+    """A rerun with the default --out replaces the committed result: each names an existing script."""
+    results = sorted(REPO.glob("benchmarks/results/*.json")) + [
+        p for p in sorted(REPO.glob("docs/results/*.json")) if "benchmark" in json.loads(p.read_text())]
+    assert len(results) >= 15
+    for p in results:
+        script = BENCHMARKS / Path(json.loads(p.read_text())["benchmark"]).name
+        assert script.is_file() and is_result(p, script), p
+        assert not is_result(p, BENCHMARKS / "other.py")
+
+
+def test_every_benchmark_checks_its_out_before_writing():
+    """Each script that writes a result also calls `check_out` (the _paths tests above cover what it does)."""
+    writers = [p for p in sorted(BENCHMARKS.glob("*.py")) if p.name != "_paths.py" and "write_json(" in p.read_text()]
+    assert len(writers) == 11
+    assert [p.name for p in writers if 'check_out("--out", ' not in p.read_text()] == []
