@@ -385,6 +385,9 @@ def _check_args(a: argparse.Namespace) -> None:
 def run(a: argparse.Namespace) -> int:
     """The subcommand: sample, score every pair, print the table, write the summary, dumps and figure."""
     _check_args(a)
+    from jaxrl_mismatch.report.plot import check_figure_out
+
+    check_figure_out("--out", os.path.join(a.out, "analysis.png"))  # before sampling: a file there is kept
     os.makedirs(a.out, exist_ok=True)
     results = run_rollouts(a)
     text, md = pairs_tables(results)

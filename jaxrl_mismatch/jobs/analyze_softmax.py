@@ -261,6 +261,9 @@ def _check_args(a: argparse.Namespace) -> None:
 def run(a: argparse.Namespace) -> int:
     """The subcommand: simulate every seed, print the table beside Table 2, write JSON, Markdown and a figure."""
     _check_args(a)
+    from jaxrl_mismatch.report.plot import check_figure_out
+
+    check_figure_out("--out", os.path.join(a.out, "bf16_softmax.png"))  # before simulating: a file there is kept
     os.makedirs(a.out, exist_ok=True)
     result = run_softmax_simulation(vocab=a.vocab, scale=a.scale, tokens=a.tokens, seeds=a.seeds, dtype=a.dtype,
                                     shared_logits=a.logits == "shared")

@@ -321,9 +321,8 @@ def tables(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: str) -> str:
     """Heat map of the divergence (layers × components) and a bar chart of the ablation matrix, one row per pair."""
-    import matplotlib
+    from jaxrl_mismatch.report.plot import save_figure  # sets the Agg backend before pyplot loads
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.6 * len(results)), squeeze=False)
@@ -343,7 +342,7 @@ def plot(results: list[dict], path: str) -> str:
         ax_b.set_title(f"{name}: mismatch left with one component in fp32", fontsize=9)
         ax_b.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
 

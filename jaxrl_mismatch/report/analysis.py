@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from jaxrl_mismatch.report.plot import save_figure  # noqa: E402
+
 # (label, per-token dump, summary, response lengths [seqs], sequence log-ratios [seqs])
 PairData = tuple[str, dict, dict, np.ndarray, np.ndarray]
 
@@ -103,7 +105,7 @@ def plot_pairs(pairs: Sequence[PairData], bucket_suffixes: Sequence[str], out: s
     ax.set_ylabel("ρ = π/μ, mean ± std")
     ax.legend(fontsize=8)
     fig.suptitle("training–inference mismatch by precision pair (trainer:engine)", fontsize=11)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
+    save_figure(fig, out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
 
@@ -128,6 +130,6 @@ def plot_softmax_simulation(samples: Sequence[tuple[np.ndarray, np.ndarray]], se
     axs[2].legend(fontsize=7)
     fig.suptitle(f"softmax discretisation: V={setting['vocab']}, z~N(0,{setting['scale']}²), {setting['tokens']} "
                  f"tokens/seed, logits {setting['logits']}", fontsize=10)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
+    save_figure(fig, out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out

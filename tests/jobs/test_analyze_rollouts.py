@@ -159,6 +159,20 @@ def test_rollouts_bad_flags(ckpt_dir, tmp_path, args, flag):
     assert flag in str(e.value) and "\n" not in str(e.value)
 
 
+def test_rollouts_refuses_a_non_figure_where_its_figure_goes(ckpt_dir, tmp_path):
+    """Checked before any rollout: the file is kept and nothing else is written."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "analysis.png").write_text("my notes")
+    with pytest.raises(UsageError) as e:
+        analyze.main(["rollouts", "--model", ckpt_dir, "--out", str(out)])
+    assert str(e.value).startswith(f"--out {out / 'analysis.png'}: already exists and is not a .png figure")
+    assert (out / "analysis.png").read_text() == "my notes" and [p.name for p in out.iterdir()] == ["analysis.png"]
+    (tmp_path / "file").write_text("mine")  # --out names a file: refused in one line, not a FileExistsError
+    with pytest.raises(UsageError, match="--out"):
+        analyze.main(["rollouts", "--model", ckpt_dir, "--out", str(tmp_path / "file")])
+
+
 def test_rollouts_bad_model_and_prompt_files(ckpt_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     for model, flag in (("/nonexistent", "--model"), (str(tmp_path / "empty"), "--model")):

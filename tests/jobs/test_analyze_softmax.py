@@ -128,3 +128,14 @@ def test_bf16_softmax_bad_flags(tmp_path, args, flag):
     with pytest.raises(UsageError) as e:
         analyze.main(["bf16-softmax", "--out", str(tmp_path / "o"), *args])
     assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bf16_softmax_refuses_a_non_figure_where_its_figure_goes(tmp_path):
+    """Checked before the simulation: the file is kept and nothing else is written."""
+    out = tmp_path / "sim"
+    out.mkdir()
+    (out / "bf16_softmax.png").write_text("my notes")
+    with pytest.raises(UsageError) as e:
+        analyze.main(["bf16-softmax", "--out", str(out)])  # the paper's 10⁶ tokens per seed: refused before
+    assert str(e.value).startswith(f"--out {out / 'bf16_softmax.png'}: already exists and is not a .png figure")
+    assert (out / "bf16_softmax.png").read_text() == "my notes" and [p.name for p in out.iterdir()] == ["bf16_softmax.png"]
