@@ -30,10 +30,12 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
 from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
-from jaxrl_mismatch.outputs import staged_file, write_json
+from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file, int_list
 
 TRAINER_PRECISIONS = precision.PRESETS  # fp32, bf16, fp16
+
+KIND = "analyze-rollouts"  # the output directory's marker (outputs.py)
 
 DUMP_FIELDS = ("prompt_id", "sample_id", "position", "token", "logp_train", "logp_rollout", "seq_len")
 
@@ -256,9 +258,10 @@ def pairs_tables(results: Sequence[PairResult]) -> tuple[str, str]:
     return "\n".join(text), "\n".join(md) + "\n"
 
 
-def run_rollouts(a: argparse.Namespace) -> list[PairResult]:
-    """Sample once per engine dtype through a launched rollout server, score with every trainer precision
-    paired with it, write each pair's `tokens.npz` + `summary.json`; results in the order of `a.pairs`."""
+def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
+    """Sample once per engine dtype through a launched rollout server (its log in `out/server_<dtype>`), score
+    with every trainer precision paired with it, write each pair's `tokens.npz` + `summary.json` under `out`;
+    results in the order of `a.pairs`."""
     from jaxrl_mismatch.data.batching import pad_rows
     from jaxrl_mismatch.rollout import SamplingSpec
     from jaxrl_mismatch.rollout.engine import check_finite_logprobs
@@ -285,7 +288,7 @@ def run_rollouts(a: argparse.Namespace) -> list[PairResult]:
         t0 = time.perf_counter()
         print(f"analyze: sampling {len(prompts)} prompts × {a.n} (max {a.max_tokens} tokens, T={a.temperature}) "
               f"with the {a.engine} engine in {engine}", flush=True)
-        with RolloutSession.launch(work_dir=os.path.join(a.out, f"server_{engine}"), engine=a.engine, model=a.model,
+        with RolloutSession.launch(work_dir=os.path.join(out, f"server_{engine}"), engine=a.engine, model=a.model,
                                    dtype=engine) as session:
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=tok_vocab)
@@ -308,8 +311,8 @@ def run_rollouts(a: argparse.Namespace) -> list[PairResult]:
             summary["analysis/sample_seconds"] = round(t_sample, 2)
             summary["analysis/score_seconds"] = round(time.perf_counter() - t1, 2)
             res = PairResult(trainer, engine, dump, summary)
-            pair_dir = os.path.join(a.out, f"{trainer}-{engine}")
-            os.makedirs(pair_dir, exist_ok=True)
+            pair_dir = os.path.join(out, f"{trainer}-{engine}")
+            os.makedirs(pair_dir)
             np.savez(os.path.join(pair_dir, "tokens.npz"), **dump)
             write_json(os.path.join(pair_dir, "summary.json"), {"trainer": trainer, "engine": engine, **summary})
             print(f"analyze: {res.name}: {int(summary['analysis/tokens'])} tokens, log_ppl_abs_diff "
@@ -348,7 +351,8 @@ def add_parser(sub) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--chunk-size", type=int, default=256, help="trainer log-prob chunk (sequence positions)")
     r.add_argument("--axes", choices=("prob", "log"), default="prob", help="scatter axes: probabilities or log-probs")
-    r.add_argument("--out", required=True, help="output directory")
+    r.add_argument("--out", required=True, help="new or empty output directory")
+    r.add_argument("--force", action="store_true", help="replace an earlier `analyze rollouts` output in --out")
 
 
 def _check_args(a: argparse.Namespace) -> None:
@@ -383,26 +387,23 @@ def _check_args(a: argparse.Namespace) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    """The subcommand: sample, score every pair, print the table, write the summary, dumps and figure."""
+    """The subcommand: sample, score every pair, print the table, write the summary, dumps and figure — all into
+    a temporary sibling of --out renamed into place (`outputs.staged_dir`; --out checked before any server starts)."""
     _check_args(a)
-    from jaxrl_mismatch.report.plot import check_figure_out
+    with staged_dir("--out", a.out, KIND, force=a.force) as tmp:
+        results = run_rollouts(a, tmp)
+        text, md = pairs_tables(results)
+        print(text, flush=True)
+        settings = {k: getattr(a, k) for k in ("model", "task", "split", "prompt_ids", "engine", "num_prompts", "n",
+                                                "max_tokens", "temperature", "seed", "fp32_lm_head")}
+        write_json(os.path.join(tmp, "summary.json"),
+                   {"settings": settings, "pairs": {r.name: r.summary for r in results}})
+        with open(os.path.join(tmp, "pairs.md"), "w") as f:
+            f.write(md)
+        from jaxrl_mismatch.report.analysis import plot_pairs
 
-    check_figure_out("--out", os.path.join(a.out, "analysis.png"))  # before sampling: a file there is kept
-    os.makedirs(a.out, exist_ok=True)
-    results = run_rollouts(a)
-    text, md = pairs_tables(results)
-    print(text, flush=True)
-    settings = {k: getattr(a, k) for k in ("model", "task", "split", "prompt_ids", "engine", "num_prompts", "n",
-                                            "max_tokens", "temperature", "seed", "fp32_lm_head")}
-    write_json(os.path.join(a.out, "summary.json"),
-               {"settings": settings, "pairs": {r.name: r.summary for r in results}})
-    with staged_file(os.path.join(a.out, "pairs.md")) as tmp, open(tmp, "w") as f:
-        f.write(md)
-    from jaxrl_mismatch.report.analysis import plot_pairs
-
-    png = plot_pairs([(r.name, r.dump, r.summary, *_seq_log_ratio(r.dump)) for r in results],
-                     [s for s, _, _ in bucket_names(MetricsConfig())], os.path.join(a.out, "analysis.png"),
-                     axes=a.axes)
-    print(f"analyze: wrote summary.json, pairs.md, {os.path.basename(png)} and <trainer>-<engine>/tokens.npz in "
-          f"{a.out}", flush=True)
+        plot_pairs([(r.name, r.dump, r.summary, *_seq_log_ratio(r.dump)) for r in results],
+                   [s for s, _, _ in bucket_names(MetricsConfig())], os.path.join(tmp, "analysis.png"), axes=a.axes)
+    print(f"analyze: wrote summary.json, pairs.md, analysis.png and <trainer>-<engine>/tokens.npz in {a.out}",
+          flush=True)
     return 0

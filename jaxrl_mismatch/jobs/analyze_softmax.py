@@ -21,8 +21,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.outputs import staged_file, write_json
+from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.usage import UsageError, int_list
+
+KIND = "analyze-bf16-softmax"  # the output directory's marker (outputs.py)
 
 # Objective-level hacking paper, App. C.1, Table 2 ("Ratio of token probability between float32 and bf16"):
 # p_fp32 / p_bf16 at tokens sampled from the BF16 distribution, 5·10⁴ tokens, V = 2048, z ~ N(0, 1.5²).
@@ -243,7 +245,8 @@ def add_parser(sub) -> None:
     s.add_argument("--dtype", choices=precision.DTYPES, default="bfloat16", help="precision of the rounded softmax")
     s.add_argument("--logits", choices=("per-token", "shared"), default="per-token",
                    help="a fresh logit vector per sampled token (reproduces Table 2), or one per seed")
-    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--out", required=True, help="new or empty output directory")
+    s.add_argument("--force", action="store_true", help="replace an earlier `analyze bf16-softmax` output in --out")
 
 
 def _check_args(a: argparse.Namespace) -> None:
@@ -259,26 +262,24 @@ def _check_args(a: argparse.Namespace) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    """The subcommand: simulate every seed, print the table beside Table 2, write JSON, Markdown and a figure."""
+    """The subcommand: simulate every seed, print the table beside Table 2, write JSON, Markdown and a figure —
+    into a temporary sibling of --out renamed into place (`outputs.staged_dir`; --out checked before simulating)."""
     _check_args(a)
-    from jaxrl_mismatch.report.plot import check_figure_out
+    with staged_dir("--out", a.out, KIND, force=a.force) as tmp:
+        result = run_softmax_simulation(vocab=a.vocab, scale=a.scale, tokens=a.tokens, seeds=a.seeds, dtype=a.dtype,
+                                        shared_logits=a.logits == "shared")
+        text, md = softmax_tables(result)
+        print(text, flush=True)
+        write_json(os.path.join(tmp, "bf16_softmax.json"),
+                   {"setting": result["setting"], "seeds": result["seeds"], "comparison": result["comparison"],
+                    "paper_table2": {"source": "objective-level hacking paper, App. C.1, Table 2",
+                                     "columns": ["seed", *SIM_STATS, "kl"], "rows": [list(r) for r in PAPER_TABLE2],
+                                     "average": list(PAPER_TABLE2_AVERAGE)}})
+        with open(os.path.join(tmp, "bf16_softmax.md"), "w") as f:
+            f.write(md)
+        from jaxrl_mismatch.report.analysis import plot_softmax_simulation
 
-    check_figure_out("--out", os.path.join(a.out, "bf16_softmax.png"))  # before simulating: a file there is kept
-    os.makedirs(a.out, exist_ok=True)
-    result = run_softmax_simulation(vocab=a.vocab, scale=a.scale, tokens=a.tokens, seeds=a.seeds, dtype=a.dtype,
-                                    shared_logits=a.logits == "shared")
-    text, md = softmax_tables(result)
-    print(text, flush=True)
-    write_json(os.path.join(a.out, "bf16_softmax.json"),
-               {"setting": result["setting"], "seeds": result["seeds"], "comparison": result["comparison"],
-                "paper_table2": {"source": "objective-level hacking paper, App. C.1, Table 2",
-                                 "columns": ["seed", *SIM_STATS, "kl"], "rows": [list(r) for r in PAPER_TABLE2],
-                                 "average": list(PAPER_TABLE2_AVERAGE)}})
-    with staged_file(os.path.join(a.out, "bf16_softmax.md")) as tmp, open(tmp, "w") as f:
-        f.write(md)
-    from jaxrl_mismatch.report.analysis import plot_softmax_simulation
-
-    png = plot_softmax_simulation(result["samples"], [r["seed"] for r in result["seeds"]], result["setting"],
-                                  os.path.join(a.out, "bf16_softmax.png"))
-    print(f"analyze: wrote bf16_softmax.json, bf16_softmax.md, {os.path.basename(png)} in {a.out}", flush=True)
+        plot_softmax_simulation(result["samples"], [r["seed"] for r in result["seeds"]], result["setting"],
+                                os.path.join(tmp, "bf16_softmax.png"))
+    print(f"analyze: wrote bf16_softmax.json, bf16_softmax.md, bf16_softmax.png in {a.out}", flush=True)
     return 0

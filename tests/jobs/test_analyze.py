@@ -29,9 +29,12 @@ def test_every_subcommand_parses_into_its_module():
 
 @pytest.mark.slow
 def test_cli_prints_one_line_and_exits_2(tmp_path):
-    for argv in (["analyze"], ["analyze", "bf16-softmax", "--vocab", "0", "--out", str(tmp_path)]):
+    (tmp_path / "notes.txt").write_text("mine")  # an --out folder the command did not write
+    softmax = ["analyze", "bf16-softmax", "--out", str(tmp_path)]
+    for argv, names in ((["analyze"], ""), ([*softmax, "--vocab", "0"], "--vocab"), (softmax, f"--out {tmp_path}:")):
         p = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", *argv], cwd=REPO, capture_output=True,
                            text=True, timeout=120)
         assert p.returncode == 2, p.stderr
         lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+        assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], p.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"

@@ -12,6 +12,7 @@ import pytest
 
 from jaxrl_mismatch.jobs import analyze, analyze_rollouts
 from jaxrl_mismatch.metrics import MetricsConfig, step_metrics
+from jaxrl_mismatch.outputs import marker_name
 from jaxrl_mismatch.usage import UsageError
 from tests.rollout.conftest import VOCAB, make_tiny_qwen3
 
@@ -114,6 +115,16 @@ def test_rollouts_three_precision_pairs_end_to_end(tiny_model, tmp_path, capsys)
     md = (out / "pairs.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(table) == 4 and all(line.count("|") == 8 for line in table)  # header + 3 pairs, 7 columns
+    # the folder is the command's own (outputs.staged_dir): marked, server logs inside, no temporary sibling left
+    assert (out / marker_name(analyze_rollouts.KIND)).is_file() and (out / "server_float16").is_dir()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(UsageError, match="--force"):  # an earlier output: kept unless --force
+        analyze.main(["rollouts", "--model", str(ckpt), "--prompt-ids", str(prompts), "--out", str(out)])
+    before = (out / "summary.json").read_bytes()
+    with pytest.raises(UsageError, match="--max-tokens"):  # --force accepted; failing mid-write keeps it whole
+        analyze.main(["rollouts", "--model", str(ckpt), "--prompt-ids", str(prompts), "--max-tokens", "300",
+                      "--force", "--out", str(out)])
+    assert (out / "summary.json").read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 @pytest.mark.slow
@@ -159,17 +170,20 @@ def test_rollouts_bad_flags(ckpt_dir, tmp_path, args, flag):
     assert flag in str(e.value) and "\n" not in str(e.value)
 
 
-def test_rollouts_refuses_a_non_figure_where_its_figure_goes(ckpt_dir, tmp_path):
-    """Checked before any rollout: the file is kept and nothing else is written."""
+def test_rollouts_refuses_an_out_folder_it_did_not_write(ckpt_dir, tmp_path):
+    """Checked before any server starts: one line naming --out, the folder and its file unchanged."""
     out = tmp_path / "o"
     out.mkdir()
     (out / "analysis.png").write_text("my notes")
-    with pytest.raises(UsageError) as e:
-        analyze.main(["rollouts", "--model", ckpt_dir, "--out", str(out)])
-    assert str(e.value).startswith(f"--out {out / 'analysis.png'}: already exists and is not a .png figure")
+    for force in ([], ["--force"]):  # --force replaces only an earlier `analyze rollouts` output
+        with pytest.raises(UsageError) as e:
+            analyze.main(["rollouts", "--model", ckpt_dir, "--out", str(out), *force])
+        message = str(e.value)
+        assert message.startswith(f"--out {out}: is a non-empty directory not written by") and "\n" not in message
     assert (out / "analysis.png").read_text() == "my notes" and [p.name for p in out.iterdir()] == ["analysis.png"]
+    assert [p.name for p in tmp_path.iterdir()] == ["o"]  # no server work directory, no temporary sibling
     (tmp_path / "file").write_text("mine")  # --out names a file: refused in one line, not a FileExistsError
-    with pytest.raises(UsageError, match="--out"):
+    with pytest.raises(UsageError, match=f"--out {tmp_path / 'file'}: is a file"):
         analyze.main(["rollouts", "--model", ckpt_dir, "--out", str(tmp_path / "file")])
 
 

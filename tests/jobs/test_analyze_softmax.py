@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_mismatch.jobs import analyze, analyze_softmax
+from jaxrl_mismatch.outputs import marker_name
 from jaxrl_mismatch.usage import UsageError
 
 
@@ -98,10 +99,10 @@ def test_paper_setting_matches_table2_within_the_seed_spread():
     assert shared["seeds"][0]["max"] < 1.017
 
 
-def test_bf16_softmax_command_writes_json_markdown_and_figure(tmp_path, capsys):
+def test_bf16_softmax_command_writes_json_markdown_and_figure(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sim"
-    assert analyze.main(["bf16-softmax", "--vocab", "128", "--tokens", "800", "--seeds", "0,1", "--out",
-                         str(out)]) == 0
+    args = ["bf16-softmax", "--vocab", "128", "--tokens", "800", "--seeds", "0,1", "--out", str(out)]
+    assert analyze.main(args) == 0
     data = json.loads((out / "bf16_softmax.json").read_text())
     assert [r["seed"] for r in data["seeds"]] == [0, 1]
     assert data["comparison"] is None  # not the paper's setting
@@ -110,6 +111,26 @@ def test_bf16_softmax_command_writes_json_markdown_and_figure(tmp_path, capsys):
     assert "| ours | 0 |" in md and "| paper |" not in md
     assert (out / "bf16_softmax.png").stat().st_size > 10_000
     assert "not the paper's setting" in capsys.readouterr().out
+    # the folder is the command's own (outputs.staged_dir): marked, no temporary sibling left
+    assert (out / marker_name(analyze_softmax.KIND)).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["sim"]
+    with pytest.raises(UsageError, match="--force"):  # an earlier output: kept unless --force
+        analyze.main(args)
+    first = (out / "bf16_softmax.json").read_bytes()
+    # interrupted while writing the replacement: the earlier output stays whole, the temporary is removed
+    from jaxrl_mismatch.report import analysis
+
+    def interrupt(*_a, **_k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(analysis, "plot_softmax_simulation", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            analyze.main([*args, "--seeds", "2", "--force"])
+    assert (out / "bf16_softmax.json").read_bytes() == first and [p.name for p in tmp_path.iterdir()] == ["sim"]
+    assert analyze.main([*args, "--seeds", "2", "--force"]) == 0
+    assert [r["seed"] for r in json.loads((out / "bf16_softmax.json").read_text())["seeds"]] == [2]
+    assert [p.name for p in tmp_path.iterdir()] == ["sim"]
 
 
 # -- bad input: one line naming the flag -------------------------------------------------------------------------------
@@ -130,12 +151,18 @@ def test_bf16_softmax_bad_flags(tmp_path, args, flag):
     assert flag in str(e.value) and "\n" not in str(e.value)
 
 
-def test_bf16_softmax_refuses_a_non_figure_where_its_figure_goes(tmp_path):
-    """Checked before the simulation: the file is kept and nothing else is written."""
+def test_bf16_softmax_refuses_an_out_folder_it_did_not_write(tmp_path):
+    """Checked before the simulation (the defaults: 2.5·10⁵ tokens): one line naming --out, nothing changed."""
     out = tmp_path / "sim"
     out.mkdir()
     (out / "bf16_softmax.png").write_text("my notes")
-    with pytest.raises(UsageError) as e:
-        analyze.main(["bf16-softmax", "--out", str(out)])  # the paper's 10⁶ tokens per seed: refused before
-    assert str(e.value).startswith(f"--out {out / 'bf16_softmax.png'}: already exists and is not a .png figure")
-    assert (out / "bf16_softmax.png").read_text() == "my notes" and [p.name for p in out.iterdir()] == ["bf16_softmax.png"]
+    for force in ([], ["--force"]):  # --force replaces only an earlier bf16-softmax output
+        with pytest.raises(UsageError) as e:
+            analyze.main(["bf16-softmax", "--out", str(out), *force])
+        message = str(e.value)
+        assert message.startswith(f"--out {out}: is a non-empty directory not written by") and "\n" not in message
+    assert (out / "bf16_softmax.png").read_text() == "my notes" and [p.name for p in tmp_path.iterdir()] == ["sim"]
+    assert [p.name for p in out.iterdir()] == ["bf16_softmax.png"]
+    (tmp_path / "file").write_text("mine")  # --out names a file: refused in one line, not a FileExistsError
+    with pytest.raises(UsageError, match=f"--out {tmp_path / 'file'}: is a file"):
+        analyze.main(["bf16-softmax", "--out", str(tmp_path / "file")])
