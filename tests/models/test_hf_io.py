@@ -171,7 +171,7 @@ import vllm
 def main(model_dir, tokens_json, out_json):
     rows = json.load(open(tokens_json))
     llm = vllm.LLM(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=64, seed=0,
-                   generation_config="vllm", enable_prefix_caching=False)
+                   generation_config="vllm", enable_prefix_caching=False, enforce_eager=True)
     params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": r} for r in rows], params)
     result = []
