@@ -1,7 +1,7 @@
 """Safe outputs: a command writes only where it may, and never deletes what it did not create.
 
-Rules every output directory follows (`export --out`, `warmstart --out`, a train's warm start into
-`model.path`):
+Rules every output directory follows (`export --out`, `warmstart --out`, `analyze {rollouts,bf16-softmax,
+attribute} --out`, a train's warm start into `model.path`):
 
 - the target must be new, an empty directory, or a directory carrying this project's marker file of
   the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
@@ -36,6 +36,11 @@ def marker_name(kind: str) -> str:
     return MARKER_PREFIX + kind
 
 
+def _command(kind: str) -> str:
+    """The command that writes outputs of `kind`, as a user types it: `analyze-rollouts` is `analyze rollouts`."""
+    return kind.replace("-", " ", 1) if kind.startswith("analyze-") else kind
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -67,15 +72,15 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
         return
     if marker_name(kind) in entries:
         if not force:
-            raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {kind}`; "
+            raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {_command(kind)}`; "
                              "pass --force to replace it, or choose a new directory")
         if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UsageError(f"{flag} {path}: cannot replace it: its parent directory is not writable")
         return
     shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
-    raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {kind}` "
+    raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {_command(kind)}` "
                      f"(holds {shown}); choose a new or empty directory (nothing was changed; --force "
-                     f"only replaces an earlier {kind} output)")
+                     f"only replaces an earlier {_command(kind)} output)")
 
 
 def _open_permissions(root: str) -> None:

@@ -179,7 +179,8 @@ def test_rollouts_refuses_an_out_folder_it_did_not_write(ckpt_dir, tmp_path):
         with pytest.raises(UsageError) as e:
             analyze.main(["rollouts", "--model", ckpt_dir, "--out", str(out), *force])
         message = str(e.value)
-        assert message.startswith(f"--out {out}: is a non-empty directory not written by") and "\n" not in message
+        assert message.startswith(f"--out {out}: is a non-empty directory not written by "
+                                  "`jaxrl-mismatch analyze rollouts`") and "\n" not in message
     assert (out / "analysis.png").read_text() == "my notes" and [p.name for p in out.iterdir()] == ["analysis.png"]
     assert [p.name for p in tmp_path.iterdir()] == ["o"]  # no server work directory, no temporary sibling
     (tmp_path / "file").write_text("mine")  # --out names a file: refused in one line, not a FileExistsError

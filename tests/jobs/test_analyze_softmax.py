@@ -160,7 +160,8 @@ def test_bf16_softmax_refuses_an_out_folder_it_did_not_write(tmp_path):
         with pytest.raises(UsageError) as e:
             analyze.main(["bf16-softmax", "--out", str(out), *force])
         message = str(e.value)
-        assert message.startswith(f"--out {out}: is a non-empty directory not written by") and "\n" not in message
+        assert message.startswith(f"--out {out}: is a non-empty directory not written by "
+                                  "`jaxrl-mismatch analyze bf16-softmax`") and "\n" not in message
     assert (out / "bf16_softmax.png").read_text() == "my notes" and [p.name for p in tmp_path.iterdir()] == ["sim"]
     assert [p.name for p in out.iterdir()] == ["bf16_softmax.png"]
     (tmp_path / "file").write_text("mine")  # --out names a file: refused in one line, not a FileExistsError
