@@ -82,6 +82,13 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
 
 
+# The fewest rows a verify program is compiled for. Its padding rows cost nothing (`_verify_program` skips a
+# row with n_valid = 0 under `lax.cond`), and the last rounds of a call and the groups of `_verify_parallel`
+# have few rows each: without a floor every row count 1, 2, 4, … is a program of its own to compile (~1 s each
+# for the test models on a CPU core; 28 → 15 verify compiles in tests/rollout/test_spec_exact.py).
+VERIFY_MIN_ROWS = 8
+
+
 def sample_exact_speculative(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]],
                              rows: list[tuple[int, int]], *, max_tokens: int, temperature: float,
                              logit_noise_std: float, stop_token_ids: tuple[int, ...], base_key: np.ndarray,
@@ -249,7 +256,7 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
             length, temperature, sigma, base_key, inject, top_k, top_p, filtering):
     """The exact sampler's token and log-prob at every position of each member row, given its draft."""
     m = len(members)
-    padded = _bucket(m, 1)
+    padded = _bucket(m, VERIFY_MIN_ROWS)
     ids = np.zeros((padded, length), np.int32)
     n_valid = np.zeros((padded,), np.int32)  # 0: a padding row, skipped
     n_prompt = np.ones((padded,), np.int32)

@@ -91,7 +91,8 @@ def test_first_minibatch_ratio_is_exactly_one(tiny_checkpoints, tmp_path, dtype)
     adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
     b = b.replace(advantages=(adv[:, None] * b.response_mask).astype(np.float32))
     ratios = {}
-    for exact in (True, False):
+    # fp32: nothing is asserted of the ordinary forward's ratios (they may well be 1 there), so only the exact one runs
+    for exact in (True, False) if dtype != "float32" else (True,):
         learner = _learner(ckpt, tmp_path / f"{dtype}{exact}", PRESETS[dtype], exact_forward=exact)
         prepared, _ = learner.prepare(b, seed=0)
         learner.cfg = dataclasses.replace(learner.cfg, minibatches=1)  # one minibatch (two microbatches) at θ = θ_old
