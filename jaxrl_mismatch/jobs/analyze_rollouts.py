@@ -13,6 +13,7 @@ by `metrics.step_metrics` itself, and one figure for all pairs (report/analysis.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -288,11 +289,14 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
         t0 = time.perf_counter()
         print(f"analyze: sampling {len(prompts)} prompts × {a.n} (max {a.max_tokens} tokens, T={a.temperature}) "
               f"with the {a.engine} engine in {engine}", flush=True)
-        with RolloutSession.launch(work_dir=os.path.join(out, f"server_{engine}"), engine=a.engine, model=a.model,
-                                   dtype=engine) as session:
+        work_dir = os.path.join(out, f"server_{engine}")
+        with RolloutSession.launch(work_dir=work_dir, engine=a.engine, model=a.model, dtype=engine) as session:
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=tok_vocab)
             groups = session.generate(prompts, spec)
+        # The stopped server's push token is no output: the folder gets ordinary permissions when renamed into place.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(work_dir, "rollout_token"))
         check_finite_logprobs(groups)
         comps = [groups[i][j] for i, j in zip(prompt_id, sample_id)]
         rows = pad_rows(row_prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], pad_id=0)

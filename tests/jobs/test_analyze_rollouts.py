@@ -117,6 +117,7 @@ def test_rollouts_three_precision_pairs_end_to_end(tiny_model, tmp_path, capsys)
     assert len(table) == 4 and all(line.count("|") == 8 for line in table)  # header + 3 pairs, 7 columns
     # the folder is the command's own (outputs.staged_dir): marked, server logs inside, no temporary sibling left
     assert (out / marker_name(analyze_rollouts.KIND)).is_file() and (out / "server_float16").is_dir()
+    assert not list(out.glob("server_*/rollout_token"))  # the stopped servers' push tokens are not left behind
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     with pytest.raises(UsageError, match="--force"):  # an earlier output: kept unless --force
         analyze.main(["rollouts", "--model", str(ckpt), "--prompt-ids", str(prompts), "--out", str(out)])
