@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,17 +54,13 @@ def check_out(flag: str, path: str | os.PathLike, script: str | os.PathLike, *, 
     sibling) may receive `script`'s result: new, or that script's earlier result (see the module doc). As a
     benchmark's other flag checks, before anything is measured."""
     from jaxrl_mismatch.outputs import check_out_file
-    from jaxrl_mismatch.usage import UsageError
+    from jaxrl_mismatch.usage import exit_on_usage_error
 
     what = f"a result of {script_name(script)}"
-    try:
-        check_out_file(flag, str(path), ours=lambda p: is_result(p, script), what=what)
-        if table:
-            check_out_file(flag, str(Path(path).with_suffix(".md")), ours=lambda _: is_result(path, script),
-                           what=f"the table of {what}")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_usage_error(check_out_file, flag, str(path), ours=lambda p: is_result(p, script), what=what)
+    if table:
+        exit_on_usage_error(check_out_file, flag, str(Path(path).with_suffix(".md")),
+                            ours=lambda _: is_result(path, script), what=f"the table of {what}")
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -133,13 +133,9 @@ def main() -> None:
         sys.exit(2)
     if args.figure:  # a new path or an existing figure, never another file (`report.plot.check_figure_out`)
         from jaxrl_mismatch.report.plot import check_figure_out
-        from jaxrl_mismatch.usage import UsageError
+        from jaxrl_mismatch.usage import exit_on_usage_error
 
-        try:
-            check_figure_out("--figure", args.figure)
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        exit_on_usage_error(check_figure_out, "--figure", args.figure)
     print(summary(results, args.task)[0])
     if args.figure:
         figure(results, args.task, Path(args.figure))

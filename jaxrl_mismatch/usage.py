@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 
@@ -31,6 +33,16 @@ EXIT_CODES = {
 }
 EXIT_STORAGE = 4
 EXIT_STOPPED = 143
+
+
+def exit_on_usage_error(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`check(*args, **kwargs)` for a standalone script (a benchmark, an experiment summary), with a `UsageError`
+    turned into what `cli.main` makes of it: one line `error: <message>` on stderr and exit code 2."""
+    try:
+        return check(*args, **kwargs)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 class EnvironmentFailure(RuntimeError):
