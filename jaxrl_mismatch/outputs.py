@@ -33,12 +33,8 @@ MARKER_PREFIX = ".jaxrl-mismatch-"
 
 
 def marker_name(kind: str) -> str:
-    return MARKER_PREFIX + kind
-
-
-def _command(kind: str) -> str:
-    """The command that writes outputs of `kind`, as a user types it: `analyze-rollouts` is `analyze rollouts`."""
-    return kind.replace("-", " ", 1) if kind.startswith("analyze-") else kind
+    """The marker file of outputs of `kind`, the command that writes them as typed (`analyze rollouts`)."""
+    return MARKER_PREFIX + kind.replace(" ", "-")
 
 
 def _umask() -> int:
@@ -72,15 +68,15 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
         return
     if marker_name(kind) in entries:
         if not force:
-            raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {_command(kind)}`; "
+            raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {kind}`; "
                              "pass --force to replace it, or choose a new directory")
         if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UsageError(f"{flag} {path}: cannot replace it: its parent directory is not writable")
         return
     shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
-    raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {_command(kind)}` "
+    raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {kind}` "
                      f"(holds {shown}); choose a new or empty directory (nothing was changed; --force "
-                     f"only replaces an earlier {_command(kind)} output)")
+                     f"only replaces an earlier {kind} output)")
 
 
 def _open_permissions(root: str) -> None:

@@ -36,7 +36,7 @@ from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file, int_li
 
 TRAINER_PRECISIONS = precision.PRESETS  # fp32, bf16, fp16
 
-KIND = "analyze-rollouts"  # the output directory's marker (outputs.py)
+KIND = "analyze rollouts"  # --out's writer as typed; its marker: outputs.marker_name
 
 DUMP_FIELDS = ("prompt_id", "sample_id", "position", "token", "logp_train", "logp_rollout", "seq_len")
 

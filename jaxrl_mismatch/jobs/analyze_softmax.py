@@ -24,7 +24,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.usage import UsageError, int_list
 
-KIND = "analyze-bf16-softmax"  # the output directory's marker (outputs.py)
+KIND = "analyze bf16-softmax"  # --out's writer as typed; its marker: outputs.marker_name
 
 # Objective-level hacking paper, App. C.1, Table 2 ("Ratio of token probability between float32 and bf16"):
 # p_fp32 / p_bf16 at tokens sampled from the BF16 distribution, 5·10⁴ tokens, V = 2048, z ~ N(0, 1.5²).

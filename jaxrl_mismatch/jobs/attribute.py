@@ -46,7 +46,7 @@ from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
 from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file
 
-KIND = "analyze-attribute"  # the output directory's marker (outputs.py)
+KIND = "analyze attribute"  # --out's writer as typed; its marker: outputs.marker_name
 METRICS = ("mismatch/log_ppl_abs_diff", "mismatch/rho_std")
 BASELINE = "none"
 
