@@ -131,11 +131,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default benchmarks/results/update_step.json "
                                                 "(update_step_exact.json with --exact-forward)")
     args = ap.parse_args()
-    for flag, value, ok in (("--batch", args.batch, args.batch >= 1), ("--repeats", args.repeats, args.repeats >= 1),
-                            ("--prompt-len", args.prompt_len, 1 <= args.prompt_len < args.seq),
-                            ("--chunk-size", args.chunk_size, args.chunk_size >= 1), ("--lr", args.lr, args.lr > 0)):
+    for flag, value, ok, need in (("--batch", args.batch, args.batch >= 1, "≥ 1"),
+                                  ("--repeats", args.repeats, args.repeats >= 1, "≥ 1"),
+                                  ("--prompt-len", args.prompt_len, 1 <= args.prompt_len < args.seq, "in 1..--seq − 1"),
+                                  ("--chunk-size", args.chunk_size, args.chunk_size >= 1, "≥ 1"),
+                                  ("--lr", args.lr, args.lr > 0, "> 0")):
         if not ok:
-            need = "in 1..--seq − 1" if flag == "--prompt-len" else "> 0" if flag == "--lr" else "≥ 1"
             print(f"error: {flag} must be {need}, got {value}", file=sys.stderr)
             sys.exit(2)
     if args.out is None:
