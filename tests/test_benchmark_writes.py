@@ -48,9 +48,6 @@ def test_no_benchmark_writes_a_result_by_hand():
 
 def test_update_step_refuses_a_bad_flag_in_one_line():
     """A flag that would end in a ZeroDivision/StatisticsError deep in the run is refused up front, exit 2."""
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, str(BENCHMARKS / "update_step.py"), "--seq", "16"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --prompt-len must be in 1..--seq − 1, got 32"]
