@@ -24,6 +24,20 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(n=2, max_tokens=6, temperature=1.0, seed=0)
 
 
+def _pair_rows(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompt ids and mask with the rows and width `attribute_pair(**SMALL)` replays (each prompt
+    `n` times): the tests that call `engine_path`/`trainer_path` directly then reuse the pair tests' jitted
+    prefill, decode and capture programs instead of compiling their own for other shapes."""
+    rows = [p for p in prompts for _ in range(SMALL["n"])]
+    plen = max(len(p) for p in rows)
+    ids = np.zeros((len(rows), plen), np.int32)
+    mask = np.zeros_like(ids)
+    for r, p in enumerate(rows):
+        ids[r, plen - len(p):] = p
+        mask[r, plen - len(p):] = 1
+    return ids, mask
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[str, str, list[list[int]]]:
     root = tmp_path_factory.mktemp("attribute")
@@ -67,8 +81,10 @@ def test_fp32_lm_head_on_both_sides_removes_the_lm_head_rounding(tiny):
     stream, projections and stored K/V; the LM head's own rounding is what fp32 lm_head removes: the engine's log μ
     moves towards the trainer's on the same hidden states."""
     ckpt, _, prompts = tiny
-    tokens = np.asarray([[1, *p[:3], 5, 6] for p in prompts], np.int32)
-    mask = np.ones_like(tokens)
+    ids, pmask = _pair_rows(prompts)
+    resp = np.tile(np.arange(5, 5 + SMALL["max_tokens"], dtype=np.int32), (len(ids), 1))
+    tokens = np.concatenate([ids, resp], axis=1)
+    mask = np.concatenate([pmask, np.ones_like(resp)], axis=1)
     logp = {}
     for name, comps in (("bf16", ()), ("bf16+lm_head", ("lm_head",)), ("fp32", ())):
         dtype = "fp32" if name == "fp32" else "bf16"
@@ -81,17 +97,17 @@ def test_fp32_lm_head_on_both_sides_removes_the_lm_head_rounding(tiny):
 @pytest.mark.parametrize("component", ["attention", "norm", "mlp"])
 def test_each_component_override_changes_the_engine_program(tiny, component):
     ckpt, _, prompts = tiny
-    ids = np.asarray([p[:3] for p in prompts], np.int32)
-    resp = np.asarray([[4, 7, 9]] * len(prompts), np.int32)
+    ids, pmask = _pair_rows(prompts)
+    resp = np.tile(np.asarray([4, 7, 9, 2, 8, 3], np.int32), (len(ids), 1))
     out = {}
     for comps in ((), (component,)):
         pol = precision.policy("bf16", fp32_components=comps)
         _, model = load_hf(ckpt, policy=pol)
         if component == "norm":  # the checkpoint's gains are all 1 (HF init): make the gain multiply round
             for layer in model.layers:
-                layer.input_norm.scale[...] = jnp.linspace(0.7, 1.3, layer.input_norm.scale.shape[0]).astype(
+                layer.input_norm.scale[...] = np.linspace(0.7, 1.3, layer.input_norm.scale.shape[0]).astype(
                     pol.param_dtype)
-        out[comps], _ = attribute.engine_path(model, ids, np.ones_like(ids), resp, 1.0)
+        out[comps], _ = attribute.engine_path(model, ids, pmask, resp, 1.0)
     assert not np.array_equal(out[()], out[(component,)])
 
 
@@ -107,7 +123,8 @@ def test_command_writes_json_markdown_and_figure_and_keeps_foreign_dirs(tiny, tm
     ckpt, prompts, _ = tiny
     out = tmp_path / "out"
     args = ["attribute", "--model", ckpt, "--prompt-ids", prompts, "--pairs", "fp32:bfloat16", "--components",
-            "lm_head", "--num-prompts", "2", "--n", "1", "--max-tokens", "4", "--out", str(out)]
+            "lm_head", "--num-prompts", "4", "--n", str(SMALL["n"]), "--max-tokens", str(SMALL["max_tokens"]),
+            "--out", str(out)]  # the bf16 pair test's shapes: its sampling and replay programs are reused
     assert analyze.main(args) == 0
     data = json.loads((out / "attribution.json").read_text())
     (pair,) = data["pairs"]

@@ -87,8 +87,13 @@ def np_metrics(old, roll, mask, adv, cfg):
     return out
 
 
+# One jitted program per (cfg, shapes), as the trainer runs it (jitted, cfg static), shared by every test here;
+# op-by-op (eager) calls would compile each of its dozens of small ops again for every new shape.
+_STEP = jax.jit(step_metrics, static_argnames=("cfg",))
+
+
 def _step(old, roll, mask, adv, cfg=CFG, **kw):
-    return jax.jit(lambda *a: step_metrics(*a, cfg=cfg, **kw))(old, roll, mask, adv)
+    return _STEP(old, roll, mask, adv, cfg=cfg, **kw)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -109,12 +114,13 @@ def test_statistics_are_over_the_whole_step_not_means_of_minibatch_values():
     # Issue 13: the loop averaged per-minibatch values, logging J/M for OLH eq. 23's sum and a mean of
     # per-minibatch stds for rho_std. step_metrics runs once on the whole step: J is the sum over all the
     # step's tokens (= the sum of the parts' J) and rho_std the std over all of them.
-    # Two minibatches with different mismatch and token counts (3 calm rows, 5 noisy ones).
-    calm, noisy = make_batch(7, b=3, spread=0.02), make_batch(8, b=5, spread=0.5)
+    # Two minibatches with different mismatch and token counts (3 calm rows, 4 noisy ones: the whole step has the
+    # shape of make_batch's, so its jitted program is test_every_metric_matches_numpy's).
+    calm, noisy = make_batch(7, b=3, spread=0.02), make_batch(8, b=4, spread=0.5)
     old, roll, mask, adv = (np.concatenate(x) for x in zip(calm, noisy))
     adv = np.ones_like(adv)  # J = Σ_t (φ_t − 1) = the number of tokens with π(θ_old) < π_low
     whole = _step(old, roll, mask, adv)
-    parts = [_step(old[a:b], roll[a:b], mask[a:b], adv[a:b]) for a, b in ((0, 3), (3, 8))]
+    parts = [_step(old[a:b], roll[a:b], mask[a:b], adv[a:b]) for a, b in ((0, 3), (3, 7))]
     phi = weight_distortion(old, mask, delta=CFG.phi_delta, pi_low=CFG.phi_pi_low)
     np.testing.assert_allclose(whole["diag/surrogate_j"], surrogate_j(adv, phi, mask), rtol=1e-6)
     np.testing.assert_allclose(whole["diag/surrogate_j"], sum(float(p["diag/surrogate_j"]) for p in parts),
@@ -178,7 +184,7 @@ def test_mu_equals_pi_gives_neutral_metrics(seed, n_valid):
     rng = np.random.default_rng(seed)
     old = np.log(rng.uniform(1e-4, 1, size=(4, 6))).astype(np.float32)
     mask = (np.arange(24) < n_valid).reshape(4, 6)
-    out = step_metrics(old, old, mask, rng.normal(size=(4, 6)).astype(np.float32), cfg=objective_config("icepop"))
+    out = _step(old, old, mask, rng.normal(size=(4, 6)).astype(np.float32), cfg=objective_config("icepop"))
     for k, v in NEUTRAL.items():
         np.testing.assert_allclose(out[k], v, atol=1e-5, err_msg=k)
     for suffix in ("pi_0-0.1", "pi_0.1-0.5", "pi_0.5-0.9", "pi_0.9-1"):
@@ -196,9 +202,9 @@ def test_appending_padding_changes_no_metric(seed, pad, rows, fill):
         x = np.concatenate([x, np.full((b, pad), v, x.dtype)], 1)
         return np.concatenate([x, np.full((rows, t + pad), v, x.dtype)], 0)
 
-    a = step_metrics(old, roll, mask, adv, cfg=CFG)
+    a = _step(old, roll, mask, adv)
     p = [padded(x, fill) for x in (old, roll, adv)]
-    z = step_metrics(p[0], p[1], padded(mask, False), p[2], cfg=CFG)
+    z = _step(p[0], p[1], padded(mask, False), p[2])
     for k in a:
         np.testing.assert_allclose(z[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
@@ -207,16 +213,17 @@ def test_appending_padding_changes_no_metric(seed, pad, rows, fill):
 @given(scale=st.sampled_from([1e2, 1e4, 1e6, 1e30]), seed=st.integers(0, 1000))
 def test_extreme_log_ratios_give_finite_metrics(scale, seed):
     rng = np.random.default_rng(seed)
-    old = (-rng.random((3, 8)) * scale).astype(np.float32)
-    roll = (-rng.random((3, 8)) * scale).astype(np.float32)
-    mask = rng.random((3, 8)) < 0.8
-    out = step_metrics(old, roll, mask, rng.normal(size=(3, 8)).astype(np.float32), cfg=CFG)
+    shape = (7, 11)  # make_batch's: the program of test_every_metric_matches_numpy
+    old = (-rng.random(shape) * scale).astype(np.float32)
+    roll = (-rng.random(shape) * scale).astype(np.float32)
+    mask = rng.random(shape) < 0.8
+    out = _step(old, roll, mask, rng.normal(size=shape).astype(np.float32))
     bad = {k: float(v) for k, v in out.items() if not np.isfinite(float(v))}
     assert not bad, bad
 
 
 def test_empty_batch_is_finite_and_neutral():
     z = np.zeros((2, 3), np.float32)
-    out = step_metrics(z, z - 1, np.zeros((2, 3), bool), z, cfg=MetricsConfig())
+    out = _step(z, z - 1, np.zeros((2, 3), bool), z, cfg=MetricsConfig())
     assert all(np.isfinite(float(v)) for v in out.values())
     assert float(out["mismatch/rho_mean"]) == 1.0 and float(out["length/mean"]) == 0.0

@@ -7,6 +7,8 @@ RoPE positions or masks shows up as a logit difference.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,9 @@ from tests.models.hf_tiny import LLAMA3_SCALING
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+@functools.cache
 def _model(family: str) -> Transformer:
+    """One random model per family for the module (the tests only read it)."""
     d = dict(
         architectures=[ARCH[family]], vocab_size=128, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
@@ -35,33 +39,41 @@ def _model(family: str) -> Transformer:
     return model
 
 
+# Module-level programs keyed by the (static) graph definition: the tests of one family and shape share them.
+# Both tests use B rows, PROMPT_LEN prompt slots and NEW new tokens.
+B, PROMPT_LEN, NEW = 4, 7, 6
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, state, ids, m, cache):
+    return prefill(nnx.merge(graphdef, state), ids, m, cache)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode(graphdef, state, token, cache):
+    return decode_step(nnx.merge(graphdef, state), token, cache)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_greedy_decode_matches_full_forward(family):
     model = _model(family)
     graphdef, state = nnx.split(model)
-    b, prompt_len, new = 3, 7, 6
+    b, prompt_len, new = B, PROMPT_LEN, NEW
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, 128, (b, prompt_len)).astype(np.int32)
     mask = np.ones((b, prompt_len), np.int32)
     mask[1, :2] = 0
     mask[2, :5] = 0
+    mask[3, :3] = 0
     prompt[mask == 0] = 0
 
-    @jax.jit
-    def run_prefill(state, ids, m, cache):
-        return prefill(nnx.merge(graphdef, state), ids, m, cache)
-
-    @jax.jit
-    def run_decode(state, token, cache):
-        return decode_step(nnx.merge(graphdef, state), token, cache)
-
     cache = init_cache(model.cfg, b, prompt_len + new, jnp.float32)
-    logits, cache = run_prefill(state, prompt, mask, cache)
+    logits, cache = _prefill(graphdef, state, prompt, mask, cache)
     step_logits, tokens = [logits], []
     for _ in range(new):
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        token = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
         tokens.append(token)
-        logits, cache = run_decode(state, token, cache)
+        logits, cache = _decode(graphdef, state, token, cache)
         step_logits.append(logits)
     cached = np.stack([np.asarray(x) for x in step_logits[:-1]], axis=1)  # [B, new, V]
 
@@ -86,7 +98,7 @@ def test_decode_loop_ends_rows_on_stop_ids_and_limits_and_feeds_what_it_returns(
     and every step's logits are those of the tokens the loop returned (checked against explicit decode steps)."""
     model = _model("qwen3")
     graphdef, state = nnx.split(model)
-    b, prompt_len, new, stop, pad = 4, 5, 6, 9, 77
+    (b, prompt_len, new), stop, pad = (B, PROMPT_LEN, NEW), 9, 77
     rng = np.random.default_rng(1)
     prompt = rng.integers(10, 128, (b, prompt_len)).astype(np.int32)
     mask = np.ones((b, prompt_len), np.int32)
@@ -116,9 +128,10 @@ def test_decode_loop_ends_rows_on_stop_ids_and_limits_and_feeds_what_it_returns(
     np.testing.assert_array_equal(records["seen"], np.repeat(live[..., None], 2, axis=-1).astype(np.float32))
     np.testing.assert_array_equal(records["after"], np.where(live, 5, 0))
 
-    # The argmax the loop recorded at step t is that of the logits after feeding its own tokens 0..t-1.
-    logits, cache = prefill(model, prompt, mask, init_cache(model.cfg, b, prompt_len + new, jnp.float32))
+    # The argmax the loop recorded at step t is that of the logits after feeding its own tokens 0..t-1 (explicit
+    # prefill and decode steps: the programs of test_greedy_decode_matches_full_forward[qwen3]).
+    logits, cache = _prefill(graphdef, state, prompt, mask, init_cache(model.cfg, b, prompt_len + new, jnp.float32))
     for t in range(new):
-        want = np.asarray(jnp.argmax(logits, axis=-1))
+        want = np.argmax(np.asarray(logits), axis=-1)
         np.testing.assert_array_equal(records["top"][:, t][live[:, t]], want[live[:, t]])
-        logits, cache = decode_step(model, jnp.asarray(tokens[:, t]), cache)
+        logits, cache = _decode(graphdef, state, tokens[:, t], cache)

@@ -104,9 +104,9 @@ def np_rejection(name, old, roll, mask, low, high):
 # ---------------------------------------------------------------- the convention
 def test_convention_pi_above_mu_means_rho_above_one_and_cap_hits_it():
     # token 0: π = 0.9, μ = 0.1 (π ≫ μ)  → ρ = 9;  token 1: π = 0.1, μ = 0.9 (π ≪ μ) → ρ = 1/9;  token 2: equal
-    old = jnp.log(jnp.array([[0.9, 0.1, 0.5]]))
-    roll = jnp.log(jnp.array([[0.1, 0.9, 0.5]]))
-    mask = jnp.ones((1, 3), bool)
+    old = np.log(np.array([[0.9, 0.1, 0.5]], np.float32))
+    roll = np.log(np.array([[0.1, 0.9, 0.5]], np.float32))
+    mask = np.ones((1, 3), bool)
     r = np.asarray(rho(old, roll, mask))
     np.testing.assert_allclose(r, [[9.0, 1 / 9, 1.0]], rtol=1e-5)
     assert r[0, 0] > 1  # π > μ  ⇒  ρ > 1
@@ -181,14 +181,16 @@ def test_batch_normalize_matches_numpy():
 
 
 # ---------------------------------------------------------------- properties
-token_logps = st.lists(st.floats(-30.0, 0.0, width=32), min_size=12, max_size=12)
+# The property tests all use [3, 5] batches (the padding test's unpadded shape), so the small programs each
+# correction compiles per shape are shared between them.
+token_logps = st.lists(st.floats(-30.0, 0.0, width=32), min_size=15, max_size=15)
 
 
 @HYP
-@given(vals=token_logps, n_valid=st.integers(0, 12), cap=st.floats(1.0, 10.0), low=st.floats(0.0, 1.0))
+@given(vals=token_logps, n_valid=st.integers(0, 15), cap=st.floats(1.0, 10.0), low=st.floats(0.0, 1.0))
 def test_mu_equals_pi_every_correction_is_identity(vals, n_valid, cap, low):
-    old = jnp.asarray(np.array(vals, np.float32).reshape(3, 4))
-    mask = jnp.asarray((np.arange(12) < n_valid).reshape(3, 4))
+    old = jnp.asarray(np.array(vals, np.float32).reshape(3, 5))
+    mask = jnp.asarray((np.arange(15) < n_valid).reshape(3, 5))
     ident = np.asarray(mask, np.float32)
     for name in IS_WEIGHTS:
         np.testing.assert_allclose(is_weights(name, old, old, mask, cap=cap, low=low), ident, err_msg=name)
@@ -227,7 +229,7 @@ def test_correction_weights_carry_no_gradient(name):
         else:
             low, high = REJ_BOUNDS[name.split("_")[0]]
             w = rejection_mask(name, o, r, mask, low=low, high=high)
-        return jnp.sum(w * jnp.arange(w.size, dtype=jnp.float32).reshape(w.shape))
+        return jnp.sum(w * np.arange(w.size, dtype=np.float32).reshape(w.shape))
 
     g_old, g_roll = jax.grad(total, argnums=(0, 1))(jnp.asarray(old), jnp.asarray(roll))
     assert np.all(np.asarray(g_old) == 0) and np.all(np.asarray(g_roll) == 0)
@@ -237,9 +239,9 @@ def test_correction_weights_carry_no_gradient(name):
 @given(scale=st.sampled_from([1e2, 1e4, 1e6, 1e30]), seed=st.integers(0, 1000))
 def test_extreme_log_ratios_stay_finite(scale, seed):
     rng = np.random.default_rng(seed)
-    old = (-rng.random((3, 6)) * scale).astype(np.float32)
-    roll = (-rng.random((3, 6)) * scale).astype(np.float32)
-    mask = rng.random((3, 6)) < 0.8
+    old = (-rng.random((3, 5)) * scale).astype(np.float32)
+    roll = (-rng.random((3, 5)) * scale).astype(np.float32)
+    mask = rng.random((3, 5)) < 0.8
     for name in IS_WEIGHTS:
         w = np.asarray(is_weights(name, old, roll, mask, cap=CAP, low=LOW))
         assert np.all(np.isfinite(w)) and np.all(w <= math.exp(20) * 1.0001), name
