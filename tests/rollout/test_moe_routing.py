@@ -26,7 +26,7 @@ from jaxrl_mismatch.rollout.validation import RequestError, parse_generate
 
 TOKEN = "moe-routing-token"
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [7]]
-SPEC = SamplingSpec(n=2, max_tokens=10, seed=5, return_routing=True)
+SPEC = SamplingSpec(n=4, max_tokens=24, seed=5, return_routing=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_engines_without_the_option_and_exact_mode_refuse(served):
     with pytest.raises(RolloutError, match="return_routing: not available in exact mode"):
         served.generate(PROMPTS[:1], SamplingSpec(n=1, max_tokens=4, exact=True, return_routing=True))
     # The same request shape as SPEC's (rows and lengths bucketed alike): the engine's program is reused.
-    assert served.generate(PROMPTS, SamplingSpec(n=2, max_tokens=4, return_routing=True))[0][0].routing is not None
+    assert served.generate(PROMPTS, SPEC)[0][0].routing is not None
 
 
 def test_routing_wire_format_round_trip_and_malformed():
