@@ -79,16 +79,40 @@ def _learner(moe_dir, replay: str, optim: dict | None = None, **trainer) -> Lear
     return Learner(learner_config(c))
 
 
-def test_r3_prepare_reproduces_mu_in_fp32(moe_dir):
+@pytest.fixture(scope="module")
+def fp32_batch(moe_dir):
+    """The fp32 engine's rollouts, read by both R3 tests. Their advantages are all 0, so random ones replace them
+    (the update test needs a nonzero step; `prepare`'s θ_old forward and metrics do not read them)."""
     batch = _batch(moe_dir, "float32", seed=3)
+    adv = np.random.default_rng(0).normal(size=(batch.num_rows, 1)).astype(np.float32)
+    return batch.replace(advantages=adv * batch.response_mask)
+
+
+def _sgd_learner(moe_dir, mesh: dict) -> Learner:
+    # SGD at lr 1 without clipping: the update is -∇ (Adam's 1/√v would blow rounding up to lr scale).
+    return _learner(moe_dir, "R3", optim=dict(name="sgd", lr=1.0, max_grad_norm=1e9), mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def r3_data_parallel(moe_dir, fp32_batch):
+    """(learner, θ_old, prepared batch, metrics): R3 on a data-parallel mesh, prepared once for the μ test and the
+    mesh comparison (one jitted prepare instead of two); only the comparison then steps the learner."""
+    learner = _sgd_learner(moe_dir, {"data": -1})
+    theta0 = {k: v.copy() for k, v in learner.hf_weights().items()}
+    out, metrics = learner.prepare(fp32_batch, seed=0)
+    return learner, theta0, out, metrics
+
+
+def test_r3_prepare_reproduces_mu_in_fp32(fp32_batch, r3_data_parallel):
+    batch = fp32_batch
     assert batch.routing.shape == batch.tokens.shape + (2, 2) and batch.routing.dtype == np.int32
-    out, metrics = _learner(moe_dir, "R3").prepare(batch, seed=0)
+    _, _, out, metrics = r3_data_parallel
     m = batch.response_mask.astype(bool)
-    err = float(np.max(np.abs(out.old_logp - batch.rollout_logp)[m]))
+    err = float(np.max(np.abs(np.asarray(out.old_logp) - batch.rollout_logp)[m]))  # numpy: no eager-op compiles
     assert err <= 1e-5, err
     assert out.routing is None and out.replay_routing is not None
     valid = batch.attention_mask[:, :-1].astype(bool)
-    np.testing.assert_array_equal(out.replay_routing[:, :-1][valid], batch.routing[:, :-1][valid])
+    np.testing.assert_array_equal(np.asarray(out.replay_routing)[:, :-1][valid], batch.routing[:, :-1][valid])
     # Same weights, same fp32 function: the trainer's own router agrees with the engine's almost everywhere.
     assert metrics["moe/router_disagree_frac"] < 0.02
     assert metrics["mismatch/rho_std"] < 1e-5
@@ -108,20 +132,19 @@ def test_replay_off_bf16_engine_disagreement_widens_rho(moe_dir):
     assert disagreed > agreed > 0
 
 
-def test_r3_on_an_expert_parallel_mesh_matches_data_parallel(moe_dir):
+def test_r3_on_an_expert_parallel_mesh_matches_data_parallel(moe_dir, fp32_batch, r3_data_parallel):
     """Routing replay where the experts are sharded over the `expert` axis (and the batch over data × expert):
     prepare replays the engine's experts and the update moves the weights exactly as on a data-only mesh."""
-    batch = _batch(moe_dir, "float32", seed=3)
-    adv = np.random.default_rng(0).normal(size=(batch.num_rows, 1)).astype(np.float32)  # the rollouts' are all 0
-    batch = batch.replace(advantages=adv * batch.response_mask)
     out, params = {}, {}
-    for name, mesh in (("data", {"data": -1}), ("expert", {"data": -1, "expert": 2})):
-        # SGD at lr 1 without clipping: the update is -∇ (Adam's 1/√v would blow rounding up to lr scale).
-        learner = _learner(moe_dir, "R3", optim=dict(name="sgd", lr=1.0, max_grad_norm=1e9), mesh=mesh)
+    for name in ("data", "expert"):
+        if name == "data":
+            learner, theta0, out[name], _ = r3_data_parallel
+        else:
+            learner = _sgd_learner(moe_dir, {"data": -1, "expert": 2})
+            theta0 = {k: v.copy() for k, v in learner.hf_weights().items()}
+            out[name], _ = learner.prepare(fp32_batch, seed=0)
         specs = {str(x.sharding.spec) for x in jax.tree.leaves(learner.state.params)}
         assert any("'expert'" in spec for spec in specs) == (name == "expert"), specs  # the experts are split
-        theta0 = {k: v.copy() for k, v in learner.hf_weights().items()}
-        out[name], _ = learner.prepare(batch, seed=0)
         assert np.isfinite(learner.optimize(out[name], seed=0)["loss/total"])
         params[name] = {k: v - theta0[k] for k, v in learner.hf_weights().items()}  # the update
     np.testing.assert_array_equal(out["expert"].replay_routing, out["data"].replay_routing)

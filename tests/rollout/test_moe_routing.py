@@ -9,6 +9,7 @@ transformers (a dense middle layer, so the layer axis of the routing is the spar
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from tests.models.moe_tiny import make_moe_model
@@ -25,7 +26,7 @@ from jaxrl_mismatch.rollout.validation import RequestError, parse_generate
 
 TOKEN = "moe-routing-token"
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [7]]
-SPEC = SamplingSpec(n=2, max_tokens=10, seed=5, return_routing=True)
+SPEC = SamplingSpec(n=4, max_tokens=24, seed=5, return_routing=True)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,15 @@ def _rows(prompts, completions):
     return seqs, tokens, mask, routing
 
 
+@jax.jit
+def _trainer_forwards(model, tokens, mask, routing):
+    """(the trainer's own top-k, teacher-forced log-probs under `routing`): one program, not one per eager op."""
+    ids, targets, m = tokens[:, :-1], tokens[:, 1:], mask[:, :-1]
+    _, router = model.forward_routed(ids, positions_from_mask(m), m)
+    hidden = model(ids, positions_from_mask(m), m, routing=routing[:, :-1])
+    return router.router_ids, logprobs_from_hidden(model, hidden, targets, m)[0]
+
+
 @pytest.mark.slow
 def test_engine_routing_over_grpc_and_replay_reproduces_mu(served, moe_dir):
     info = served.info()
@@ -69,15 +79,12 @@ def test_engine_routing_over_grpc_and_replay_reproduces_mu(served, moe_dir):
         assert all(len(set(row)) == 2 for row in c.routing.reshape(-1, 2))  # k distinct experts per token
 
     _, model = hf_io.load_hf(moe_dir, policy=precision.policy("fp32"))
-    ids, targets, m = tokens[:, :-1], tokens[:, 1:], mask[:, :-1]
+    router_ids, logp = _trainer_forwards(model, tokens, mask, routing)
     # The engine's routing is the trainer's own choice in fp32 (same weights, same function).
-    _, router = model.forward_routed(ids, positions_from_mask(m), m)
-    real = m.astype(bool)
-    own = np.sort(np.asarray(router.router_ids), -1)[real]
+    real = mask[:, :-1].astype(bool)
+    own = np.sort(np.asarray(router_ids), -1)[real]
     assert np.mean(np.all(own == np.sort(routing[:, :-1], -1)[real], axis=(-2, -1))) > 0.99
     # R3: teacher-forced log-probs under the engine's routing equal μ.
-    hidden = model(ids, positions_from_mask(m), m, routing=routing[:, :-1])
-    logp, _ = logprobs_from_hidden(model, hidden, targets, m)
     logp = np.asarray(logp)
     err = max(float(np.abs(logp[b, len(p) - 1: len(p) - 1 + len(c.token_ids)] - np.asarray(c.logprobs)).max())
               for b, (p, c) in enumerate(seqs))
@@ -103,7 +110,8 @@ def test_engines_without_the_option_and_exact_mode_refuse(served):
         parse_generate(req, dense, Limits())
     with pytest.raises(RolloutError, match="return_routing: not available in exact mode"):
         served.generate(PROMPTS[:1], SamplingSpec(n=1, max_tokens=4, exact=True, return_routing=True))
-    assert served.generate(PROMPTS[:1], SamplingSpec(n=1, max_tokens=4, return_routing=True))[0][0].routing is not None
+    # The same request shape as SPEC's (rows and lengths bucketed alike): the engine's program is reused.
+    assert served.generate(PROMPTS, SPEC)[0][0].routing is not None
 
 
 def test_routing_wire_format_round_trip_and_malformed():

@@ -8,6 +8,8 @@ choices are near ties and move when θ moves). The update uses SGD with lr 1 and
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from flax import nnx
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import metrics_config, moe_metric_names, moe_step_metrics
-from jaxrl_mismatch.models import Transformer, positions_from_mask
+from jaxrl_mismatch.models import Transformer, logprobs_from_hidden, positions_from_mask
 from jaxrl_mismatch.models.moe import load_balancing_loss
 from jaxrl_mismatch.models.sharding import make_mesh
 from jaxrl_mismatch.objectives import objective_config
@@ -50,6 +52,15 @@ def host_batch():
     return b
 
 
+@pytest.fixture(scope="module")
+def engine_routing(host_batch):
+    """An "engine" routing: k distinct random experts per token and layer, 0 on padding."""
+    rng = np.random.default_rng(1)
+    b, s = host_batch["tokens"].shape
+    engine = np.argsort(rng.random((b, s, len(LAYERS), EXPERTS)), axis=-1)[..., :K].astype(np.int32)
+    return engine * host_batch["attention_mask"][:, :, None, None]
+
+
 def _loss(aux: float = 0.0) -> PolicyLoss:
     cfg = objective_config("grpo")
     return PolicyLoss(cfg=cfg, metrics_cfg=metrics_config(cfg), router_aux_coef=aux)
@@ -81,11 +92,21 @@ def _grad(graphdef, params, batch: RolloutBatch, aux: float = 0.0, microbatches:
     return grad, {k: float(v) for k, v in stats.items()}
 
 
-def _own_routing(graphdef, params, batch):
+@functools.partial(jax.jit, static_argnums=0)
+def _reference_forwards(graphdef, params, tokens, mask, response_mask, routing):
+    """(π(θ) under `routing`, θ's own routing ids), outside the step; one program instead of one per eager op."""
     model = nnx.merge(graphdef, params)
-    ids, mask = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
-    _, router = model.forward_routed(ids, positions_from_mask(mask), mask)
-    return np.asarray(router.expert_ids)
+    ids, m = tokens[:, :-1], mask[:, :-1]
+    hidden = model(ids, positions_from_mask(m), m, routing=routing[:, :-1])
+    logp = logprobs_from_hidden(model, hidden, tokens[:, 1:], m, chunk_size=8)[0] * response_mask
+    _, router = model.forward_routed(ids, positions_from_mask(m), m)
+    return logp, router.expert_ids
+
+
+def _own_routing(graphdef, params, batch, engine):
+    """θ's own top-k experts on `batch` (`engine` only fills the program's routed half; its output is unused)."""
+    return np.asarray(_reference_forwards(graphdef, params, batch.tokens, batch.attention_mask, batch.response_mask,
+                                          engine)[1])
 
 
 def _max_diff(a, b):
@@ -103,13 +124,9 @@ def _sets_differ(a, b, valid):
     return np.any(np.sort(a, -1) != np.sort(b, -1), axis=(-2, -1))[valid]
 
 
-def test_r3_prepare_replays_the_engine_routing_and_the_update_follows_it(policy, host_batch):
+def test_r3_prepare_replays_the_engine_routing_and_the_update_follows_it(policy, host_batch, engine_routing):
     graphdef, params = policy
-    rng = np.random.default_rng(1)
-    b, s = host_batch["tokens"].shape
-    # An "engine" routing: k distinct random experts per token and layer, 0 on padding.
-    engine = np.argsort(rng.random((b, s, len(LAYERS), EXPERTS)), axis=-1)[..., :K].astype(np.int32)
-    engine *= host_batch["attention_mask"][:, :, None, None]
+    engine = engine_routing
     batch = RolloutBatch(**host_batch, routing=engine)
     r3, m3 = _prepare(graphdef, params, batch, "R3")
     off, m_off = _prepare(graphdef, params, batch, "off")
@@ -117,13 +134,8 @@ def test_r3_prepare_replays_the_engine_routing_and_the_update_follows_it(policy,
     assert r3.routing is None and off.routing is None and off.replay_routing is None  # the update never reads it
     np.testing.assert_array_equal(r3.replay_routing[:, :-1][valid], engine[:, :-1][valid])
     # π(θ_old) under the engine's routing is the routed forward's, not the free one's.
-    model = nnx.merge(graphdef, params)
-    from jaxrl_mismatch.models import logprobs_from_hidden
-
-    ids, m = host_batch["tokens"][:, :-1], host_batch["attention_mask"][:, :-1]
-    hidden = model(ids, positions_from_mask(m), m, routing=engine[:, :-1])
-    want = np.asarray(logprobs_from_hidden(model, hidden, host_batch["tokens"][:, 1:], m, chunk_size=8)[0])
-    want = want * host_batch["response_mask"]
+    want = np.asarray(_reference_forwards(graphdef, params, host_batch["tokens"], host_batch["attention_mask"],
+                                          host_batch["response_mask"], engine)[0])
     assert np.max(np.abs(r3.old_logp - want)) <= 1e-6
     assert np.max(np.abs(r3.old_logp - off.old_logp)) > 1e-3
     # The trainer's own router disagrees with random ids almost everywhere (1 − 1/28 per layer by chance).
@@ -135,13 +147,14 @@ def test_r3_prepare_replays_the_engine_routing_and_the_update_follows_it(policy,
     assert _max_diff(g_r3, g_off) > 1e-4
 
 
-def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch):
+def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch, engine_routing):
     graphdef, params = policy
     batch = RolloutBatch(**host_batch)
     r2, metrics = _prepare(graphdef, params, batch, "R2")
-    off, _ = _prepare(graphdef, params, batch, "off")
+    # "off" drops an engine routing (the R3 test checks it), so it may ride along: the R3 test's program is reused.
+    off, _ = _prepare(graphdef, params, batch.replace(routing=engine_routing), "off")
     valid = host_batch["attention_mask"][:, :-1].astype(bool)
-    own = _own_routing(graphdef, params, batch)
+    own = _own_routing(graphdef, params, batch, engine_routing)
     np.testing.assert_array_equal(r2.replay_routing[:, :-1][valid], own[valid])
     assert "moe/router_disagree_frac" not in metrics and metrics["moe/router_entropy"] > 0  # no engine routing
     np.testing.assert_allclose(r2.old_logp, off.old_logp, atol=1e-6)  # R2's θ_old forward routes freely
@@ -150,27 +163,22 @@ def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch):
     g_off, _ = _grad(graphdef, params, off)
     assert _max_diff(g_r2, g_off) <= 1e-5
     # After a large step θ routes some tokens elsewhere; R2 then keeps θ_old's experts and the gradient changes.
-    theta = jax.tree.map(lambda p, g: p - 30.0 * g, params, g_off)
-    moved = _sets_differ(_own_routing(graphdef, theta, batch), own, valid)
+    theta = jax.tree.map(lambda p, g: np.asarray(p) - np.float32(30.0) * g, params, g_off)
+    moved = _sets_differ(_own_routing(graphdef, theta, batch, engine_routing), own, valid)
     assert 0 < moved.mean() < 1, moved.mean()
     g_r2, _ = _grad(graphdef, theta, r2)
     g_off, _ = _grad(graphdef, theta, off)
     assert _max_diff(g_r2, g_off) > 1e-4
 
 
-def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch):
+def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch, engine_routing):
     graphdef, params = policy
-    batch, _ = _prepare(graphdef, params, RolloutBatch(**host_batch), "off")
+    # The engine routing rides along only to reuse the R3 test's "off" program; "off" drops it.
+    batch, _ = _prepare(graphdef, params, RolloutBatch(**host_batch, routing=engine_routing), "off")
     coef = 0.5
     g0, s0 = _grad(graphdef, params, batch)
     g1, s1 = _grad(graphdef, params, batch, aux=coef)
-
-    def lb(p):
-        model = nnx.merge(graphdef, p)
-        ids, m = batch.tokens[:, :-1], batch.attention_mask[:, :-1]
-        return load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1])
-
-    value, g_lb = jax.jit(jax.value_and_grad(lb))(params)  # jitted: op by op it cost ~15 s
+    value, g_lb = _lb_value_and_grad(graphdef, params, batch.tokens, batch.attention_mask)
     assert s0["mean:moe/aux_loss"] == pytest.approx(float(value), rel=1e-5)  # logged also at coef 0
     assert s1["mean:moe/aux_loss"] == pytest.approx(float(value), rel=1e-5)
     assert s1["mean:loss/total"] == pytest.approx(s0["mean:loss/total"] + coef * float(value), rel=1e-5, abs=1e-6)
@@ -185,14 +193,19 @@ def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch):
     assert s2["mean:moe/aux_loss"] == pytest.approx(sum(halves), rel=1e-5)
 
 
-def _lb_of(graphdef, params, batch) -> float:
-    @jax.jit  # one compiled program instead of the MoE forward op by op
-    def lb(p, tokens, mask):
-        model = nnx.merge(graphdef, p)
-        ids, m = tokens[:, :-1], mask[:, :-1]
-        return load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1])
+def _lb(graphdef, params, tokens, mask):
+    model = nnx.merge(graphdef, params)
+    ids, m = tokens[:, :-1], mask[:, :-1]
+    return load_balancing_loss(model.forward_routed(ids, positions_from_mask(m), m)[1])
 
-    return float(lb(params, batch.tokens, batch.attention_mask))
+
+# Jitted once at module level (graphdef static): op by op the MoE forward cost ~15 s, and a jit per call recompiles.
+_lb_jit = jax.jit(_lb, static_argnums=0)
+_lb_value_and_grad = jax.jit(jax.value_and_grad(_lb, argnums=1), static_argnums=0)
+
+
+def _lb_of(graphdef, params, batch) -> float:
+    return float(_lb_jit(graphdef, params, batch.tokens, batch.attention_mask))
 
 
 # -- moe_step_metrics against NumPy -------------------------------------------------------------------------
@@ -235,10 +248,33 @@ def _random_inputs(seed=0, b=4, t=7, layers=3, k=2, experts=6):
     return ids, entropy, load, old, roll, mask, other
 
 
+def _jit_in_order(fn, **jit_kw):
+    """`fn` jitted, its dict output in the order `fn` built it (jit's pytree flattening sorts dict keys)."""
+    order = {}
+
+    @functools.wraps(fn)
+    def traced(*args, **kw):
+        out = fn(*args, **kw)
+        order[tuple(sorted(out))] = list(out)
+        return out
+
+    jitted = jax.jit(traced, **jit_kw)
+
+    def call(*args, **kw):
+        out = jitted(*args, **kw)
+        return {k: out[k] for k in order[tuple(out)]}
+
+    return call
+
+
+# Jitted as the step runs it (one program per shape instead of one per eager op); layer_ids is static there too.
+_metrics = _jit_in_order(moe_step_metrics, static_argnames="layer_ids")
+
+
 def test_moe_metrics_match_numpy_and_ignore_padding():
     ids, entropy, load, old, roll, mask, other = _random_inputs()
-    got = moe_step_metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
-                           jnp.asarray(roll), jnp.asarray(mask), layer_ids=(3, 5, 9), rollout_ids=jnp.asarray(other))
+    got = _metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
+                   jnp.asarray(roll), jnp.asarray(mask), layer_ids=(3, 5, 9), rollout_ids=jnp.asarray(other))
     want = _reference(ids, entropy, load, old, roll, mask, other)
     assert list(got) == moe_metric_names((3, 5, 9), with_rollout=True)
     for k, v in want.items():
@@ -246,21 +282,21 @@ def test_moe_metrics_match_numpy_and_ignore_padding():
     assert 0 < float(got["moe/router_disagree_frac"]) < 1
     # Padding positions with garbage change nothing.
     pad = lambda x, fill: np.concatenate([x, np.full((x.shape[0], 3) + x.shape[2:], fill, x.dtype)], axis=1)  # noqa: E731
-    padded = moe_step_metrics(jnp.asarray(pad(ids, 1)), jnp.asarray(pad(entropy, 9.0)), jnp.asarray(load),
-                              jnp.asarray(pad(old, -7.0)), jnp.asarray(pad(roll, 0.0)), jnp.asarray(pad(mask, 0.0)),
-                              layer_ids=(3, 5, 9), rollout_ids=jnp.asarray(pad(other, 4)))
+    padded = _metrics(jnp.asarray(pad(ids, 1)), jnp.asarray(pad(entropy, 9.0)), jnp.asarray(load),
+                      jnp.asarray(pad(old, -7.0)), jnp.asarray(pad(roll, 0.0)), jnp.asarray(pad(mask, 0.0)),
+                      layer_ids=(3, 5, 9), rollout_ids=jnp.asarray(pad(other, 4)))
     for k in want:
         assert float(padded[k]) == pytest.approx(float(got[k]), rel=1e-6, abs=1e-7), k
 
 
 def test_moe_metrics_empty_sets_are_zero_not_nan():
     ids, entropy, load, old, roll, mask, _ = _random_inputs(seed=2)
-    got = moe_step_metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.zeros_like(jnp.asarray(load)),
-                           jnp.asarray(old), jnp.asarray(roll), jnp.asarray(mask), layer_ids=(0, 1, 2),
-                           rollout_ids=jnp.asarray(ids[..., ::-1]))
+    got = _metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(np.zeros_like(load)),
+                   jnp.asarray(old), jnp.asarray(roll), jnp.asarray(mask), layer_ids=(3, 5, 9),
+                   rollout_ids=jnp.asarray(ids[..., ::-1]))
     assert float(got["moe/router_disagree_frac"]) == 0.0 and float(got["moe/rho_std_routing_disagreed"]) == 0.0
     assert float(got["moe/rho_std_routing_agreed"]) > 0 and float(got["moe/load_cv"]) == 0.0
     assert all(np.isfinite(float(v)) for v in got.values())
     with pytest.raises(ValueError, match="layer_ids has 2 entries for 3 sparse layers"):
-        moe_step_metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
-                         jnp.asarray(roll), jnp.asarray(mask), layer_ids=(0, 1))
+        _metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
+                 jnp.asarray(roll), jnp.asarray(mask), layer_ids=(0, 1))
