@@ -37,8 +37,14 @@ def _pair(layers: int = 3, **kw) -> tuple[Transformer, Transformer]:
             Transformer(cfg, policy("fp32"), rngs=nnx.Rngs(7), scan_layers=True, **kw))
 
 
+def _host(tree):
+    """On the host first: `params_to_hf` slices stacked device arrays layer by layer on the device (the bounded-
+    memory weight sync, tested on sharded params below), an eager program per shape that a comparison need not pay."""
+    return jax.tree.map(np.asarray, tree)
+
+
 def _hf(model) -> dict[str, np.ndarray]:
-    return params_to_hf(nnx.state(model, nnx.Param), model.cfg)
+    return params_to_hf(_host(nnx.state(model, nnx.Param)), model.cfg)
 
 
 def _batch(seed=0, b=4, s=13):
@@ -89,7 +95,8 @@ def test_scanned_equals_unrolled_logprobs_and_gradients(unrolled_reference, rema
     (l1, lp1), g1 = (lambda f, p: f(p, tokens, mask))(*_loss_and_grad(scanned))
     np.testing.assert_allclose(lp1, lp0, atol=1e-6, rtol=0)
     np.testing.assert_allclose(float(l1), float(l0), atol=1e-6, rtol=0)
-    ga, gb = params_to_hf(g0, unrolled.cfg), params_to_hf(g1, scanned.cfg)  # per-layer names on both sides
+    # Per-layer names on both sides.
+    ga, gb = params_to_hf(_host(g0), unrolled.cfg), params_to_hf(_host(g1), scanned.cfg)
     assert set(ga) == set(gb)
     assert max(np.abs(x).max() for x in ga.values()) > 1e-3  # the gradients are not trivially zero
     for name in ga:

@@ -29,6 +29,12 @@ def policy():
     return split_model(model)
 
 
+@pytest.fixture(scope="module")
+def whole_batch_scorer(policy):
+    """The reference: `make_scorer` on the whole batch, one jitted function for every case of the file (pure)."""
+    return make_scorer(policy[0], None, chunk_size=8)
+
+
 def _versions(params):
     """Weights of versions 1..3, far enough apart that scoring a row with the wrong one shows."""
     return {v: jax.tree.map(lambda x, v=v: x * (1.0 + 0.2 * v), params) for v in (1, 2, 3)}
@@ -46,7 +52,7 @@ def test_bucketed_rows_bounds_the_row_counts(n_total, multiple, buckets):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("devices", [0, 2])
-def test_mixed_lags_score_each_row_with_its_version_on_its_rows_only(policy, packed, devices):
+def test_mixed_lags_score_each_row_with_its_version_on_its_rows_only(policy, whole_batch_scorer, packed, devices):
     """Lags 0/1/2 in one batch: every lagged row equals the whole batch scored with its version's weights
     (≤ 1e-5); lag-0 rows are never scored (π_behav = π_prox there) and read 0; the forwards see the lagged
     rows only — not one whole batch per lag, as before."""
@@ -72,7 +78,7 @@ def test_mixed_lags_score_each_row_with_its_version_on_its_rows_only(policy, pac
         scorer.remember(v, p)
     got = scorer.behav_logp(batch)
 
-    whole = make_scorer(graphdef, None, chunk_size=8)
+    whole = whole_batch_scorer
     for lag in (1, 2):
         ref = np.asarray(whole(versions[3 - lag], b["tokens"], b["attention_mask"])[0]) * b["response_mask"]
         rows = LAGS == lag

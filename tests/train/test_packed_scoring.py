@@ -23,6 +23,13 @@ def policy():
     return split_model(model)
 
 
+@pytest.fixture(scope="module")
+def unpacked_scorer(policy):
+    """`make_scorer` without a mesh at temperature 1: one jitted function (pure) for the tests that compare with
+    it, so a shape two tests score is traced and compiled once."""
+    return make_scorer(policy[0], None, chunk_size=8)
+
+
 @pytest.mark.parametrize("devices", [0, 1, 2])
 def test_packed_scorer_equals_unpacked(policy, devices):
     graphdef, params = policy
@@ -54,21 +61,21 @@ def test_packed_scorer_row_buckets_bound_the_compiles(policy):
     assert 1 <= c["compiles"] <= 2
 
 
-def test_packed_scorer_with_kept_counts_scores_unpacked(policy):
+def test_packed_scorer_with_kept_counts_scores_unpacked(policy, unpacked_scorer):
     """Truncated sampling's kept-set sizes are not carried by packed rows: the unpacked scorer answers, exactly."""
     graphdef, params = policy
-    b = synthetic_batch(batch=4, seq=12, seed=5)
-    kept = np.full((4, 11), 7, np.int32)
-    ref = np.asarray(make_scorer(graphdef, None, chunk_size=8)(params, b["tokens"], b["attention_mask"], kept)[0])
+    b = synthetic_batch(batch=8, seq=16, seed=5)  # the other tests' shape: `full` below shares their program
+    kept = np.full((8, 15), 7, np.int32)
+    ref = np.asarray(unpacked_scorer(params, b["tokens"], b["attention_mask"], kept)[0])
     with count_compilations("packed_fn") as c:
         got = np.asarray(make_packed_scorer(graphdef, None, chunk_size=8)(params, b["tokens"], b["attention_mask"], kept)[0])
     assert c["compiles"] == 0
     np.testing.assert_array_equal(got, ref)
-    full = np.asarray(make_scorer(graphdef, None, chunk_size=8)(params, b["tokens"], b["attention_mask"])[0])
+    full = np.asarray(unpacked_scorer(params, b["tokens"], b["attention_mask"])[0])
     assert np.abs(full - ref).max() > 1e-3  # kept changes the values: it reached the scorer
 
 
-def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(policy):
+def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(policy, unpacked_scorer):
     """π_behav (train/behaviour.py) through the packed scorer: each lagged row scored with its version's
     weights, as through the unpacked one; unlagged rows 0."""
     from jaxrl_mismatch.train.batch import RolloutBatch
@@ -79,10 +86,10 @@ def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(
     b = synthetic_batch(batch=8, seq=16, seed=7)
     batch = RolloutBatch(**b, rollout_logp=np.zeros_like(b["response_mask"]),
                          version_lag=np.array([0, 1, 2, 1, 0, 2, 2, 1], np.int32))
-    versions = {v: jax.tree.map(lambda x, v=v: x * (1.0 + 0.2 * v), params) for v in (1, 2, 3)}
+    # On the host (numpy): an eager jnp multiply would compile a program per weight shape.
+    versions = {v: jax.tree.map(lambda x, v=v: np.asarray(x) * np.float32(1.0 + 0.2 * v), params) for v in (1, 2, 3)}
     outs = {}
-    for name, make in (("unpacked", make_scorer), ("packed", make_packed_scorer)):
-        forward = make(graphdef, None, chunk_size=8)
+    for name, forward in (("unpacked", unpacked_scorer), ("packed", make_packed_scorer(graphdef, None, chunk_size=8))):
 
         def score(p, rb, rows, forward=forward, packed=name == "packed"):
             return score_rows(forward, p, rb.tokens, rb.attention_mask, rows, packed=packed) * rb.response_mask
@@ -95,7 +102,7 @@ def test_behaviour_scorer_on_the_packed_scorer_scores_each_row_with_its_version(
     lag = batch.version_lag
     assert np.all(outs["packed"][lag == 0] == 0)
     # Rows one behind are scored with version 2, rows two behind with version 1: not interchangeable.
-    with_v1 = make_scorer(graphdef, None, chunk_size=8)(versions[1], b["tokens"], b["attention_mask"])[0]
+    with_v1 = unpacked_scorer(versions[1], b["tokens"], b["attention_mask"])[0]
     with_v1 = np.asarray(with_v1) * b["response_mask"]
     np.testing.assert_allclose(outs["packed"][lag == 2], with_v1[lag == 2], atol=1e-5, rtol=0)
     assert np.abs(outs["packed"][lag == 1] - with_v1[lag == 1]).max() > 1e-3

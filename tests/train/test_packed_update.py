@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -26,7 +25,7 @@ from jaxrl_mismatch.train.config import ConfigError, base_config
 from jaxrl_mismatch.train.config_checks import check_model, validate
 from jaxrl_mismatch.train.objective import PolicyLoss
 from jaxrl_mismatch.train.packing import pack_batch, packed_layout
-from jaxrl_mismatch.train.step import jit_update, place_batch
+from jaxrl_mismatch.train.step import jit_update, place_batch, place_state
 from tests.train.tiny_policy import build, synthetic_batch
 
 
@@ -39,18 +38,44 @@ def _host_batch(mesh, old_lp, params, rows=16, seq=40, seed=3) -> RolloutBatch:
     return RolloutBatch(**b, old_logp=old, rollout_logp=(old + noise) * b["response_mask"])
 
 
-def _run(mesh_axes, devices, *, packed: bool, num_microbatches: int):
+_SGD: dict = {}
+
+
+def _sgd(mesh_axes, ndev, num_microbatches):
+    """(mesh, host copy of the initial state, update_fn, old_lp, {layout: jitted update}) of the tiny policy under SGD
+    with lr 1 and no clipping, built once per (mesh, microbatches) for the file: the tests on one configuration
+    share one jitted program per batch layout instead of tracing and compiling it again for each test. Each use
+    places a fresh state from the host copy (the update donates it), so no test sees another's step."""
+    key = (tuple(mesh_axes.items()), ndev, num_microbatches)
+    if key not in _SGD:
+        mesh, _, state, update_fn, old_lp, _ = build(mesh_axes, jax.devices()[:ndev], num_microbatches=num_microbatches,
+                                                     lr=1.0, optimizer="sgd", max_grad_norm=None)
+        _SGD[key] = (mesh, jax.tree.map(np.array, state), update_fn, old_lp, {})
+    return _SGD[key]
+
+
+def _sgd_update(mesh_axes, ndev, num_microbatches, batch):
+    """The configuration's jitted update for `batch`'s layout (its pytree structure: plain, or packed in so many
+    groups), jitted once per layout."""
+    mesh, host_state, update_fn, _, jitted = _sgd(mesh_axes, ndev, num_microbatches)
+    layout = jax.tree.structure(batch)
+    if layout not in jitted:
+        jitted[layout] = jit_update(update_fn, place_state(host_state, mesh), batch, mesh)
+    return jitted[layout]
+
+
+def _run(mesh_axes, ndev, *, packed: bool, num_microbatches: int):
     """One SGD step with lr 1 and no clipping: the params move by exactly -∇, so comparing params compares
     gradients (Adam's g / (sqrt(v) + eps) would blow rounding of tiny entries up to lr scale)."""
-    mesh, _, state, update_fn, old_lp, _ = build(mesh_axes, devices, num_microbatches=num_microbatches, lr=1.0,
-                                                 optimizer="sgd", max_grad_norm=None)
-    theta0 = jax.tree.map(np.asarray, state.params)
+    mesh, host_state, _, old_lp, _ = _sgd(mesh_axes, ndev, num_microbatches)
+    state = place_state(host_state, mesh)
+    theta0 = jax.tree.map(np.asarray, host_state.params)
     host = _host_batch(mesh, old_lp, state.params)
     if packed:
         shards = math.prod(mesh.shape[a] for a in batch_axes(mesh))
         host = pack_batch(host, num_groups=num_microbatches, shards=shards)
     batch = place_batch(host, mesh)
-    state, stats = jit_update(update_fn, state, batch, mesh)(state, batch)
+    state, stats = _sgd_update(mesh_axes, ndev, num_microbatches, batch)(state, batch)
     grads = jax.tree.map(lambda a, b: a - np.asarray(b), theta0, state.params)
     return grads, {k: float(v) for k, v in stats.items()}, host
 
@@ -62,9 +87,8 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("mesh_axes,ndev,micro", [({"data": 1}, 1, 1), ({"data": 1}, 1, 2),
                                                   ({"data": 2, "fsdp": 2}, 4, 2)])
 def test_packed_update_equals_unpacked(mesh_axes, ndev, micro):
-    devices = jax.devices()[:ndev]
-    g_plain, h_plain, host = _run(mesh_axes, devices, packed=False, num_microbatches=micro)
-    g_packed, h_packed, host_packed = _run(mesh_axes, devices, packed=True, num_microbatches=micro)
+    g_plain, h_plain, host = _run(mesh_axes, ndev, packed=False, num_microbatches=micro)
+    g_packed, h_packed, host_packed = _run(mesh_axes, ndev, packed=True, num_microbatches=micro)
     slots_packed, slots_plain = host_packed.packed.tokens.size, host.tokens.size
     assert slots_packed < 0.8 * slots_plain, (slots_packed, slots_plain)  # the packing removes padding
     # The same gradient up to float rounding (attention over fewer padded keys sums in another order).
@@ -80,23 +104,37 @@ def test_packed_update_equals_unpacked(mesh_axes, ndev, micro):
 
 def test_a_wrong_unpacking_changes_the_update():
     """The packed path really feeds the loss: scrambling where targets are unpacked from changes the step."""
-    mesh, _, state, update_fn, old_lp, _ = build({"data": 1}, jax.devices()[:1])
-    host = pack_batch(_host_batch(mesh, old_lp, state.params), num_groups=1)
+    mesh, host_state, _, old_lp, _ = _sgd({"data": 1}, 1, 1)
+    host = pack_batch(_host_batch(mesh, old_lp, place_state(host_state, mesh).params), num_groups=1)
     idx = np.asarray(host.packed.unpack_index)
     scrambled = host.replace(packed=host.packed.replace(unpack_index=np.roll(idx, 1, axis=1)))
-    update = jit_update(update_fn, state, place_batch(host, mesh), mesh)
-    _, good = update(jax.tree.map(jnp.copy, state), place_batch(host, mesh))
-    _, bad = update(state, place_batch(scrambled, mesh))
+    update = _sgd_update({"data": 1}, 1, 1, place_batch(host, mesh))
+    _, good = update(place_state(host_state, mesh), place_batch(host, mesh))
+    _, bad = update(place_state(host_state, mesh), place_batch(scrambled, mesh))
     assert abs(float(good["mean:loss/total"]) - float(bad["mean:loss/total"])) > 1e-4
+
+
+_PREPARE: dict = {}
+
+
+def _prepare_setup(mesh_axes, ndev):
+    """(mesh, θ_old, reference params, jitted prepare) per mesh, built once for the file: `prepare` donates
+    nothing, so the tests on one mesh share its params and its compiled programs (one per batch layout)."""
+    from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn
+
+    key = (tuple(mesh_axes.items()), ndev)
+    if key not in _PREPARE:
+        mesh, graphdef, state, _, _, _ = build(mesh_axes, jax.devices()[:ndev])
+        objective = PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
+        prepare = jit_prepare(make_prepare_fn(graphdef, objective, chunk_size=8), mesh)
+        ref = jax.tree.map(lambda x: x * 1.01, state.params)  # a reference policy unlike θ_old
+        _PREPARE[key] = (mesh, state.params, ref, prepare)
+    return _PREPARE[key]
 
 
 def _prepare(mesh_axes, ndev, *, packed: bool, scramble: bool = False):
     """`prepare` (θ_old + reference forwards, diagnostics, step metrics) on a batch packed one group per shard."""
-    from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn
-
-    mesh, graphdef, state, _, _, _ = build(mesh_axes, jax.devices()[:ndev])
-    objective = PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
-    prepare = jit_prepare(make_prepare_fn(graphdef, objective, chunk_size=8), mesh)
+    mesh, params, ref, prepare = _prepare_setup(mesh_axes, ndev)
     b = synthetic_batch(batch=32, seq=40, prompt_len=5, seed=4)
     host = RolloutBatch(**b, rollout_logp=-np.abs(np.random.default_rng(0).normal(size=b["response_mask"].shape))
                         .astype(np.float32) * b["response_mask"])
@@ -107,8 +145,7 @@ def _prepare(mesh_axes, ndev, *, packed: bool, scramble: bool = False):
         assert host.packed.tokens.size < 0.9 * host.tokens.size
         if scramble:
             host = host.replace(packed=host.packed.replace(unpack_index=np.roll(host.packed.unpack_index, 1, axis=1)))
-    ref = jax.tree.map(lambda x: x * 1.01, state.params)  # a reference policy unlike θ_old
-    out, metrics = prepare(state.params, ref, place_batch(host, mesh), jax.random.key_data(jax.random.key(0)))
+    out, metrics = prepare(params, ref, place_batch(host, mesh), jax.random.key_data(jax.random.key(0)))
     assert out.packed is None
     return out, {k: float(v) for k, v in metrics.items()}
 
@@ -134,10 +171,11 @@ def test_a_wrong_unpacking_changes_prepare():
 
 
 def test_a_packing_must_split_into_the_microbatches():
-    mesh, _, state, update_fn, old_lp, _ = build({"data": 1}, jax.devices()[:1], num_microbatches=2)
+    mesh, host_state, _, old_lp, _ = _sgd({"data": 1}, 1, 2)
+    state = place_state(host_state, mesh)
     host = pack_batch(_host_batch(mesh, old_lp, state.params), num_groups=1)
     with pytest.raises(ValueError, match="packed in 1 groups does not split into num_microbatches=2"):
-        jit_update(update_fn, state, place_batch(host, mesh), mesh)(state, place_batch(host, mesh))
+        _sgd_update({"data": 1}, 1, 2, place_batch(host, mesh))(state, place_batch(host, mesh))
 
 
 @pytest.fixture(scope="module")
