@@ -177,6 +177,13 @@ def _trainer_capture(capturing, state, tokens, mask):
     return _flat_intermediates(inter)
 
 
+@functools.cache
+def _scorer(graphdef: nnx.GraphDef, temperature: float):
+    """The trainer's scorer for one model structure and temperature, jitted once per command: pairs that share a
+    trainer program (fp32 against bf16 and against fp16, say) trace and compile it once, not once per call."""
+    return make_scorer(graphdef, chunk_size=256, temperature=temperature)
+
+
 def trainer_path(model, tokens: np.ndarray, mask: np.ndarray, temperature: float
                  ) -> tuple[Float[np.ndarray, "rows seq"], dict[str, np.ndarray]]:
     """The trainer's θ_old forward on the whole rows: (log π of every next token from the trainer's scorer
@@ -187,7 +194,7 @@ def trainer_path(model, tokens: np.ndarray, mask: np.ndarray, temperature: float
     capturing = nnx.graphdef(model)
     capture_intermediates(model, False)
     tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-    logp, _ = make_scorer(graphdef, chunk_size=256, temperature=float(temperature))(state, tokens, mask)
+    logp, _ = _scorer(graphdef, float(temperature))(state, tokens, mask)
     inter = _trainer_capture(capturing, state, tokens, mask)
     return np.asarray(logp), {k: np.asarray(v) for k, v in inter.items()}
 
