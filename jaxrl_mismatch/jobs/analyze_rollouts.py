@@ -296,7 +296,7 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
             groups = session.generate(prompts, spec)
         # The stopped server's push token is no output: the folder gets ordinary permissions when renamed into place.
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(work_dir, "rollout_token"))
+            os.remove(session.server.token_file)
         check_finite_logprobs(groups)
         comps = [groups[i][j] for i, j in zip(prompt_id, sample_id)]
         rows = pad_rows(row_prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], pad_id=0)
