@@ -6,8 +6,9 @@ a subprocess shows wall time that the subprocess spends on the other core. Usage
 
     PYTHONPATH=scripts SUITE_PROFILE_DIR=/tmp/prof bash scripts/test.sh -p suite_profile
 
-Each process writes `<dir>/rows_<worker>.json` ({test id: [wall, self CPU, children CPU, compile] seconds}); at
-the end the controller prints the costliest files (CPU = self + children) and writes `<dir>/files.json`.
+Each run gets a new folder `<dir>/<time>-<pid>` (default dir `.suite_profile`; nothing already there is touched):
+each process writes `rows_<worker>.json` in it ({test id: [wall, self CPU, children CPU, compile] seconds}); at the
+end the controller prints the costliest files (CPU = self + children) and writes `files.json` beside them.
 Children's CPU counts once a child has been waited for, so a module fixture's server lands on the test that
 tears it down (same file). Compile time is the wall time of JAX's `backend_compile_duration` events (cache hits
 included), so on a busy machine it can exceed the CPU time it took.
@@ -37,19 +38,18 @@ def _snapshot() -> tuple[float, float, float, float]:
     return time.monotonic(), own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime, _compile[0]
 
 
-def _out_dir(config) -> Path:
-    d = Path(os.environ.get("SUITE_PROFILE_DIR") or config.rootpath / ".suite_profile")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+_RUN_ENV = "SUITE_PROFILE_RUN"  # this run's folder: made by the controller, inherited by the xdist workers it starts
 
 
 def pytest_configure(config) -> None:
     import jax
 
     jax.monitoring.register_event_duration_secs_listener(_listen)
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist): a new profile
-        for stale in _out_dir(config).glob("rows_*.json"):
-            stale.unlink()
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, or a run without xdist
+        base = Path(os.environ.get("SUITE_PROFILE_DIR") or config.rootpath / ".suite_profile")
+        run = base / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        run.mkdir(parents=True)
+        os.environ[_RUN_ENV] = str(run)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -73,11 +73,11 @@ def _by_file(rows: dict[str, list[float]]) -> dict[str, list[float]]:
 def pytest_sessionfinish(session) -> None:
     if _rows:  # an xdist controller runs no tests itself
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        (_out_dir(session.config) / f"rows_{worker}.json").write_text(json.dumps(_rows))
+        (Path(os.environ[_RUN_ENV]) / f"rows_{worker}.json").write_text(json.dumps(_rows))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    out = _out_dir(terminalreporter.config)
+    out = Path(os.environ[_RUN_ENV])
     rows: dict[str, list[float]] = {}
     for path in sorted(out.glob("rows_*.json")):
         rows.update(json.loads(path.read_text()))
