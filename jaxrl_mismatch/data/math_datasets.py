@@ -160,6 +160,18 @@ def _normalise_files(files: Mapping[str, str | Sequence[str]]) -> dict[str, list
     return out
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+    """A ``DatasetInfo`` that never looks for pre-computed info on GCS: these datasets are built from local files.
+
+    TFDS's ``initialize_from_bucket`` (called on the first build, before ``dataset_info.json`` exists) makes a
+    ``tempfile.mkdtemp("tfds")`` folder before it finds GCS disabled, and never removes it: one empty folder left
+    in the system temp directory per dataset built. There is nothing on GCS to load, so nothing is done.
+    """
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class _JsonlBuilderMixin:
     """Shared body of the four builders (a mixin, so TFDS registers only the concrete classes)."""
 
@@ -176,7 +188,7 @@ class _JsonlBuilderMixin:
         super().__init__(data_dir=data_dir, config=config, file_format="array_record", **kwargs)
 
     def _info(self):
-        return tfds.core.DatasetInfo(
+        return _LocalDatasetInfo(
             builder=self,
             description=f"{self.FORMAT} problems from local JSONL files, as uniform prompt/answer records.",
             features=tfds.features.FeaturesDict(

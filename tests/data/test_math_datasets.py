@@ -45,6 +45,16 @@ DAPO = [
 ]
 
 
+def test_build_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
+    """TFDS's first build made an empty mkdtemp folder (for GCS info it never fetched) and left it behind."""
+    system_tmp = tmp_path / "system_tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(system_tmp))
+    recs = M.load_records("gsm8k", {"train": _write(tmp_path / "train.jsonl", GSM8K)}, str(tmp_path / "tfds"), "train")
+    assert len(recs) == 3
+    assert list(system_tmp.iterdir()) == []
+
+
 def test_gsm8k_build_and_read(tmp_path):
     ds = M.build("gsm8k", {"train": _write(tmp_path / "train.jsonl", GSM8K), "test": _write(tmp_path / "test.jsonl", GSM8K[:1])}, str(tmp_path / "tfds"))
     recs = ds.records("train")
