@@ -15,6 +15,8 @@ from jaxrl_mismatch.jobs import analyze, analyze_softmax
 from jaxrl_mismatch.outputs import marker_name
 from jaxrl_mismatch.usage import UsageError
 
+pytestmark = pytest.mark.xla_full_opt  # the Table 2 simulation runs 5x slower unoptimized (tests/conftest.py)
+
 
 def _sim(seed, *, vocab=64, tokens=500, dtype="bfloat16", scale=1.5, shared=False):
     p_ref, p_low, kl = analyze_softmax.simulate_softmax(jnp.asarray(seed, jnp.uint32), jnp.float32(scale), vocab=vocab,

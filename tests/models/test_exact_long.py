@@ -19,6 +19,8 @@ from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 from jaxrl_mismatch.train.batch import from_completions
 from jaxrl_mismatch.train.exact_forward import exact_forward_logprobs
 
+pytestmark = pytest.mark.xla_full_opt  # exact mode: bit-for-bit claims about the programs users compile
+
 VOCAB = 61
 MAX_TOKENS = 8
 PRESETS = {"float32": "fp32", "bfloat16": "bf16"}

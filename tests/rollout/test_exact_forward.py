@@ -21,6 +21,8 @@ from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 from jaxrl_mismatch.train.batch import from_completions
 from jaxrl_mismatch.train.exact_forward import candidate_lengths, exact_forward_logprobs, exact_valued
 
+pytestmark = pytest.mark.xla_full_opt  # exact mode: bit-for-bit claims about the programs users compile
+
 PROMPTS = [[3, 4, 5], [7] * 9, list(range(10, 24)), [30, 31, 32, 33, 34, 35]]  # canonical lengths 32 and 48
 MAX_TOKENS = 20
 PRESETS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -19,6 +19,8 @@ from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 from jaxrl_mismatch.train.batch import from_completions
 
+pytestmark = pytest.mark.xla_full_opt  # exact mode: bit-for-bit claims about the programs users compile
+
 PROMPTS = [[3, 4, 5], [7] * 9, list(range(10, 24)), [30, 31, 32, 33, 34, 35]]  # ragged lengths
 STOPS = (5, 11, 17)  # frequent enough in a random model to give mixed response lengths
 MAX_TOKENS = 20

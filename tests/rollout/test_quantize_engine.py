@@ -27,6 +27,8 @@ from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 from .conftest import REPO, TOKEN, read_checkpoint, write_checkpoint
 from .test_exact_mode import MAX_TOKENS, PRESETS, PROMPTS, batch_of, spec
 
+pytestmark = pytest.mark.xla_full_opt  # exact mode: bit-for-bit claims about the programs users compile
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 

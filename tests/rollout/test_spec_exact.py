@@ -10,6 +10,8 @@ import pytest
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 
+pytestmark = pytest.mark.xla_full_opt  # exact mode: bit-for-bit claims about the programs users compile
+
 PROMPTS = [[3, 4, 5], [7] * 9, list(range(10, 24)), [30, 31, 32, 33, 34, 35]]
 STOPS = (5, 11, 17)
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrl_mismatch.models.exact import EXACT_CHUNK
 from jaxrl_mismatch.rollout import spec_exact
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import JaxEngine, seed_key_data
+
+pytestmark = pytest.mark.xla_full_opt  # exact mode: bit-for-bit claims about the programs users compile
 
 PROMPTS = [[3, 4, 5], list(range(10, 24))]
 

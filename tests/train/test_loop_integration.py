@@ -354,6 +354,7 @@ def test_resume_with_changed_config_is_refused_unless_accepted(base_model, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.xla_full_opt  # exact mode's zero mismatch is a bit-for-bit claim about the programs users compile
 def test_exact_mode_run_has_zero_mismatch_and_injected_noise_shows_up(base_model, tmp_path):
     """Through the real server: exact mode gives every mismatch metric exactly 0; σ > 0 gives ρ spread."""
     for name, rollout in (("exact", dict(exact=True)), ("noise", dict(exact=True, logit_noise_std=0.5))):

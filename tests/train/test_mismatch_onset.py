@@ -19,6 +19,7 @@ def test_scale_is_zero_before_onset_then_ramps_linearly_to_one():
 
 
 @pytest.mark.slow
+@pytest.mark.xla_full_opt  # exact mode's zero mismatch before the onset is a bit-for-bit claim
 def test_quantized_mismatch_onset_shows_in_the_curve_and_survives_resume(base_model, tmp_path):  # noqa: F811
     # Exact mode: before the onset μ = π(θ_old) bit for bit, so the mismatch is exactly 0 there; from the
     # onset the engine serves W + s·(Q(W) − W) and the mismatch is the int8 quantization's.

@@ -1,0 +1,47 @@
+"""The suite's two XLA optimization levels (tests/conftest.py).
+
+Unmarked tests, and the processes they start, compile with `jax_disable_most_optimizations`; tests marked
+`xla_full_opt` (exact mode's bit-for-bit claims) compile with XLA's default optimization, as users do. jit's
+in-memory cache does not key on that flag, so a marked test after an unmarked one must compile its programs
+again rather than reuse the unoptimized ones.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxrl_mismatch.train.compiles import count_compilations
+
+_RAN_UNMARKED: list[bool] = []
+
+
+@jax.jit
+def level_probe(x):
+    return jnp.tanh(x) * 2.0 + 1.0
+
+
+def _child_flag() -> bool:
+    code = "import jax; print(int(jax.config.values['jax_disable_most_optimizations']))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ))
+    return bool(int(out.stdout))
+
+
+def test_unmarked_tests_and_their_processes_compile_with_most_optimizations_off(low_opt_suite):
+    assert jax.config.values["jax_disable_most_optimizations"] is low_opt_suite
+    assert _child_flag() is low_opt_suite
+    level_probe(jnp.arange(5.0)).block_until_ready()
+    _RAN_UNMARKED.append(True)
+
+
+@pytest.mark.xla_full_opt
+def test_marked_tests_compile_at_full_optimization_without_reusing_the_other_level(low_opt_suite):
+    assert jax.config.values["jax_disable_most_optimizations"] is False
+    assert _child_flag() is False
+    with count_compilations("level_probe") as c:
+        level_probe(jnp.arange(5.0)).block_until_ready()
+    # Compiled here unless the unmarked test above compiled it at this same level (a run with the flag off).
+    assert c["compiles"] == (0 if _RAN_UNMARKED and not low_opt_suite else 1)
