@@ -6,7 +6,6 @@ in-memory cache does not key on that flag, so a marked test after an unmarked on
 again rather than reuse the unoptimized ones.
 """
 
-import os
 import subprocess
 import sys
 
@@ -26,7 +25,7 @@ def level_probe(x):
 
 def _child_flag() -> bool:
     code = "import jax; print(int(jax.config.values['jax_disable_most_optimizations']))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # inherits os.environ
     return bool(int(out.stdout))
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze, attribute
+from jaxrl_mismatch.jobs.warmstart import left_pad
 from jaxrl_mismatch.models import load_hf
 from jaxrl_mismatch.models.model import CAPTURED
 from jaxrl_mismatch.usage import UsageError
@@ -28,14 +29,7 @@ def _pair_rows(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded prompt ids and mask with the rows and width `attribute_pair(**SMALL)` replays (each prompt
     `n` times): the tests that call `engine_path`/`trainer_path` directly then reuse the pair tests' jitted
     prefill, decode and capture programs instead of compiling their own for other shapes."""
-    rows = [p for p in prompts for _ in range(SMALL["n"])]
-    plen = max(len(p) for p in rows)
-    ids = np.zeros((len(rows), plen), np.int32)
-    mask = np.zeros_like(ids)
-    for r, p in enumerate(rows):
-        ids[r, plen - len(p):] = p
-        mask[r, plen - len(p):] = 1
-    return ids, mask
+    return left_pad([p for p in prompts for _ in range(SMALL["n"])], pad_id=0)
 
 
 @pytest.fixture(scope="module")
