@@ -25,7 +25,7 @@ def level_probe(x):
 
 def _child_flag() -> bool:
     code = "import jax; print(int(jax.config.values['jax_disable_most_optimizations']))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # inherits os.environ
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # our environment
     return bool(int(out.stdout))
 
 
