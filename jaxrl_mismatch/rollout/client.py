@@ -5,6 +5,10 @@ What it guarantees its caller (normally `rollout.session.RolloutSession`, which 
 - **Ready before use.** The constructor waits for the standard gRPC health check to report SERVING.
 - **Transient failures are retried** (UNAVAILABLE, DEADLINE_EXCEEDED) with exponential backoff; every
   call has a deadline. Generate is safe to repeat: with a fixed seed it is deterministic.
+- **A server known to be gone is not waited for twice.** Once a call has spent its whole retry budget on
+  UNAVAILABLE, later calls try once until one succeeds (or `wait_until_ready` sees the server again): the
+  trainer's push after its producer's failed Generate reports at once instead of after a second budget.
+  For a server this process launched, `alive` stops the retries as soon as its process has exited.
 - **A restarted server is noticed.** Each server process has a random `server_id`, returned by GetInfo
   and every Generate. When it changes, `generate` raises `ServerRestartedError` instead of returning
   completions sampled by the new process (which serves its checkpoint weights, not the pushed ones):
@@ -20,6 +24,7 @@ What it guarantees its caller (normally `rollout.session.RolloutSession`, which 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import random
 import time
@@ -99,15 +104,26 @@ class ServerRestartedError(RolloutError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
-    max_attempts: int = 8
+    """Jittered exponential backoff; a call gives up after `max_attempts` attempts (None: no count limit) or
+    when its next wait would end more than `max_elapsed_s` after its first attempt (None: no time limit).
+    The default, 8 attempts, waits about 11 s in all; the trainer's is `within(config.rollout.retry_s)`."""
+
+    max_attempts: int | None = 8
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     multiplier: float = 2.0
+    max_elapsed_s: float | None = None
+
+    @classmethod
+    def within(cls, seconds: float) -> RetryPolicy:
+        """Retry for up to `seconds` (0: one attempt), whatever the number of attempts."""
+        return cls(max_attempts=None, max_elapsed_s=float(seconds))
 
     def delays(self) -> Iterator[float]:
         """Backoff before attempt 2, 3, ...; jittered by ±20% so restarted clients do not stampede."""
         d = self.initial_backoff_s
-        for _ in range(self.max_attempts - 1):
+        attempts = itertools.count() if self.max_attempts is None else range(self.max_attempts - 1)
+        for _ in attempts:
             yield d * random.uniform(0.8, 1.2)
             d = min(d * self.multiplier, self.max_backoff_s)
 
@@ -124,6 +140,8 @@ class RolloutClient:
       max_staleness: completions more than this many versions older than the last pushed version raise
         StaleCompletionError; None accepts all (tag = `Completion.weight_version`).
       wait_ready_s: wait this long for the health check at construction; None skips the wait.
+      alive: for a server this process launched, a check that its process still runs: retrying a dead
+        process is pointless, so its first UNAVAILABLE raises (the session then restarts it).
       chunk_bytes: UpdateWeights chunk size.
       weight_transport: "auto" (shared memory when the server is on this host, rollout/shm.py; else the
         gRPC stream), "shm" (shared memory or fail) or "grpc" (always the stream).
@@ -141,6 +159,7 @@ class RolloutClient:
         wait_ready_s: float | None = 120.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         weight_transport: str = "auto",
+        alive: Callable[[], bool] | None = None,
     ):
         if weight_transport not in shm.TRANSPORTS:
             raise ValueError(f"weight_transport: {weight_transport!r} is not one of {shm.TRANSPORTS}")
@@ -149,6 +168,8 @@ class RolloutClient:
         self._timeout_s = timeout_s
         self._generate_timeout_s = generate_timeout_s
         self._retry = retry
+        self._alive = alive
+        self._unreachable = False  # the last call spent its retries on UNAVAILABLE; none has succeeded since
         self.max_staleness = max_staleness
         self._chunk_bytes = chunk_bytes
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -186,18 +207,38 @@ class RolloutClient:
         return (("authorization", f"Bearer {self._token}"),)
 
     def _call(self, what: str, fn: Callable[[], object]) -> object:
-        """Run fn with retries on transient codes; after a failure, resync with the (maybe new) server."""
+        """Run fn with retries on transient codes; after a failure, resync with the (maybe new) server.
+
+        A server that a previous call found unreachable through its whole budget, or whose launched process
+        has exited, gets one attempt: the caller (session, trainer) decides what to do, now.
+        """
         delays = self._retry.delays()
+        attempts, give_up_at = 0, None
+        if self._retry.max_elapsed_s is not None:
+            give_up_at = time.monotonic() + self._retry.max_elapsed_s
         while True:
+            attempts += 1
             try:
-                return fn()
+                out = fn()
+                self._unreachable = False
+                return out
             except grpc.RpcError as e:
                 code = e.code()
                 if code not in _RETRYABLE:
                     raise self._translate(what, e) from None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    if self._unreachable:
+                        raise RolloutError(f"{what} on {self.target}: UNAVAILABLE, still unreachable (an earlier "
+                                           f"call used up its retries): {e.details()}", code=code) from None
+                    if self._alive is not None and not self._alive():
+                        raise RolloutError(f"{what} on {self.target}: UNAVAILABLE, the server process has exited: "
+                                           f"{e.details()}", code=code) from None
                 delay = next(delays, None)
+                if delay is not None and give_up_at is not None and time.monotonic() + delay > give_up_at:
+                    delay = None
                 if delay is None:
-                    raise RolloutError(f"{what} on {self.target}: {code.name} after {self._retry.max_attempts} attempts: {e.details()}", code=code) from None
+                    self._unreachable = code == grpc.StatusCode.UNAVAILABLE
+                    raise RolloutError(f"{what} on {self.target}: {code.name} after {attempts} attempts: {e.details()}", code=code) from None
                 log.warning("%s on %s: %s (%s); retrying in %.2fs", what, self.target, code.name, e.details(), delay)
                 time.sleep(delay)
 
@@ -219,6 +260,7 @@ class RolloutClient:
             try:
                 resp = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    self._unreachable = False
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
             except grpc.RpcError as e:

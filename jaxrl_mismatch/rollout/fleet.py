@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 import grpc
 import numpy as np
 
-from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError
+from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec
 from jaxrl_mismatch.rollout.session import RolloutSession, request_chunks
 from jaxrl_mismatch.rollout.protocol import Limits
@@ -99,17 +99,19 @@ class RolloutFleet:
     @classmethod
     def launch(cls, num_servers: int, *, work_dir: str, timeout_s: float = 600.0, generate_timeout_s: float = 1800.0,
                ready_timeout_s: float = 600.0, restart: bool = True, start_version: int = 0,
-               weight_transport: str = "auto", stall_timeout_s: float = 600.0, **server_options) -> RolloutFleet:
+               weight_transport: str = "auto", stall_timeout_s: float = 600.0, retry: RetryPolicy = RetryPolicy(),
+               **server_options) -> RolloutFleet:
         """Start `num_servers` loopback servers in parallel (log and token of each in work_dir/rollout_server_k)."""
         def one(k: int) -> _Member:
             session = RolloutSession.launch(work_dir=os.path.join(work_dir, f"rollout_server_{k}"), timeout_s=timeout_s,
                                             generate_timeout_s=generate_timeout_s, ready_timeout_s=ready_timeout_s,
                                             restart=False, start_version=start_version,
-                                            weight_transport=weight_transport, **server_options)
+                                            weight_transport=weight_transport, retry=retry, **server_options)
             server = session.server
             return _Member(session, lambda: RolloutClient(server.address, token=server.token, timeout_s=timeout_s,
                                                           generate_timeout_s=generate_timeout_s, wait_ready_s=None,
-                                                          weight_transport=weight_transport))
+                                                          weight_transport=weight_transport, alive=server.alive,
+                                                          retry=retry))
         with cf.ThreadPoolExecutor(num_servers) as pool:
             futures = [pool.submit(one, k) for k in range(num_servers)]
             members = []
@@ -126,17 +128,19 @@ class RolloutFleet:
     @classmethod
     def attach(cls, addresses: Sequence[str], *, token: str | None, timeout_s: float = 600.0,
                generate_timeout_s: float = 1800.0, ready_timeout_s: float = 600.0, start_version: int = 0,
-               weight_transport: str = "auto", stall_timeout_s: float = 600.0) -> RolloutFleet:
+               weight_transport: str = "auto", stall_timeout_s: float = 600.0,
+               retry: RetryPolicy = RetryPolicy()) -> RolloutFleet:
         """Use running servers (one shared token); each must be ready within `ready_timeout_s`."""
         members = []
         try:
             for address in addresses:
                 session = RolloutSession.attach(address, token=token, timeout_s=timeout_s,
                                                 generate_timeout_s=generate_timeout_s, ready_timeout_s=ready_timeout_s,
-                                                start_version=start_version, weight_transport=weight_transport)
+                                                start_version=start_version, weight_transport=weight_transport,
+                                                retry=retry)
                 members.append(_Member(session, lambda a=address: RolloutClient(
                     a, token=token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s, wait_ready_s=None,
-                    weight_transport=weight_transport)))
+                    weight_transport=weight_transport, retry=retry)))
         except BaseException:
             for m in members:
                 m.session.close()
@@ -213,7 +217,8 @@ class RolloutFleet:
                 except RolloutError as e:
                     if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                         raise  # the request itself is bad: every server would refuse it
-                    self._fail(m, f"failed ({e})", pieces[i], pending, i, len(idle) + len(inflight))
+                    dead = m.session.server is not None and not m.session.server.alive()  # its call fails at once
+                    self._fail(m, "died" if dead else f"failed ({e})", pieces[i], pending, i, len(idle) + len(inflight))
             now = time.monotonic()
             for fut, (m, i, t0) in list(inflight.items()):
                 dead = m.session.server is not None and not m.session.server.alive()

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError, ServerRestartedError
+from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, RolloutError, ServerRestartedError
 from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec
 from jaxrl_mismatch.rollout.launcher import ManagedServer
 from jaxrl_mismatch.rollout.protocol import Limits
@@ -69,14 +69,16 @@ class RolloutSession:
     @classmethod
     def launch(cls, *, work_dir: str, engine: str, model: str, dtype: str, max_model_len: int = 0, quantize: str = "none",
                timeout_s: float = 600.0, generate_timeout_s: float = 1800.0, ready_timeout_s: float = 600.0,
-               restart: bool = True, start_version: int = 0, weight_transport: str = "auto") -> RolloutSession:
+               restart: bool = True, start_version: int = 0, weight_transport: str = "auto",
+               retry: RetryPolicy = RetryPolicy()) -> RolloutSession:
         """Start `jaxrl-mismatch serve` on a free loopback port (log and token in `work_dir`)."""
         server = ManagedServer(work_dir, startup_timeout_s=ready_timeout_s, engine=engine, model=model, dtype=dtype,
                                max_model_len=max_model_len or None, quantize=quantize)
         target = server.start()
         try:
             client = RolloutClient(target, token=server.token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s,
-                                   wait_ready_s=ready_timeout_s, weight_transport=weight_transport)
+                                   wait_ready_s=ready_timeout_s, weight_transport=weight_transport,
+                                   alive=server.alive, retry=retry)
             return cls(client, server=server, restart=restart, ready_timeout_s=ready_timeout_s,
                        start_version=start_version)
         except BaseException:
@@ -85,10 +87,11 @@ class RolloutSession:
 
     @classmethod
     def attach(cls, address: str, *, token: str | None, timeout_s: float = 600.0, generate_timeout_s: float = 1800.0,
-               ready_timeout_s: float = 600.0, start_version: int = 0, weight_transport: str = "auto") -> RolloutSession:
+               ready_timeout_s: float = 600.0, start_version: int = 0, weight_transport: str = "auto",
+               retry: RetryPolicy = RetryPolicy()) -> RolloutSession:
         """Use a running server at `address` (pushes need its shared `token`)."""
         client = RolloutClient(address, token=token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s,
-                               wait_ready_s=ready_timeout_s, weight_transport=weight_transport)
+                               wait_ready_s=ready_timeout_s, weight_transport=weight_transport, retry=retry)
         return cls(client, restart=False, ready_timeout_s=ready_timeout_s, start_version=start_version)
 
     # -- the surface ---------------------------------------------------------------------------------

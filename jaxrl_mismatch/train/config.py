@@ -75,6 +75,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.startup_timeout_s = 600.0
     c.rollout.generate_timeout_s = 1800.0
     c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
+    # How long one call keeps retrying a server that does not answer (UNAVAILABLE, deadline exceeded) before
+    # the run checkpoints and stops; raise it when a supervisor restarts an external server (vLLM takes minutes)
+    c.rollout.retry_s = 10.0
     c.rollout.restart_on_failure = True  # managed server died: restart it and continue
     c.rollout.stall_timeout_s = 600.0  # fleet: a longer Generate marks its server stalled, its prompts go elsewhere
     # Weight pushes: auto = shared memory when the server is on this host (rollout/shm.py), else the gRPC

@@ -49,7 +49,7 @@ _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
     "rollout.max_model_len", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
     "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
-    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness",
+    "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness", "rollout.retry_s",
 )
 
 
@@ -85,7 +85,7 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path}: must be an integer >= 1, got {v!r}")
     for path in _NON_NEGATIVE:
         v = _get(c, path)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:  # NaN too
             raise ConfigError(f"config.{path}: must be a number >= 0, got {v!r}")
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")

@@ -14,7 +14,7 @@ RESUME_MAY_CHANGE = (
     "steps", "resume", "run_dir", "log", "checkpoint", "eval.every", "distributed", "model.warmstart_if_missing",
     "model.warmstart_args", "rollout.address", "rollout.token_file", "rollout.startup_timeout_s",
     "rollout.generate_timeout_s", "rollout.push_timeout_s", "rollout.restart_on_failure", "trainer.mesh",
-    "rollout.num_servers", "rollout.stall_timeout_s", "rollout.weight_transport",
+    "rollout.num_servers", "rollout.stall_timeout_s", "rollout.weight_transport", "rollout.retry_s",
     "trainer.chunk_size", "trainer.remat", "trainer.remat_policy", "trainer.attention_impl", "trainer.packing",
 )
 

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_mismatch.objectives import compute_advantages
-from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RolloutError, SamplingSpec
+from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RetryPolicy, RolloutError, SamplingSpec
 from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
@@ -278,7 +278,7 @@ class Trainer:
         r = self.c.rollout
         timeouts = dict(timeout_s=r.push_timeout_s, generate_timeout_s=r.generate_timeout_s,
                         ready_timeout_s=r.startup_timeout_s, start_version=self._version,
-                        weight_transport=r.weight_transport)
+                        weight_transport=r.weight_transport, retry=RetryPolicy.within(r.retry_s))
         addresses = [a.strip() for a in r.address.split(",") if a.strip()]
         if len(addresses) > 1 or r.num_servers > 1:  # a fleet: spread requests, fail over (rollout/fleet.py)
             from jaxrl_mismatch.rollout.fleet import RolloutFleet

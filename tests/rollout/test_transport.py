@@ -403,6 +403,84 @@ def test_client_gives_up_waiting_with_a_clear_error():
         RolloutClient(f"127.0.0.1:{port}", wait_ready_s=1.0)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _CountingGetInfo:
+    """Wraps a client's GetInfo stub to count the attempts one call makes."""
+
+    def __init__(self, client):
+        self.attempts, self._rpc = 0, client._stub.GetInfo
+        client._stub.GetInfo = self
+
+    def __call__(self, *args, **kwargs):
+        self.attempts += 1
+        return self._rpc(*args, **kwargs)
+
+
+def test_a_server_that_used_up_a_calls_retries_gets_one_attempt_per_call_until_it_answers():
+    """The async trainer's push after its producer's failed Generate must not wait a second retry budget;
+    once the server answers again, a later outage gets its full budget back."""
+    from jaxrl_mismatch.rollout.client import RetryPolicy
+
+    port = _free_port()
+    client = RolloutClient(f"127.0.0.1:{port}", token=TOKEN, wait_ready_s=None,
+                           retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01))
+    calls = _CountingGetInfo(client)
+    with pytest.raises(RolloutError, match="UNAVAILABLE after 3 attempts"):
+        client.info()
+    assert calls.attempts == 3
+    with pytest.raises(RolloutError, match="UNAVAILABLE, still unreachable"):
+        client.info()
+    assert calls.attempts == 4
+    server = RolloutServer(port=port, token=TOKEN)
+    server.attach(FakeEngine())
+    try:
+        client.wait_until_ready(30)
+        assert client.info().vocab_size == 32
+    finally:
+        server.stop(0)
+    calls.attempts = 0
+    with pytest.raises(RolloutError, match="UNAVAILABLE after 3 attempts"):
+        client.info()
+    assert calls.attempts == 3
+    client.close()
+
+
+@pytest.mark.parametrize("alive, attempts", [(False, 1), (True, 3)])
+def test_a_launched_server_whose_process_exited_is_not_retried(alive, attempts):
+    from jaxrl_mismatch.rollout.client import RetryPolicy
+
+    client = RolloutClient(f"127.0.0.1:{_free_port()}", wait_ready_s=None, alive=lambda: alive,
+                           retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01))
+    calls = _CountingGetInfo(client)
+    with pytest.raises(RolloutError, match="process has exited" if not alive else "after 3 attempts"):
+        client.info()
+    assert calls.attempts == attempts
+    client.close()
+
+
+def test_a_retry_time_budget_bounds_the_attempts_whatever_their_count():
+    """`rollout.retry_s` reaches the client as `RetryPolicy.within`: 0 s is one attempt, a budget shorter than
+    the first backoff too; with no count limit, a 0.3 s budget of 10 ms backoffs retries many times, then stops."""
+    from jaxrl_mismatch.rollout.client import RetryPolicy
+
+    many = RetryPolicy(max_attempts=None, initial_backoff_s=0.01, max_backoff_s=0.01, max_elapsed_s=0.3)
+    for policy, ok in [(RetryPolicy.within(0), lambda n: n == 1), (RetryPolicy.within(0.05), lambda n: n == 1),
+                       (many, lambda n: n > 3)]:
+        client = RolloutClient(f"127.0.0.1:{_free_port()}", wait_ready_s=None, retry=policy)
+        calls = _CountingGetInfo(client)
+        with pytest.raises(RolloutError, match=r"UNAVAILABLE after \d+ attempts"):
+            client.info()
+        assert ok(calls.attempts), (policy, calls.attempts)
+        client.close()
+
+
 def test_server_refuses_to_start_without_a_token(monkeypatch, tmp_path):
     from jaxrl_mismatch.rollout.protocol import TOKEN_ENV
     from jaxrl_mismatch.rollout.server import read_token

@@ -213,6 +213,7 @@ def test_external_server_lost_mid_async_run_checkpoints_and_the_rerun_finishes(b
     run_dir = tmp_path / "run"
     c = config(base_model, run_dir, max_staleness=2, address=server.address, token_file=server.token_file)
     c.steps = 5
+    c.rollout.retry_s = 1.0
     t = Trainer(checked(c))
 
     def kill_after_step_1():

@@ -26,6 +26,8 @@ def test_a_comma_separated_fleet_address_is_accepted():
     ({"address": "10.0.0.5:5000", "weight_transport": "shm"}, "config.rollout.weight_transport", "10.0.0.5:5000"),
     ({"address": "127.0.0.1:1,10.0.0.5:2", "weight_transport": "shm"}, "config.rollout.weight_transport", "10.0.0.5:2"),
     ({"fixed_staleness": True}, "config.rollout.fixed_staleness", "max_staleness >= 1"),
+    ({"retry_s": -1.0}, "config.rollout.retry_s", "must be a number >= 0, got -1.0"),
+    ({"retry_s": float("nan")}, "config.rollout.retry_s", "got nan"),
 ])
 def test_combinations_refused_by_name(rollout, field, words):
     with pytest.raises(ConfigError) as e:

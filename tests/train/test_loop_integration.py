@@ -222,6 +222,7 @@ def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishe
     c = tiny_config(base_model, run_dir, address=server.address, token_file=server.token_file)
     c.steps = 4
     c.checkpoint.every = 100  # only the failure path and the end write checkpoints
+    c.rollout.retry_s = 0.5  # the default 10 s budget would find the server as dead, later
 
     def kill_after_first_step():
         deadline = time.monotonic() + 300
@@ -242,6 +243,8 @@ def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishe
     killer.join(timeout=10)
     done = int(__import__("re").search(r"checkpoint of step (\d+)", str(err.value)).group(1))
     assert done >= 1
+    # rollout.retry_s bounds the failing call's retries (the default budget makes 8 attempts)
+    assert int(__import__("re").search(r"UNAVAILABLE after (\d+) attempts", str(err.value)).group(1)) <= 4
     steps_logged = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
     assert steps_logged == list(range(done))  # every finished step was logged and checkpointed
 
