@@ -223,12 +223,7 @@ def divergence_table(eng: dict[str, np.ndarray], tr: dict[str, np.ndarray], vali
 def _rows(prompts: list[list[int]], completions) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Left-padded prompt ids/mask, the responses, engine log μ, and the prompt index of each row."""
     flat = [(i, c) for i, cs in enumerate(completions) for c in cs]
-    plen = max(len(p) for p in prompts)
-    ids = np.zeros((len(flat), plen), np.int32)
-    pmask = np.zeros((len(flat), plen), np.int32)
-    for r, (i, _) in enumerate(flat):
-        ids[r, plen - len(prompts[i]):] = prompts[i]
-        pmask[r, plen - len(prompts[i]):] = 1
+    ids, pmask = kv_cache.left_pad([prompts[i] for i, _ in flat], width=max(len(p) for p in prompts))
     resp = np.asarray([c.token_ids for _, c in flat], np.int32)
     mu = np.asarray([c.logprobs for _, c in flat], np.float32)
     return ids, pmask, resp, mu, np.asarray([i for i, _ in flat], np.int32)

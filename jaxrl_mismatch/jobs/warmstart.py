@@ -38,7 +38,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.data import arithmetic
 from jaxrl_mismatch.data.batching import bucket_length, pad_rows
 from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokenizer, save_tokenizer
-from jaxrl_mismatch.models import (ModelConfig, Transformer, decode_loop, hf_io, init_cache, prefill,
+from jaxrl_mismatch.models import (ModelConfig, Transformer, decode_loop, hf_io, init_cache, left_pad, prefill,
                                    token_logprobs)
 from jaxrl_mismatch.outputs import check_out_dir, staged_dir
 from jaxrl_mismatch.usage import ArgumentParser, UsageError
@@ -137,17 +137,6 @@ def make_generate(graphdef, cfg: ModelConfig, *, max_new_tokens: int, eos_id: in
         return tokens
 
     return generate
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pad prompt id lists into (ids, mask) int32 arrays, as ``kv_cache.prefill`` expects."""
-    p = max(len(r) for r in rows)
-    ids = np.full((len(rows), p), pad_id, np.int32)
-    mask = np.zeros((len(rows), p), np.int32)
-    for i, r in enumerate(rows):
-        ids[i, p - len(r) :] = r
-        mask[i, p - len(r) :] = 1
-    return ids, mask
 
 
 def evaluate(generate, params, tok: TextTokenizer, problems: list[arithmetic.Problem], *, temperature: float, seed: int, batch: int = 128) -> dict:

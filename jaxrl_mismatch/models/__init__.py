@@ -6,7 +6,7 @@ See docs/contracts.md for the parameter paths and function signatures other pack
 from jaxrl_mismatch.models.attention import ATTENTION_IMPLS
 from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxrl_mismatch.models.hf_io import hf_to_params, load_hf, params_to_hf, save_hf
-from jaxrl_mismatch.models.kv_cache import KVCache, decode_loop, decode_step, init_cache, prefill
+from jaxrl_mismatch.models.kv_cache import KVCache, decode_loop, decode_step, init_cache, left_pad, prefill
 from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
 from jaxrl_mismatch.models.model import REMAT_POLICIES, Transformer, positions_from_mask, positions_from_segments
 from jaxrl_mismatch.models.scoring import Scores, logprobs_from_hidden, make_scorer, score_tokens, token_logprobs
@@ -24,6 +24,7 @@ __all__ = [
     "decode_step",
     "hf_to_params",
     "init_cache",
+    "left_pad",
     "load_balancing_loss",
     "load_hf",
     "logprobs_from_hidden",

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch.models.config import ModelConfig
@@ -50,6 +51,18 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.key_mask.shape[1]
+
+
+def left_pad(rows: list[list[int]], pad_id: int = 0, *, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt id lists as the left-padded (ids, mask) int32 arrays `prefill` expects, `width` columns (default:
+    the longest row). Host-side: the engine, the warm start's evaluation and `attribute` pad with it."""
+    width = max(len(r) for r in rows) if width is None else width
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, block: int = DECODE_BLOCK) -> KVCache:

@@ -214,12 +214,10 @@ class JaxEngine(Engine):
         ids = np.zeros((n_rows, prompt_len), np.int32)
         mask = np.zeros((n_rows, prompt_len), np.int32)
         mask[:, -1] = 1  # padding rows: a single token 0, so no row is fully masked
+        ids[:len(rows)], mask[:len(rows)] = kv_cache.left_pad([prompts[i] for i, _ in rows], width=prompt_len)
         keys = np.zeros((n_rows,), np.int32)
         samples = np.zeros((n_rows,), np.int32)
         for r, (i, j) in enumerate(rows):
-            p = prompts[i]
-            ids[r, prompt_len - len(p):] = p
-            mask[r, prompt_len - len(p):] = 1
             keys[r], samples[r] = spec.prompt_offset + i, j
         stop = np.full((MAX_STOP_SLOTS,), -1, np.int32)
         stop[: len(spec.stop_token_ids)] = spec.stop_token_ids

@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze, attribute
-from jaxrl_mismatch.jobs.warmstart import left_pad
+from jaxrl_mismatch.models import left_pad
 from jaxrl_mismatch.models import load_hf
 from jaxrl_mismatch.models.model import CAPTURED
 from jaxrl_mismatch.usage import UsageError

@@ -135,3 +135,14 @@ def test_decode_loop_ends_rows_on_stop_ids_and_limits_and_feeds_what_it_returns(
         want = np.argmax(np.asarray(logits), axis=-1)
         np.testing.assert_array_equal(records["top"][:, t][live[:, t]], want[live[:, t]])
         logits, cache = _decode(graphdef, state, tokens[:, t], cache)
+
+
+def test_left_pad_puts_every_prompt_against_the_right_edge():
+    from jaxrl_mismatch.models import left_pad
+
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=2)
+    np.testing.assert_array_equal(ids, [[5, 6, 7], [2, 2, 8]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 1]])
+    ids, mask = left_pad([[5, 6, 7], [8]], width=5)  # the engine's bucketed width, pad 0
+    np.testing.assert_array_equal(ids, [[0, 0, 5, 6, 7], [0, 0, 0, 0, 8]])
+    assert ids.dtype == mask.dtype == np.int32 and mask.sum() == 4
