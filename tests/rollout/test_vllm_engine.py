@@ -406,3 +406,54 @@ def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path, monkeypatch):
         engine.close()
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+
+
+@pytest.mark.vllm
+def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_it(tmp_path, monkeypatch, token_file):
+    """vLLM's CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer); each machine checks the branch its CPU
+    takes, so neither is skipped. Without AMX, `serve --quantize fp8` stops before vLLM starts, one line naming
+    the flag. With AMX (first run on such a Xeon on 2026-11-26), fp8 serves, its tokens differ from bf16's
+    (the option reaches the samples), and a pushed weight set is quantized exactly as a fresh load of it."""
+    import subprocess
+    import sys
+
+    import ml_dtypes
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
+
+    ckpt = make_tiny_qwen3(tmp_path / "ckpt", tied=False, seed=2)
+    if not torch.cpu._is_amx_tile_supported():
+        proc = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", "serve", "--engine", "vllm", "--model",
+                               str(ckpt), "--token-file", str(token_file), "--port", "0", "--quantize", "fp8"],
+                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("error: --quantize fp8: vLLM's CPU fp8 kernels need AMX")
+        return
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    new = perturbed(dict(load_file(str(ckpt / "model.safetensors"))), seed=41)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "config.json").write_bytes((ckpt / "config.json").read_bytes())
+    save_file(new, str(moved / "model.safetensors"), metadata={"format": "pt"})
+
+    def sample(model_dir, quantize, push=None):
+        engine = VLLMEngine(model_dir, "bfloat16", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
+                            quantize=quantize)
+        try:
+            if push is not None:
+                engine.update_weights({k: v.astype(ml_dtypes.bfloat16) for k, v in push.items()}, 1)
+            return [(c.token_ids, c.logprobs) for g in engine.generate(PROMPTS, PLAIN) for c in g]
+        finally:
+            engine.close()
+
+    try:
+        assert sample(ckpt, "fp8") != sample(ckpt, "none")
+        assert sample(ckpt, "fp8", push=new) == sample(moved, "fp8")  # bit for bit
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
