@@ -81,6 +81,11 @@ class _Member:
         return self.session.client.target
 
 
+def _exited(m: _Member) -> bool:
+    """A server the fleet launched whose process has exited (an attached one is never known to have)."""
+    return m.session.server is not None and not m.session.server.alive()
+
+
 class RolloutFleet:
     """See the module docstring. Build with `launch` (N managed servers) or `attach` (addresses)."""
 
@@ -217,11 +222,11 @@ class RolloutFleet:
                 except RolloutError as e:
                     if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                         raise  # the request itself is bad: every server would refuse it
-                    dead = m.session.server is not None and not m.session.server.alive()  # its call fails at once
-                    self._fail(m, "died" if dead else f"failed ({e})", pieces[i], pending, i, len(idle) + len(inflight))
+                    # a launched server's exit fails its call at once (the client's `alive`), before the poll below
+                    self._fail(m, "died" if _exited(m) else f"failed ({e})", pieces[i], pending, i, len(idle) + len(inflight))
             now = time.monotonic()
             for fut, (m, i, t0) in list(inflight.items()):
-                dead = m.session.server is not None and not m.session.server.alive()
+                dead = _exited(m)
                 if dead or now - t0 > self.stall_timeout_s:
                     del inflight[fut]  # its late answer, if any, is dropped
                     why = "died" if dead else f"stalled ({now - t0:.0f} s > stall_timeout_s {self.stall_timeout_s:g})"

@@ -15,8 +15,7 @@ import pytest
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze, attribute
-from jaxrl_mismatch.models import left_pad
-from jaxrl_mismatch.models import load_hf
+from jaxrl_mismatch.models import left_pad, load_hf
 from jaxrl_mismatch.models.model import CAPTURED
 from jaxrl_mismatch.usage import UsageError
 from tests.rollout.conftest import VOCAB, make_tiny_qwen3

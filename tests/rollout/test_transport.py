@@ -44,6 +44,8 @@ from jaxrl_mismatch.rollout.protocol import (
 from jaxrl_mismatch.rollout.server import RolloutServer
 from jaxrl_mismatch.rollout.validation import count_non_finite
 
+from .conftest import free_port
+
 TOKEN = "s3cret-test-token"
 
 
@@ -392,23 +394,11 @@ def test_client_stale_versions_and_compatibility(served):
 
 
 def test_client_gives_up_waiting_with_a_clear_error():
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     from jaxrl_mismatch.rollout.client import RolloutError
 
     with pytest.raises(RolloutError, match=f"127.0.0.1:{port} not ready after 1s"):
         RolloutClient(f"127.0.0.1:{port}", wait_ready_s=1.0)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _CountingGetInfo:
@@ -428,7 +418,7 @@ def test_a_server_that_used_up_a_calls_retries_gets_one_attempt_per_call_until_i
     once the server answers again, a later outage gets its full budget back."""
     from jaxrl_mismatch.rollout.client import RetryPolicy
 
-    port = _free_port()
+    port = free_port()
     client = RolloutClient(f"127.0.0.1:{port}", token=TOKEN, wait_ready_s=None,
                            retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01))
     calls = _CountingGetInfo(client)
@@ -456,7 +446,7 @@ def test_a_server_that_used_up_a_calls_retries_gets_one_attempt_per_call_until_i
 def test_a_launched_server_whose_process_exited_is_not_retried(alive, attempts):
     from jaxrl_mismatch.rollout.client import RetryPolicy
 
-    client = RolloutClient(f"127.0.0.1:{_free_port()}", wait_ready_s=None, alive=lambda: alive,
+    client = RolloutClient(f"127.0.0.1:{free_port()}", wait_ready_s=None, alive=lambda: alive,
                            retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01))
     calls = _CountingGetInfo(client)
     with pytest.raises(RolloutError, match="process has exited" if not alive else "after 3 attempts"):
@@ -473,7 +463,7 @@ def test_a_retry_time_budget_bounds_the_attempts_whatever_their_count():
     many = RetryPolicy(max_attempts=None, initial_backoff_s=0.01, max_backoff_s=0.01, max_elapsed_s=0.3)
     for policy, ok in [(RetryPolicy.within(0), lambda n: n == 1), (RetryPolicy.within(0.05), lambda n: n == 1),
                        (many, lambda n: n > 3)]:
-        client = RolloutClient(f"127.0.0.1:{_free_port()}", wait_ready_s=None, retry=policy)
+        client = RolloutClient(f"127.0.0.1:{free_port()}", wait_ready_s=None, retry=policy)
         calls = _CountingGetInfo(client)
         with pytest.raises(RolloutError, match=r"UNAVAILABLE after \d+ attempts"):
             client.info()

@@ -419,7 +419,9 @@ def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_
 
     import ml_dtypes
     import torch
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
+
+    from .conftest import REPO, write_checkpoint
 
     from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
 
@@ -427,7 +429,7 @@ def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_
     if not torch.cpu._is_amx_tile_supported():
         proc = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", "serve", "--engine", "vllm", "--model",
                                str(ckpt), "--token-file", str(token_file), "--port", "0", "--quantize", "fp8"],
-                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("error: --quantize fp8: vLLM's CPU fp8 kernels need AMX")
         return
@@ -436,10 +438,7 @@ def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     new = perturbed(dict(load_file(str(ckpt / "model.safetensors"))), seed=41)
-    moved = tmp_path / "moved"
-    moved.mkdir()
-    (moved / "config.json").write_bytes((ckpt / "config.json").read_bytes())
-    save_file(new, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    moved = write_checkpoint(ckpt, tmp_path / "moved", new)
 
     def sample(model_dir, quantize, push=None):
         engine = VLLMEngine(model_dir, "bfloat16", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
