@@ -105,7 +105,7 @@ class ServerRestartedError(RolloutError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """Jittered exponential backoff; a call gives up after `max_attempts` attempts (None: no count limit) or
-    when its next wait would end more than `max_elapsed_s` after its first attempt (None: no time limit).
+    when its next wait would end more than `max_elapsed_s` after its first failure (None: no time limit).
     The default, 8 attempts, waits about 11 s in all; the trainer's is `within(config.rollout.retry_s)`."""
 
     max_attempts: int | None = 8
@@ -214,8 +214,6 @@ class RolloutClient:
         """
         delays = self._retry.delays()
         attempts, give_up_at = 0, None
-        if self._retry.max_elapsed_s is not None:
-            give_up_at = time.monotonic() + self._retry.max_elapsed_s
         while True:
             attempts += 1
             try:
@@ -233,6 +231,9 @@ class RolloutClient:
                     if self._alive is not None and not self._alive():
                         raise RolloutError(f"{what} on {self.target}: UNAVAILABLE, the server process has exited: "
                                            f"{e.details()}", code=code) from None
+                if give_up_at is None and self._retry.max_elapsed_s is not None:
+                    # The budget starts at the first failure: a long Generate that dies late still gets it.
+                    give_up_at = time.monotonic() + self._retry.max_elapsed_s
                 delay = next(delays, None)
                 if delay is not None and give_up_at is not None and time.monotonic() + delay > give_up_at:
                     delay = None

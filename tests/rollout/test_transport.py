@@ -471,6 +471,33 @@ def test_a_retry_time_budget_bounds_the_attempts_whatever_their_count():
         client.close()
 
 
+def test_the_retry_time_budget_starts_at_the_first_failure_not_at_the_call():
+    """A Generate can run for minutes before its server dies: `rollout.retry_s` is how long the client then
+    retries, so a first attempt longer than the whole budget must not use it up."""
+    import time
+
+    from jaxrl_mismatch.rollout.client import RetryPolicy
+
+    client = RolloutClient(f"127.0.0.1:{free_port()}", wait_ready_s=None,
+                           retry=RetryPolicy(max_attempts=None, initial_backoff_s=0.01, max_backoff_s=0.01,
+                                             max_elapsed_s=0.3))
+    calls = _CountingGetInfo(client)
+    refused = calls._rpc
+
+    def slow_first_attempt(*args, **kwargs):
+        if calls.attempts == 1:
+            time.sleep(0.5)  # the call's own work outlasts the 0.3 s budget, then the server is gone
+        return refused(*args, **kwargs)
+
+    calls._rpc = slow_first_attempt
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match=r"UNAVAILABLE after \d+ attempts"):
+        client.info()
+    assert calls.attempts > 3  # retried after the slow failure (the old budget, counted from the start: 1)
+    assert time.monotonic() - t0 >= 0.5 + 0.25  # and for about the budget, after it
+    client.close()
+
+
 def test_server_refuses_to_start_without_a_token(monkeypatch, tmp_path):
     from jaxrl_mismatch.rollout.protocol import TOKEN_ENV
     from jaxrl_mismatch.rollout.server import read_token

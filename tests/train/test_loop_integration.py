@@ -243,8 +243,10 @@ def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishe
     killer.join(timeout=10)
     done = int(__import__("re").search(r"checkpoint of step (\d+)", str(err.value)).group(1))
     assert done >= 1
-    # rollout.retry_s bounds the failing call's retries (the default 10 s makes 7 or 8 attempts)
-    assert int(__import__("re").search(r"UNAVAILABLE after (\d+) attempts", str(err.value)).group(1)) <= 4
+    # rollout.retry_s bounds the failing call's retries (the default 10 s makes 7 or 8 attempts). A call in
+    # flight when the server dies can also end in one attempt with another code (CI saw one such run).
+    retried = __import__("re").search(r"(UNAVAILABLE|DEADLINE_EXCEEDED) after (\d+) attempts", str(err.value))
+    assert retried is None or int(retried.group(2)) <= 4, str(err.value)
     steps_logged = [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
     assert steps_logged == list(range(done))  # every finished step was logged and checkpointed
 
