@@ -23,7 +23,7 @@ corrupt the newest entries.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +107,28 @@ def prefill(
         next_position=mask.sum(axis=1, dtype=jnp.int32),
     )
     return model.logits(hidden[:, -1, :]), new_cache
+
+
+def distinct_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]:
+    """Host-side: the index of the first occurrence of each distinct token row (in first-use order), and for every
+    row the position of its row among those. Samplers prefill the distinct rows once (`select_rows`)."""
+    position: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    src = np.empty((len(rows),), np.int32)
+    for k, r in enumerate(rows):
+        key = tuple(r)
+        if key not in position:
+            position[key] = len(first)
+            first.append(k)
+        src[k] = position[key]
+    return first, src
+
+
+def select_rows(cache: KVCache, rows: Int[Array, " new_batch"]) -> KVCache:
+    """The cache of batch rows `rows` (repeats allowed): n samples of one prompt decode from copies of the
+    prompt's single prefill. Slots and the write index are shared by all rows, so only the rows move."""
+    return dataclasses.replace(cache, k=cache.k[:, rows], v=cache.v[:, rows], key_mask=cache.key_mask[rows],
+                               next_position=cache.next_position[rows])
 
 
 def decode_step(

@@ -85,11 +85,14 @@ class JaxEngine(Engine):
       exact_verify_workers: groups of rows the speculative exact sampler verifies concurrently; default
         `spec_exact.verify_workers_default()` (the process's cores on CPU, 1 on an accelerator). Same bits
         for every value.
+      share_prefill: prefill each distinct prompt of a batch once and copy its KV cache to its n samples
+        (GRPO asks n samples per prompt), instead of prefilling every row; the normal sampler only (exact
+        mode computes each row alone by design). Off: one prefill per row, as before.
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_batch_rows: int = 256, quantize: str = "none", exact_sampler: str = "speculative",
-                 exact_verify_workers: int | None = None):
+                 exact_verify_workers: int | None = None, share_prefill: bool = True):
         if exact_verify_workers is not None and exact_verify_workers < 1:
             raise ValueError(f"exact_verify_workers must be ≥ 1, got {exact_verify_workers}")
         self._verify_workers = exact_verify_workers or verify_workers_default()
@@ -111,6 +114,7 @@ class JaxEngine(Engine):
         self._specs = _hf_specs(params, dtype)
         self._max_model_len = resolve_max_model_len(max_model_len, cfg.max_position_embeddings)
         self._max_batch_rows = max_batch_rows
+        self._share_prefill = share_prefill
         self._lock = threading.Lock()  # guards the (params, version) pair, nothing else
         self._params, self._quantized, self._version = params, self._quantized_of(params), 0
 
@@ -211,10 +215,19 @@ class JaxEngine(Engine):
         n_rows = _bucket(len(rows), 1)
         prompt_len = _bucket(max(len(prompts[i]) for i, _ in rows), 16)
         new_len = _bucket(spec.max_tokens, 16)
-        ids = np.zeros((n_rows, prompt_len), np.int32)
-        mask = np.zeros((n_rows, prompt_len), np.int32)
+        ctx = [prompts[i] for i, _ in rows]
+        first, src = kv_cache.distinct_rows(ctx)
+        share = self._share_prefill and len(first) < len(rows)
+        prefilled = [ctx[k] for k in first] if share else ctx
+        n_prefill = _bucket(len(prefilled), 1)
+        ids = np.zeros((n_prefill, prompt_len), np.int32)
+        mask = np.zeros((n_prefill, prompt_len), np.int32)
         mask[:, -1] = 1  # padding rows: a single token 0, so no row is fully masked
-        ids[:len(rows)], mask[:len(rows)] = kv_cache.left_pad([prompts[i] for i, _ in rows], width=prompt_len)
+        ids[:len(prefilled)], mask[:len(prefilled)] = kv_cache.left_pad(prefilled, width=prompt_len)
+        row_src = None
+        if share:  # row r decodes from the cache of prefill row row_src[r]; padding rows copy row 0
+            row_src = np.zeros((n_rows,), np.int32)
+            row_src[:len(rows)] = src
         keys = np.zeros((n_rows,), np.int32)
         samples = np.zeros((n_rows,), np.int32)
         for r, (i, j) in enumerate(rows):
@@ -226,6 +239,7 @@ class JaxEngine(Engine):
             self._graphdef, params, self._rest, jnp.asarray(ids), jnp.asarray(mask), base_key,
             jnp.asarray(keys), jnp.asarray(samples), np.float32(spec.temperature), np.int32(spec.top_k),
             np.float32(spec.top_p), jnp.asarray(stop), np.int32(spec.max_tokens), np.float32(spec.logit_noise_std),
+            None if row_src is None else jnp.asarray(row_src),
             new_len=new_len, filtering=sampling.uses_filtering(spec.top_k, spec.top_p, spec.temperature),
             inject=spec.logit_noise_std > 0, routing=spec.return_routing,
         )
@@ -292,27 +306,34 @@ class _RoutingRecorder:
 @functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "filtering", "inject", "routing"))
 def _sample_program(
     graphdef, params, rest,
-    prompt_ids: Int[Array, "rows prompt"],
-    prompt_mask: Int[Array, "rows prompt"],
+    prompt_ids: Int[Array, "prefill prompt"],
+    prompt_mask: Int[Array, "prefill prompt"],
     base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"],
     temperature, top_k, top_p,
     stop_ids: Int[Array, " stops"],
     max_tokens, sigma,
+    row_src: Int[Array, " rows"] | None = None,
     *, new_len: int, filtering: bool, inject: bool, routing: bool = False,
 ) -> tuple[Int[Array, "rows new"], Float[Array, "rows new"], Int[Array, " rows"], Bool[Array, " rows"], Array, Array]:
     """Prefill + sampled decode until every row stopped or `max_tokens` (≤ new_len) tokens exist.
 
+    `row_src`: None, one prompt row per sampled row; else the prompts are the distinct ones, each prefilled
+    once, and row r decodes from a copy of prompt row `row_src[r]`'s cache and last logits.
     Also returns the expert ids of the prompt tokens `[rows, prompt, layers, k]` and of each sampled token
     `[rows, new, layers, k]` when `routing` (else two empty arrays)."""
     model = nnx.merge(graphdef, params, rest)
-    rows, prompt_len = prompt_ids.shape
+    prompt_len = prompt_ids.shape[1]
+    rows = prompt_ids.shape[0] if row_src is None else row_src.shape[0]
     cfg = model.cfg
     route_dtype = _routing_dtype(cfg.num_experts)
     route_shape = (len(cfg.sparse_layers), cfg.num_experts_per_tok) if routing else (0, 0)
     runner = _RoutingRecorder(model, route_dtype) if routing else model
-    cache = kv_cache.init_cache(cfg, rows, prompt_len + new_len, model.policy.dtype_of("attention"))
+    cache = kv_cache.init_cache(cfg, prompt_ids.shape[0], prompt_len + new_len, model.policy.dtype_of("attention"))
     logits, cache = kv_cache.prefill(runner, prompt_ids, prompt_mask, cache)
     prompt_routes = runner.last if routing else jnp.zeros((rows, 0) + route_shape, route_dtype)
+    if row_src is not None:
+        logits, cache = logits[row_src], kv_cache.select_rows(cache, row_src)
+        prompt_routes = prompt_routes[row_src] if routing else prompt_routes
     keys = sampling.row_keys(base_key, prompt_idx, sample_idx)
 
     def pick(t, logits):

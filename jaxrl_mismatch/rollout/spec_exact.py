@@ -164,21 +164,30 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     n_rows = _bucket(a, 1)
     ctx_len = _bucket(max(len(c) for c in ctx), 16)
     new_len = _bucket(int(max_tokens - settled[active].min() - 1), 16)
-    ids = np.zeros((n_rows, ctx_len), np.int32)
-    mask = np.zeros((n_rows, ctx_len), np.int32)
+    # Rows with the same context (a prompt's samples in the first round) share one prefill; a draft only
+    # proposes tokens, so this cannot change what the verify accepts as exact.
+    first, src = kv_cache.distinct_rows(ctx)
+    prefilled = [ctx[k] for k in first] if len(first) < a else ctx
+    ids = np.zeros((_bucket(len(prefilled), 1), ctx_len), np.int32)
+    mask = np.zeros_like(ids)
     mask[:, -1] = 1  # padding rows: one token, so no row is fully masked
+    ids[:len(prefilled)], mask[:len(prefilled)] = kv_cache.left_pad(prefilled, width=ctx_len)
+    row_src = None
+    if len(first) < a:
+        row_src = np.zeros((n_rows,), np.int32)  # padding rows copy row 0 and draft nothing
+        row_src[:a] = src
     t0 = np.zeros((n_rows,), np.int32)
     limit = np.zeros((n_rows,), np.int32)  # padding rows draft nothing
     pi = np.zeros((n_rows,), np.int32)
     sj = np.zeros((n_rows,), np.int32)
-    for k, (r, c) in enumerate(zip(active, ctx)):
-        ids[k, ctx_len - len(c):], mask[k, ctx_len - len(c):] = c, 1
+    for k, r in enumerate(active):
         # one token short of the budget: the verify supplies the row's last token itself
         t0[k], limit[k], pi[k], sj[k] = settled[r], max_tokens - settled[r] - 1, key_of[r], sample_of[r]
     t_start = time.perf_counter()
     out = _draft_program(graphdef, params, rest, jnp.asarray(ids), jnp.asarray(mask), base_key, jnp.asarray(pi),
                          jnp.asarray(sj), jnp.asarray(t0), jnp.asarray(limit), np.float32(temperature),
-                         np.float32(sigma), jnp.asarray(stop), np.int32(top_k), np.float32(top_p), new_len=new_len,
+                         np.float32(sigma), jnp.asarray(stop), np.int32(top_k), np.float32(top_p),
+                         None if row_src is None else jnp.asarray(row_src), new_len=new_len,
                          inject=inject, filtering=filtering)
     draft, lengths = jax.device_get(out)
     stats.draft_s += time.perf_counter() - t_start
@@ -186,17 +195,21 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "new_len", "inject", "filtering"))
-def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "rows ctx"], ctx_mask: Int[Array, "rows ctx"],
+def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "prefill ctx"], ctx_mask: Int[Array, "prefill ctx"],
                    base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"],
                    t0: Int[Array, " rows"], limit: Int[Array, " rows"], temperature, sigma,
-                   stop_ids: Int[Array, " stops"], top_k, top_p, *, new_len: int, inject: bool, filtering: bool
+                   stop_ids: Int[Array, " stops"], top_k, top_p, row_src: Int[Array, " rows"] | None = None,
+                   *, new_len: int, inject: bool, filtering: bool
                    ) -> tuple[Int[Array, "rows new"], Int[Array, " rows"]]:
     """The KV-cache sampler with per-row step offsets: token s of row r uses key fold_in(row_key, t0_r + s),
-    the key the exact sampler uses for response position t0_r + s. Stops at a stop id or `limit_r` tokens."""
+    the key the exact sampler uses for response position t0_r + s. Stops at a stop id or `limit_r` tokens.
+    `row_src`: the contexts are the distinct ones and row r decodes from a copy of context `row_src[r]`."""
     model = nnx.merge(graphdef, params, rest)
-    rows, ctx_len = ctx_ids.shape
-    cache = kv_cache.init_cache(model.cfg, rows, ctx_len + new_len, model.policy.compute_dtype)
+    ctx_len = ctx_ids.shape[1]
+    cache = kv_cache.init_cache(model.cfg, ctx_ids.shape[0], ctx_len + new_len, model.policy.compute_dtype)
     logits, cache = kv_cache.prefill(model, ctx_ids, ctx_mask, cache)
+    if row_src is not None:
+        logits, cache = logits[row_src], kv_cache.select_rows(cache, row_src)
     keys = row_keys(base_key, prompt_idx, sample_idx)
 
     def pick(s, logits):

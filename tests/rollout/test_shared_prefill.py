@@ -1,0 +1,66 @@
+"""The built-in engine prefills each distinct prompt of a batch once and decodes its n samples from copies of
+that cache (`JaxEngine(share_prefill=True)`, the default): the same completions as one prefill per row, and
+the program really prefills fewer rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxrl_mismatch.rollout import jax_engine
+from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [7], [2, 71, 82, 81, 82, 84, 59]]
+
+
+@pytest.fixture
+def prefill_rows(monkeypatch):
+    """The rows each call of the sampling program prefills, and its `row_src` (None: one prompt per row)."""
+    seen: list[tuple[int, object]] = []
+    program = jax_engine._sample_program
+
+    def spy(graphdef, params, rest, prompt_ids, *args, **kwargs):
+        seen.append((prompt_ids.shape[0], None if args[-1] is None else np.asarray(args[-1])))
+        return program(graphdef, params, rest, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(jax_engine, "_sample_program", spy)
+    return seen
+
+
+@pytest.mark.parametrize("max_batch_rows", [256, 6])  # 6: a prompt's samples split across two programs
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_shared_prefill_samples_what_one_prefill_per_row_samples(tiny_checkpoints, prefill_rows, max_batch_rows, top_p):
+    spec = SamplingSpec(n=4, max_tokens=12, temperature=1.0, top_p=top_p, seed=3)
+    out = {}
+    for share in (True, False):
+        engine = JaxEngine(str(tiny_checkpoints["untied"]), max_batch_rows=max_batch_rows, share_prefill=share)
+        out[share] = engine.generate(PROMPTS, spec)
+    for shared, alone in zip(out[True], out[False], strict=True):
+        for a, b in zip(shared, alone, strict=True):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    # The option reaches the program: shared, 4 prompts x 4 samples prefill 4 rows, not 16.
+    calls = len(prefill_rows) // 2
+    shared, alone = prefill_rows[:calls], prefill_rows[calls:]
+    assert all(src is None for _, src in alone) and sum(rows for rows, _ in alone) >= 16
+    if max_batch_rows == 256:
+        assert shared[0][0] == 4 and shared[0][1].tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    else:  # rows (prompt, sample) in order, 6 per program: prompts {0, 1}, {1, 2}, {3}
+        assert [rows for rows, _ in shared] == [2, 2, 1]
+        assert [src.tolist()[:6] for _, src in shared] == [[0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1], [0, 0, 0, 0]]
+
+
+def test_one_sample_per_prompt_prefills_every_row_as_before(tiny_checkpoints, prefill_rows):
+    engine = JaxEngine(str(tiny_checkpoints["untied"]))
+    engine.generate(PROMPTS, SamplingSpec(n=1, max_tokens=4, seed=0))
+    assert prefill_rows == [(4, None)]
+
+
+def test_distinct_rows_keeps_first_use_order():
+    from jaxrl_mismatch.models import distinct_rows
+
+    first, src = distinct_rows([[1, 2], [3], [1, 2], [1], [3], [1, 2, 0]])
+    assert first == [0, 1, 3, 5] and src.tolist() == [0, 1, 0, 2, 1, 3]
+    first, src = distinct_rows([])
+    assert first == [] and src.shape == (0,)
