@@ -86,8 +86,9 @@ class JaxEngine(Engine):
         `spec_exact.verify_workers_default()` (the process's cores on CPU, 1 on an accelerator). Same bits
         for every value.
       share_prefill: prefill each distinct prompt of a batch once and copy its KV cache to its n samples
-        (GRPO asks n samples per prompt), instead of prefilling every row; the normal sampler only (exact
-        mode computes each row alone by design). Off: one prefill per row, as before.
+        (GRPO asks n samples per prompt), instead of prefilling every row. Off: one prefill per row. The
+        normal sampler's option; the speculative exact sampler's draft always shares (it only proposes
+        tokens), and exact mode's row forwards compute each row alone by design.
     """
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int | None = None,
