@@ -7,7 +7,7 @@ from jaxrl_mismatch.models.attention import ATTENTION_IMPLS
 from jaxrl_mismatch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxrl_mismatch.models.hf_io import hf_to_params, load_hf, params_to_hf, save_hf
 from jaxrl_mismatch.models.kv_cache import (
-    KVCache, decode_loop, decode_step, distinct_rows, init_cache, left_pad, prefill, select_rows)
+    KVCache, decode_loop, decode_step, distinct_rows, init_cache, left_pad, prefill, prefill_inputs, select_rows)
 from jaxrl_mismatch.models.moe import RouterOutput, load_balancing_loss
 from jaxrl_mismatch.models.model import REMAT_POLICIES, Transformer, positions_from_mask, positions_from_segments
 from jaxrl_mismatch.models.scoring import Scores, logprobs_from_hidden, make_scorer, score_tokens, token_logprobs
@@ -35,6 +35,7 @@ __all__ = [
     "positions_from_mask",
     "positions_from_segments",
     "prefill",
+    "prefill_inputs",
     "save_hf",
     "select_rows",
     "score_tokens",

@@ -124,6 +124,26 @@ def distinct_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]
     return first, src
 
 
+def prefill_inputs(rows: Sequence[Sequence[int]], *, batch: int, width: int, share: bool = True
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Host-side: `prefill`'s left-padded (ids, mask) for the token `rows` that `batch` decode rows (the first
+    len(rows), then padding) continue. With `share` and a repeated row, only the distinct rows are prefilled and
+    `row_src[r]` names row r's (padding rows: 0), for `select_rows`; else every row is, and `row_src` is None.
+    Prefill rows are padded to a power of two, each padding row one token 0 so no row is fully masked."""
+    first, src = distinct_rows(rows)
+    shared = share and len(first) < len(rows)
+    prefilled = [rows[k] for k in first] if shared else list(rows)
+    ids = np.zeros((1 << max(0, (len(prefilled) - 1).bit_length()), width), np.int32)
+    mask = np.zeros_like(ids)
+    mask[:, -1] = 1
+    ids[:len(prefilled)], mask[:len(prefilled)] = left_pad(prefilled, width=width)
+    if not shared:
+        return ids, mask, None
+    row_src = np.zeros((batch,), np.int32)
+    row_src[:len(rows)] = src
+    return ids, mask, row_src
+
+
 def select_rows(cache: KVCache, rows: Int[Array, " new_batch"]) -> KVCache:
     """The cache of batch rows `rows` (repeats allowed): n samples of one prompt decode from copies of the
     prompt's single prefill. Slots and the write index are shared by all rows, so only the rows move."""

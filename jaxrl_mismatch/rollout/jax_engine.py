@@ -216,19 +216,8 @@ class JaxEngine(Engine):
         n_rows = _bucket(len(rows), 1)
         prompt_len = _bucket(max(len(prompts[i]) for i, _ in rows), 16)
         new_len = _bucket(spec.max_tokens, 16)
-        ctx = [prompts[i] for i, _ in rows]
-        first, src = kv_cache.distinct_rows(ctx)
-        share = self._share_prefill and len(first) < len(rows)
-        prefilled = [ctx[k] for k in first] if share else ctx
-        n_prefill = _bucket(len(prefilled), 1)
-        ids = np.zeros((n_prefill, prompt_len), np.int32)
-        mask = np.zeros((n_prefill, prompt_len), np.int32)
-        mask[:, -1] = 1  # padding rows: a single token 0, so no row is fully masked
-        ids[:len(prefilled)], mask[:len(prefilled)] = kv_cache.left_pad(prefilled, width=prompt_len)
-        row_src = None
-        if share:  # row r decodes from the cache of prefill row row_src[r]; padding rows copy row 0
-            row_src = np.zeros((n_rows,), np.int32)
-            row_src[:len(rows)] = src
+        ids, mask, row_src = kv_cache.prefill_inputs([prompts[i] for i, _ in rows], batch=n_rows, width=prompt_len,
+                                                     share=self._share_prefill)
         keys = np.zeros((n_rows,), np.int32)
         samples = np.zeros((n_rows,), np.int32)
         for r, (i, j) in enumerate(rows):

@@ -165,17 +165,8 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     ctx_len = _bucket(max(len(c) for c in ctx), 16)
     new_len = _bucket(int(max_tokens - settled[active].min() - 1), 16)
     # Rows with the same context (a prompt's samples in the first round) share one prefill; a draft only
-    # proposes tokens, so this cannot change what the verify accepts as exact.
-    first, src = kv_cache.distinct_rows(ctx)
-    prefilled = [ctx[k] for k in first] if len(first) < a else ctx
-    ids = np.zeros((_bucket(len(prefilled), 1), ctx_len), np.int32)
-    mask = np.zeros_like(ids)
-    mask[:, -1] = 1  # padding rows: one token, so no row is fully masked
-    ids[:len(prefilled)], mask[:len(prefilled)] = kv_cache.left_pad(prefilled, width=ctx_len)
-    row_src = None
-    if len(first) < a:
-        row_src = np.zeros((n_rows,), np.int32)  # padding rows copy row 0 and draft nothing
-        row_src[:a] = src
+    # proposes tokens, so this cannot change what the verify accepts as exact. Padding rows draft nothing.
+    ids, mask, row_src = kv_cache.prefill_inputs(ctx, batch=n_rows, width=ctx_len)
     t0 = np.zeros((n_rows,), np.int32)
     limit = np.zeros((n_rows,), np.int32)  # padding rows draft nothing
     pi = np.zeros((n_rows,), np.int32)
