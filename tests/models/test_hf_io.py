@@ -207,7 +207,6 @@ def test_saved_checkpoint_loads_in_vllm(tmp_path):
     (tmp_path / "score.py").write_text(_VLLM_SCORE)
     env = {
         **os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
     }
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(

@@ -16,7 +16,6 @@ share it and push versions 1, 2, ... in order; each test that needs particular w
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import numpy as np
@@ -157,11 +156,8 @@ def served(request, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(f"vllm_{request.param}")
     ckpt = make_tiny_qwen3(root / "ckpt", tied=request.param == "tied")
-    # vLLM's caches go to the test's tmp dir; the in-process engine lowers torch's thread count and
+    # vLLM's caches are the session's (tests/conftest.py). The in-process engine lowers torch's thread count and
     # replaces torch.set_num_threads in this process: put both back afterwards for the other tests.
-    saved_env = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ["VLLM_CACHE_ROOT"] = str(root / "vllm_cache")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor_cache")
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     engine = VLLMEngine(ckpt, "float32", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20)
     try:
@@ -170,11 +166,6 @@ def served(request, tmp_path_factory):
         engine.close()
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.vllm
@@ -372,7 +363,7 @@ def test_conversion_names_the_first_non_finite_logprob():
 
 
 @pytest.mark.vllm
-def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path, monkeypatch):
+def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path):
     """bfloat16 serving (the common case) has the same stale tied-head hazard as float32 (notes). Reference:
     the float32 recompute on the bf16-rounded weights; the gap is then bf16 arithmetic only. Bounds: the notes
     measured max 0.124 / mean 0.025 nats over 1,024 tokens, this model max 0.099 / mean 0.019; without the
@@ -384,8 +375,6 @@ def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path, monkeypatch):
     from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
 
     ckpt = make_tiny_qwen3(tmp_path / "ckpt", tied=True, seed=1)
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     engine = VLLMEngine(ckpt, "bfloat16", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20)
     try:
@@ -409,7 +398,7 @@ def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_it(tmp_path, monkeypatch, token_file):
+def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_it(tmp_path, token_file):
     """vLLM's CPU fp8 kernels need AMX tiles (Sapphire Rapids or newer); each machine checks the branch its CPU
     takes, so neither is skipped. Without AMX, `serve --quantize fp8` stops before vLLM starts, one line naming
     the flag. With AMX (first run on such a Xeon on 2026-11-26), fp8 serves, its tokens differ from bf16's
@@ -434,8 +423,6 @@ def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_
         assert proc.stderr.strip().splitlines()[-1].startswith("error: --quantize fp8: vLLM's CPU fp8 kernels need AMX")
         return
 
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     new = perturbed(dict(load_file(str(ckpt / "model.safetensors"))), seed=41)
     moved = write_checkpoint(ckpt, tmp_path / "moved", new)

@@ -73,9 +73,8 @@ class TrainerReference:
 def server(tmp_path_factory, token_file):
     root = tmp_path_factory.mktemp("vllm_server")
     ckpt = make_tiny_qwen3(root / "ckpt", tied=True)
-    # The subprocess inherits the environment: vLLM's caches in the test's tmp dir, a 1 GiB KV cache.
-    env = {"VLLM_CACHE_ROOT": str(root / "vllm_cache"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor_cache"),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # The subprocess inherits the environment: a 1 GiB KV cache, and the session's vLLM caches (tests/conftest.py).
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     proc = ServerProcess(ckpt, token_file, engine="vllm")
