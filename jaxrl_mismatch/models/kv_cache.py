@@ -124,6 +124,12 @@ def distinct_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]
     return first, src
 
 
+def bucket(n: int, minimum: int = 1) -> int:
+    """`n` rounded up to a power of two, at least `minimum`: the sizes (rows, prompt width, new tokens) the
+    engines compile their KV-cache programs for — few distinct shapes, at most 2x padding."""
+    return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+
+
 def prefill_inputs(rows: Sequence[Sequence[int]], *, batch: int, width: int, share: bool = True
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Host-side: `prefill`'s left-padded (ids, mask) for the token `rows` that `batch` decode rows (the first
@@ -133,7 +139,7 @@ def prefill_inputs(rows: Sequence[Sequence[int]], *, batch: int, width: int, sha
     first, src = distinct_rows(rows)
     shared = share and len(first) < len(rows)
     prefilled = [rows[k] for k in first] if shared else list(rows)
-    ids = np.zeros((1 << max(0, (len(prefilled) - 1).bit_length()), width), np.int32)
+    ids = np.zeros((bucket(len(prefilled)), width), np.int32)
     mask = np.zeros_like(ids)
     mask[:, -1] = 1
     ids[:len(prefilled)], mask[:len(prefilled)] = left_pad(prefilled, width=width)

@@ -62,11 +62,6 @@ def _hf_specs(params, dtype: str) -> dict[str, TensorSpec]:
     return {name: TensorSpec(shape, dtype) for name, (shape, _) in hf_io.hf_tensor_shapes(params).items()}
 
 
-def _bucket(n: int, minimum: int) -> int:
-    """Round up to a power of two (at least `minimum`): few distinct shapes, at most 2x padding."""
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
 class JaxEngine(Engine):
     """Engine over an HF checkpoint directory, served with the trainer's model code.
 
@@ -213,9 +208,9 @@ class JaxEngine(Engine):
     # -- batching ----------------------------------------------------------------------------------
     def _generate_rows(self, params, prompts, rows, spec: SamplingSpec):
         """Pad one batch of rows to bucketed shapes, run the jitted program, un-pad the results."""
-        n_rows = _bucket(len(rows), 1)
-        prompt_len = _bucket(max(len(prompts[i]) for i, _ in rows), 16)
-        new_len = _bucket(spec.max_tokens, 16)
+        n_rows = kv_cache.bucket(len(rows))
+        prompt_len = kv_cache.bucket(max(len(prompts[i]) for i, _ in rows), 16)
+        new_len = kv_cache.bucket(spec.max_tokens, 16)
         ids, mask, row_src = kv_cache.prefill_inputs([prompts[i] for i, _ in rows], batch=n_rows, width=prompt_len,
                                                      share=self._share_prefill)
         keys = np.zeros((n_rows,), np.int32)

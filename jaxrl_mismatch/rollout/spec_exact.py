@@ -78,10 +78,6 @@ class SpecStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
-
-
 # The fewest rows a verify program is compiled for. Its padding rows cost nothing (`_verify_program` skips a
 # row with n_valid = 0 under `lax.cond`), and the last rounds of a call and the groups of `_verify_parallel`
 # have few rows each: without a floor every row count 1, 2, 4, … is a program of its own to compile (~1 s each
@@ -161,9 +157,9 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     if int(max_tokens - settled[active].min()) <= 1:  # every row has one token left: the verify's own
         return np.zeros((a, 0), np.int32), np.zeros((a,), np.int32)
     ctx = [list(prompts[prompt_of[r]]) + tokens[r, : settled[r]].tolist() for r in active]
-    n_rows = _bucket(a, 1)
-    ctx_len = _bucket(max(len(c) for c in ctx), 16)
-    new_len = _bucket(int(max_tokens - settled[active].min() - 1), 16)
+    n_rows = kv_cache.bucket(a)
+    ctx_len = kv_cache.bucket(max(len(c) for c in ctx), 16)
+    new_len = kv_cache.bucket(int(max_tokens - settled[active].min() - 1), 16)
     # Rows with the same context (a prompt's samples in the first round) share one prefill; a draft only
     # proposes tokens, so this cannot change what the verify accepts as exact. Padding rows draft nothing.
     ids, mask, row_src = kv_cache.prefill_inputs(ctx, batch=n_rows, width=ctx_len)
@@ -260,7 +256,7 @@ def _verify(graphdef, params, rest, prompts, tokens, settled, members, prompt_of
             length, temperature, sigma, base_key, inject, top_k, top_p, filtering):
     """The exact sampler's token and log-prob at every position of each member row, given its draft."""
     m = len(members)
-    padded = _bucket(m, VERIFY_MIN_ROWS)
+    padded = kv_cache.bucket(m, VERIFY_MIN_ROWS)
     ids = np.zeros((padded, length), np.int32)
     n_valid = np.zeros((padded,), np.int32)  # 0: a padding row, skipped
     n_prompt = np.ones((padded,), np.int32)
