@@ -38,7 +38,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # ~/.cache/vllm and /tmp/torchinductor_<user>, every start paid both again or wrote outside the test's folders:
 # measured, one tiny model scored in a new process took 41 user-s cold and 16 with both caches warm (about 12 s
 # each). One folder per session holds both, shared like the XLA cache above, deleted at the end; a
-# VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR set by the caller is used as it is, and kept.
+# VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR set by the caller is used as it is, and kept. (Inductor's precompiled
+# headers stay in $TMPDIR/torchinductor_<user> whatever these say: torch keeps them global by design.)
 _SESSION_VLLM_CACHE = None
 if not (os.environ.get("VLLM_CACHE_ROOT") and os.environ.get("TORCHINDUCTOR_CACHE_DIR")):
     _SESSION_VLLM_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-vllm-cache-")
