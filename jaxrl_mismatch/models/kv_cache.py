@@ -126,7 +126,7 @@ def distinct_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], np.ndarray]
 
 def bucket(n: int, minimum: int = 1) -> int:
     """`n` rounded up to a power of two, at least `minimum`: the sizes (rows, prompt width, new tokens) the
-    engines compile their KV-cache programs for — few distinct shapes, at most 2x padding."""
+    engines' programs are compiled for — few distinct shapes, at most 2x padding."""
     return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
 
 

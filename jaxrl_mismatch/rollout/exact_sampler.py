@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxrl_mismatch.models import kv_cache
 from jaxrl_mismatch.models.exact import canonical_length, next_token_logprobs
 from jaxrl_mismatch.rollout.sampling import row_keys
 
@@ -59,7 +60,7 @@ def sample_exact(graphdef: nnx.GraphDef, params, rest, prompts: list[list[int]],
     for r, (i, _) in enumerate(rows):
         by_length.setdefault(canonical_length(len(prompts[i]), max_tokens), []).append(r)
     for length, members in sorted(by_length.items()):
-        padded = max(1, 1 << (len(members) - 1).bit_length())
+        padded = kv_cache.bucket(len(members))
         ids = np.zeros((padded, length), np.int32)
         n_prompt = np.ones((padded,), np.int32)
         limit = np.zeros((padded,), np.int32)  # padding rows sample nothing

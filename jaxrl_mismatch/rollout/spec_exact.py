@@ -161,7 +161,7 @@ def _draft(graphdef, params, rest, prompts, tokens, settled, active, prompt_of, 
     ctx_len = kv_cache.bucket(max(len(c) for c in ctx), 16)
     new_len = kv_cache.bucket(int(max_tokens - settled[active].min() - 1), 16)
     # Rows with the same context (a prompt's samples in the first round) share one prefill; a draft only
-    # proposes tokens, so this cannot change what the verify accepts as exact. Padding rows draft nothing.
+    # proposes tokens, so this cannot change what the verify accepts as exact.
     ids, mask, row_src = kv_cache.prefill_inputs(ctx, batch=n_rows, width=ctx_len)
     t0 = np.zeros((n_rows,), np.int32)
     limit = np.zeros((n_rows,), np.int32)  # padding rows draft nothing
