@@ -59,6 +59,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -126,6 +127,35 @@ class _DropOrbaxErrors(logging.Filter):
 _ORBAX_FILTER = _DropOrbaxErrors()
 
 
+def _runs_through_orbax(tb, *described: object) -> bool:
+    """Whether a traceback passes through orbax's code, or one of `described` (the failed object, a log
+    message) names an orbax coroutine."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    where = " ".join(frames) + " " + " ".join(map(str, described))
+    return f"{os.sep}orbax{os.sep}" in where or "_read_array_index_and_device_put" in where
+
+
+class _DropAbandonedOrbaxTasks(logging.Filter):
+    """Drop asyncio's "Task exception was never retrieved" records for orbax's reads: when one array of a
+    damaged checkpoint fails to restore, orbax gives up on the reads of the other arrays, and each of those
+    failed tasks is logged with its traceback whenever it is garbage-collected (seen in a `train` that set a
+    damaged step aside: a traceback after the one warning line), and so is each of tensorstore's futures
+    those tasks awaited (its error names the `tensorstore_spec`; tensorstore is only used through orbax here).
+    The failure is already reported as one `CheckpointDamagedError`; asyncio records about anything else pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or record.exc_info[1] is None:
+            return True
+        _, exc, tb = record.exc_info
+        return not (_runs_through_orbax(tb, record.getMessage()) or "tensorstore_spec" in str(exc))
+
+
+_ASYNCIO_FILTER = _DropAbandonedOrbaxTasks()
+
+
 def _quiet_closed_loop_hook(previous):
     """sys.excepthook that drops `RuntimeError: Event loop is closed`: after a failed save, tensorstore
     completes its pending writes into the asyncio loop orbax already closed, and each callback's error
@@ -148,13 +178,7 @@ def _quiet_orbax_unraisable_hook(previous):
     closed asyncio loop end here too ("Event loop is closed"). Anything else goes to the previous hook."""
 
     def hook(unraisable):
-        tb = unraisable.exc_traceback
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code.co_filename)
-            tb = tb.tb_next
-        where = " ".join(frames) + " " + repr(unraisable.object)
-        if f"{os.sep}orbax{os.sep}" in where or "_read_array_index_and_device_put" in where:
+        if _runs_through_orbax(unraisable.exc_traceback, repr(unraisable.object)):
             return
         exc = unraisable.exc_value
         if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":  # as _quiet_closed_loop_hook
@@ -287,6 +311,12 @@ class Checkpointer:
         absl_log = logging.getLogger("absl")
         if _ORBAX_FILTER not in absl_log.filters:
             absl_log.addFilter(_ORBAX_FILTER)
+        asyncio_log = logging.getLogger("asyncio")
+        if _ASYNCIO_FILTER not in asyncio_log.filters:
+            asyncio_log.addFilter(_ASYNCIO_FILTER)
+            # The same abandoned reads leave one orbax coroutine never awaited; Python warns when it is collected.
+            warnings.filterwarnings("ignore", message=r"coroutine 'Store\._get_array_metadatas' was never awaited",
+                                    category=RuntimeWarning)
         if not getattr(sys.excepthook, "jaxrl_quiet", False):
             sys.excepthook = _quiet_closed_loop_hook(sys.excepthook)
         if not getattr(sys.unraisablehook, "jaxrl_quiet", False):
