@@ -72,7 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing (no TPU here) is not news
     from jaxrl_mismatch.train import distributed
 
-    distributed.initialize(c.distributed.initialize)
+    if not distributed.initialize(c.distributed.initialize):
+        return _run(c, accept_changes)
+    try:
+        return _run(c, accept_changes)
+    finally:
+        distributed.shutdown()
+
+
+def _run(c, accept_changes: bool) -> int:
+    """The job once JAX's processes are up (one process, or every process of a multi-host job)."""
     import jax
 
     if jax.process_count() > 1:
