@@ -72,12 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing (no TPU here) is not news
     from jaxrl_mismatch.train import distributed
 
-    if not distributed.initialize(c.distributed.initialize):
-        return _run(c, accept_changes)
+    multi_process = distributed.initialize(c.distributed.initialize)
     try:
         return _run(c, accept_changes)
     finally:
-        distributed.shutdown()
+        if multi_process:
+            distributed.shutdown()
 
 
 def _run(c, accept_changes: bool) -> int:
