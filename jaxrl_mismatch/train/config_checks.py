@@ -8,6 +8,7 @@ allocate anything; `Trainer` takes the checked config as it is.
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_collections
@@ -314,10 +315,22 @@ def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
 
 
 def check_mesh(c: ml_collections.ConfigDict):
-    """The trainer's mesh on this job's devices; ConfigError naming `trainer.mesh` if it does not fit."""
-    from jaxrl_mismatch.models.sharding import make_mesh
+    """The trainer's mesh on this job's devices; ConfigError naming `trainer.mesh` if it does not fit, or
+    `batch` if a minibatch's rows cannot be split evenly over the devices the batch is sharded on (XLA would
+    refuse the first update's sharding only after the model is loaded and a rollout collected)."""
+    from jaxrl_mismatch.models.sharding import batch_axes, make_mesh
 
     try:
-        return make_mesh(c.trainer.mesh.to_dict())
+        mesh = make_mesh(c.trainer.mesh.to_dict())
     except ValueError as e:
         raise ConfigError(f"config.trainer.mesh: {e}") from None
+    axes = batch_axes(mesh)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    minibatch_rows = c.batch.prompts_per_step * c.rollout.group_size // c.batch.minibatches
+    if minibatch_rows % shards:
+        raise ConfigError(
+            f"config.batch: a minibatch of {minibatch_rows} rows (prompts_per_step × group_size / minibatches) "
+            f"does not split over the {shards} devices the batch is sharded on (trainer.mesh "
+            f"{' × '.join(f'{a}={mesh.shape[a]}' for a in axes)}); make the minibatch a multiple of {shards} rows "
+            "or shard the batch over fewer devices")
+    return mesh

@@ -102,10 +102,17 @@ def test_bad_input_is_one_line_exit_2(args, needles, tmp_path):
     assert not (tmp_path / "base").exists() and not (tmp_path / "run").exists()  # nothing started or written
 
 
-def test_mesh_that_does_not_fit_the_devices_fails_before_the_warm_start(tmp_path):
-    out = cli("train", "--config", CONFIG, "--config.trainer.mesh.data=3", f"--config.run_dir={tmp_path / 'run'}",
-              f"--config.model.path={tmp_path / 'base'}")
-    assert_one_line_error(out, "config.trainer.mesh", "3 devices")
+@pytest.mark.parametrize("flag, devices, needles", [
+    ("--config.trainer.mesh.data=3", 1, ["config.trainer.mesh", "3 devices"]),
+    # 3 prompts x 8 samples / 4 minibatches = 6 rows over the batch's 8 devices: XLA refused the first update
+    # only after the warm start, the model load and a rollout
+    ("--config.batch.prompts_per_step=3", 8, ["config.batch", "minibatch of 6 rows", "8 devices", "data=8"]),
+])
+def test_mesh_or_batch_that_does_not_fit_the_devices_fails_before_the_warm_start(flag, devices, needles, tmp_path):
+    out = cli("train", "--config", CONFIG, flag, f"--config.run_dir={tmp_path / 'run'}",
+              f"--config.model.path={tmp_path / 'base'}",
+              env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    assert_one_line_error(out, *needles)
     assert not (tmp_path / "base").exists()  # the warm start never ran
 
 
