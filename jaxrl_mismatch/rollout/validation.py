@@ -23,6 +23,7 @@ from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
 from jaxrl_mismatch.rollout.protocol import Limits, spec_from_proto, tensor_from_bytes, tensor_nbytes
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPT_INDEX = 2**31 - 1  # prompt_offset + i keys a prompt's randomness; the engines hold it as int32
 GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollout/sampling.py and vLLM)
 # Elements per block of the finiteness scan: bounds its temporary boolean array (16 MiB) for any tensor size.
 _FINITE_SCAN_BLOCK = 1 << 24
@@ -94,6 +95,9 @@ def parse_generate(
     _check_token_ids(np.asarray(spec.stop_token_ids, dtype=np.int64), info.vocab_size, "stop_token_ids")
     if spec.prompt_offset < 0:
         raise RequestError("prompt_offset", f"must be >= 0, got {spec.prompt_offset}")
+    if spec.prompt_offset + len(prompts) - 1 > MAX_PROMPT_INDEX:  # the engines draw keys for int32 prompt indices
+        raise RequestError("prompt_offset", f"prompt_offset + number of prompts - 1 must be <= {MAX_PROMPT_INDEX} "
+                                            f"(the last prompt's index), got {spec.prompt_offset} + {len(prompts)} - 1")
     noise = spec.logit_noise_std
     if not (math.isfinite(noise) and noise >= 0.0):
         raise RequestError("logit_noise_std", f"must be finite and >= 0 (0 = off), got {noise}")

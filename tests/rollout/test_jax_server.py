@@ -198,6 +198,8 @@ def _req(**kw):
         (dict(max_tokens=4, prompts=[[1], []]), "prompts[1].token_ids"),
         (dict(max_tokens=4, top_p=2.0), "top_p"),
         (dict(max_tokens=250, prompts=[[1] * 10]), "max_tokens"),  # 10 + 250 > max_model_len 256
+        # the last prompt's index 2**31 overflows the engines' int32 prompt index (was INTERNAL: OverflowError)
+        (dict(max_tokens=4, prompts=[[1], [2]], prompt_offset=2**31 - 1), "prompt_offset"),
         # Oversize: 2**21 + 1 prompt tokens (~2 MB on the wire, under gRPC's 64 MiB transport limit).
         (dict(max_tokens=1, prompts=[[1] * (1 << 20), [1] * ((1 << 20) + 1)]), "prompts"),
     ],
