@@ -74,6 +74,8 @@ class EngineInfo:
     # "quantize_strength"
     options: tuple[str, ...] = ()
     quantize: str = "none"  # weight quantization the engine serves with: none | int8 | fp8 (models/quantize.py)
+    # wire bytes of one token's expert ids in a completion's routing (sparse layers × k × itemsize); 0: no routing
+    routing_bytes_per_token: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -341,4 +341,5 @@ class RolloutFleet:
         """The strictest request limits of the servers (a piece must fit whichever server takes it)."""
         limits = [m.session.limits for m in self.members]
         return Limits(max_request_prompt_tokens=min(x.max_request_prompt_tokens for x in limits),
-                      max_request_completion_tokens=min(x.max_request_completion_tokens for x in limits))
+                      max_request_completion_tokens=min(x.max_request_completion_tokens for x in limits),
+                      routing_bytes_per_token=max(x.routing_bytes_per_token for x in limits))

@@ -120,9 +120,11 @@ class JaxEngine(Engine):
             version = self._version
         options = (("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
                    + (("quantize_strength",) if self._quantize != "none" else ()))
+        routing_bytes = (len(self.cfg.sparse_layers) * self.cfg.num_experts_per_tok
+                         * np.dtype(_routing_dtype(self.cfg.num_experts)).itemsize) if self.cfg.is_moe else 0
         return EngineInfo(architecture=self.cfg.architecture, vocab_size=self.cfg.vocab_size, dtype=self._dtype,
                           engine="jax", weight_version=version, max_model_len=self._max_model_len,
-                          options=options, quantize=self._quantize)
+                          options=options, quantize=self._quantize, routing_bytes_per_token=routing_bytes)
 
     def weight_specs(self) -> dict[str, TensorSpec]:
         return dict(self._specs)

@@ -41,9 +41,16 @@ LISTENING_PREFIX = "JAXRL_ROLLOUT_LISTENING"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # A prompt token costs at most 5 bytes on the wire (varint int32, packed), a completion token at most
-# 9 (token varint + float32 logprob). These defaults keep requests and responses below ~40 MiB.
+# 14 (token varint + float32 logprob + kept-count varint). These defaults keep requests below ~11 MB and the
+# responses' tokens below ~59 MB; `response_bytes_bound` also counts each sample's framing and its routing.
 DEFAULT_MAX_REQUEST_PROMPT_TOKENS = 1 << 21
 DEFAULT_MAX_REQUEST_COMPLETION_TOKENS = 1 << 22
+COMPLETION_TOKEN_BYTES = 14
+# One Completion's framing besides its per-token arrays: message and field tags and lengths, finish reason,
+# weight version, the Routing message's own fields (counted generously: it is at most ~70 bytes).
+SAMPLE_OVERHEAD_BYTES = 96
+PROMPT_OVERHEAD_BYTES = 6  # one PromptCompletions tag + length
+RESPONSE_OVERHEAD_BYTES = 1024  # the GenerateResponse's server_id and framing
 
 FINISH_REASONS = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
 _FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
@@ -60,6 +67,25 @@ class Limits:
 
     max_request_prompt_tokens: int = DEFAULT_MAX_REQUEST_PROMPT_TOKENS
     max_request_completion_tokens: int = DEFAULT_MAX_REQUEST_COMPLETION_TOKENS
+    # The engine's routing bytes per token (`EngineInfo.routing_bytes_per_token`): what a return_routing
+    # request adds to its response, which must stay within MAX_MESSAGE_BYTES (`response_bytes_bound`).
+    routing_bytes_per_token: int = 0
+
+
+def prompt_response_bytes(prompt_len: int, spec: SamplingSpec, routing_bytes_per_token: int) -> int:
+    """An upper bound on what one prompt's `spec.n` samples add to a GenerateResponse: each sample's tokens
+    (`COMPLETION_TOKEN_BYTES` each), its framing, and with `return_routing` its expert ids for the prompt's
+    and its own tokens (the prompt's routing travels once per sample)."""
+    routing = routing_bytes_per_token * (prompt_len + spec.max_tokens) if spec.return_routing else 0
+    return PROMPT_OVERHEAD_BYTES + spec.n * (SAMPLE_OVERHEAD_BYTES + spec.max_tokens * COMPLETION_TOKEN_BYTES
+                                             + routing)
+
+
+def response_bytes_bound(prompt_lens: Sequence[int], spec: SamplingSpec, routing_bytes_per_token: int) -> int:
+    """An upper bound on the encoded size of the GenerateResponse to these prompts: a request is refused
+    (server) or split (client) when it could exceed MAX_MESSAGE_BYTES, which gRPC would only report after
+    the whole batch was generated, as RESOURCE_EXHAUSTED."""
+    return RESPONSE_OVERHEAD_BYTES + sum(prompt_response_bytes(n, spec, routing_bytes_per_token) for n in prompt_lens)
 
 
 # -- Generate ------------------------------------------------------------------------------------------------------
@@ -192,6 +218,7 @@ def info_to_proto(info: EngineInfo, *, server_id: str, limits: Limits, shm_host_
         options=list(info.options),
         quantize=info.quantize,
         shm_host_id=shm_host_id,
+        routing_bytes_per_token=info.routing_bytes_per_token,
     )
     for name, spec in sorted((weight_specs or {}).items()):
         resp.weight_specs.add(name=name, shape=list(spec.shape), dtype=spec.dtype)
@@ -209,12 +236,14 @@ def info_from_proto(resp: rollout_pb2.GetInfoResponse) -> EngineInfo:
         max_model_len=resp.max_model_len,
         options=tuple(resp.options),
         quantize=resp.quantize or "none",
+        routing_bytes_per_token=resp.routing_bytes_per_token,
     )
 
 
 def limits_from_proto(resp: rollout_pb2.GetInfoResponse) -> Limits:
     return Limits(max_request_prompt_tokens=resp.max_request_prompt_tokens,
-                  max_request_completion_tokens=resp.max_request_completion_tokens)
+                  max_request_completion_tokens=resp.max_request_completion_tokens,
+                  routing_bytes_per_token=resp.routing_bytes_per_token)
 
 
 def weight_specs_from_proto(resp: rollout_pb2.GetInfoResponse) -> dict[str, TensorSpec]:

@@ -139,7 +139,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "dtype", "engine", "weight_version", "max_model_len", "server_id", "max_request_prompt_tokens", "max_request_completion_tokens", "weight_specs", "options", "quantize", "shm_host_id")
+    __slots__ = ("architecture", "vocab_size", "dtype", "engine", "weight_version", "max_model_len", "server_id", "max_request_prompt_tokens", "max_request_completion_tokens", "weight_specs", "options", "quantize", "shm_host_id", "routing_bytes_per_token")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class GetInfoResponse(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     dtype: str
@@ -166,7 +167,8 @@ class GetInfoResponse(_message.Message):
     options: _containers.RepeatedScalarFieldContainer[str]
     quantize: str
     shm_host_id: str
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., server_id: _Optional[str] = ..., max_request_prompt_tokens: _Optional[int] = ..., max_request_completion_tokens: _Optional[int] = ..., weight_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Iterable[str]] = ..., quantize: _Optional[str] = ..., shm_host_id: _Optional[str] = ...) -> None: ...
+    routing_bytes_per_token: int
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., server_id: _Optional[str] = ..., max_request_prompt_tokens: _Optional[int] = ..., max_request_completion_tokens: _Optional[int] = ..., weight_specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., options: _Optional[_Iterable[str]] = ..., quantize: _Optional[str] = ..., shm_host_id: _Optional[str] = ..., routing_bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class ShmTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")

@@ -26,7 +26,7 @@ import numpy as np
 from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, RolloutError, ServerRestartedError
 from jaxrl_mismatch.rollout.engine import Completion, EngineInfo, SamplingSpec
 from jaxrl_mismatch.rollout.launcher import ManagedServer
-from jaxrl_mismatch.rollout.protocol import Limits
+from jaxrl_mismatch.rollout.protocol import MAX_MESSAGE_BYTES, RESPONSE_OVERHEAD_BYTES, Limits, prompt_response_bytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,20 +36,29 @@ def request_chunks(prompt_ids: Sequence[Sequence[int]], spec: SamplingSpec, limi
     """Consecutive prompt ranges whose Generate requests stay within the server's per-request limits.
 
     A real run asks for more than one request may carry (64 prompts × 16 samples × 8192 tokens is 8.4M
-    completion tokens, over the default 4M and over gRPC's 64 MiB message size).
+    completion tokens, over the default 4M and over gRPC's 64 MiB message size; with a MoE engine's routing,
+    the response outgrows 64 MiB long before the token limits: `protocol.response_bytes_bound`).
     """
     per_prompt = spec.n * spec.max_tokens
     if per_prompt > limits.max_request_completion_tokens:
         raise ValueError(f"one prompt asks for n × max_tokens = {per_prompt} completion tokens, over the request "
                          f"limit {limits.max_request_completion_tokens}; lower rollout.group_size or max_tokens")
-    chunks, start, completion, prompt = [], 0, 0, 0
+    # The response must fit the transport too (`protocol.response_bytes_bound`; a MoE engine's routing repeats
+    # each prompt's expert ids in all n samples).
+    budget = MAX_MESSAGE_BYTES - RESPONSE_OVERHEAD_BYTES
+    chunks, start, completion, prompt, size = [], 0, 0, 0, 0
     for i, p in enumerate(prompt_ids):
+        grow = prompt_response_bytes(len(p), spec, limits.routing_bytes_per_token)
+        if grow > budget:
+            raise ValueError(f"prompt {i}: its n = {spec.n} samples' response could reach {grow} bytes, over the "
+                             f"{MAX_MESSAGE_BYTES}-byte message limit; lower rollout.group_size or max_tokens")
         if i > start and (completion + per_prompt > limits.max_request_completion_tokens
-                          or prompt + len(p) > limits.max_request_prompt_tokens):
+                          or prompt + len(p) > limits.max_request_prompt_tokens or size + grow > budget):
             chunks.append(slice(start, i))
-            start, completion, prompt = i, 0, 0
+            start, completion, prompt, size = i, 0, 0, 0
         completion += per_prompt
         prompt += len(p)
+        size += grow
     chunks.append(slice(start, len(prompt_ids)))
     return chunks
 

@@ -9,7 +9,10 @@ Oversize requests: gRPC itself answers RESOURCE_EXHAUSTED when a message exceeds
 that happens before our code runs. So the server enforces its own, lower, limits on the number of prompt
 tokens and completion tokens per request (`protocol.Limits`, advertised in GetInfo), chosen so that any
 request within them fits well inside the transport limit. An oversize request up to the transport limit gets INVALID_ARGUMENT naming
-`prompts` or `max_tokens`; only a message beyond the transport limit (64 MiB) gets gRPC's code.
+`prompts` or `max_tokens`; only a message beyond the transport limit (64 MiB) gets gRPC's code. The response
+is bounded too (`protocol.response_bytes_bound`: tokens, framing, and a MoE engine's routing, which repeats
+the prompt's expert ids in every sample): a request whose response could exceed 64 MiB is refused before any
+generation (`return_routing` or `max_tokens`), since gRPC would fail it only after the whole batch was sampled.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ import numpy as np
 
 from jaxrl_mismatch.rollout import rollout_pb2
 from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec, TensorSpec
-from jaxrl_mismatch.rollout.protocol import Limits, spec_from_proto, tensor_from_bytes, tensor_nbytes
+from jaxrl_mismatch.rollout.protocol import (
+    MAX_MESSAGE_BYTES,
+    Limits,
+    response_bytes_bound,
+    spec_from_proto,
+    tensor_from_bytes,
+    tensor_nbytes,
+)
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_INDEX = 2**31 - 1  # prompt_offset + i keys a prompt's randomness; the engines hold it as int32
@@ -86,6 +96,14 @@ def parse_generate(
             f"prompts x n x max_tokens = {completion_tokens} exceeds the server limit of "
             f"{limits.max_request_completion_tokens} completion tokens per request; split the batch",
         )
+    size = response_bytes_bound([len(p) for p in prompts], spec, info.routing_bytes_per_token)
+    if size > MAX_MESSAGE_BYTES:  # checked now, not by gRPC after the whole batch was generated
+        routing = (f", {info.routing_bytes_per_token} bytes of routing per prompt and completion token of each "
+                   "sample" if spec.return_routing and info.routing_bytes_per_token else "")
+        raise RequestError(
+            "return_routing" if routing else "max_tokens",
+            f"the response could reach {size} bytes ({len(prompts)} prompts x n={spec.n} x max_tokens="
+            f"{spec.max_tokens}{routing}), over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
     if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
         raise RequestError("temperature", f"must be finite and >= 0 (below 1e-5: greedy), got {spec.temperature}")
     if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):

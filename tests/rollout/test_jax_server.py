@@ -70,6 +70,7 @@ def test_info_and_compatibility(served):
     assert server.ready["host"] == "127.0.0.1"  # loopback unless told otherwise
     info = client.check_compatible(architecture="Qwen3ForCausalLM", vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
     assert (info.engine, info.dtype, info.max_model_len, info.weight_version) == ("jax", "float32", 256, 0)
+    assert info.routing_bytes_per_token == 0 and client.request_limits().routing_bytes_per_token == 0  # dense
     specs = client.weight_specs()
     assert ("lm_head.weight" in specs) == (name == "untied")
     with pytest.raises(EngineMismatchError, match="vocab_size: engine 97, trainer model 151936"):

@@ -71,6 +71,8 @@ def _trainer_forwards(model, tokens, mask, routing):
 def test_engine_routing_over_grpc_and_replay_reproduces_mu(served, moe_dir):
     info = served.info()
     assert "routing" in info.options
+    # 2 sparse layers × top-2 × uint8, advertised so that clients size return_routing requests by it
+    assert info.routing_bytes_per_token == 4 and served.request_limits().routing_bytes_per_token == 4
     completions = served.generate(PROMPTS, SPEC)
     seqs, tokens, mask, routing = _rows(PROMPTS, completions)
     for p, c in seqs:

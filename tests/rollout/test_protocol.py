@@ -51,13 +51,15 @@ def test_completions_round_trip():
 
 def test_engine_info_limits_and_weight_specs_round_trip():
     info = EngineInfo(architecture="Qwen3ForCausalLM", vocab_size=151936, dtype="bfloat16", engine="jax",
-                      weight_version=7, max_model_len=4096, options=("exact", "routing"), quantize="int8")
+                      weight_version=7, max_model_len=4096, options=("exact", "routing"), quantize="int8",
+                      routing_bytes_per_token=384)
     limits = protocol.Limits(max_request_prompt_tokens=123, max_request_completion_tokens=456)
     specs = {"model.norm.weight": TensorSpec((8,), "bfloat16"), "lm_head.weight": TensorSpec((16, 8), "bfloat16")}
     resp = protocol.info_to_proto(info, server_id="abc", limits=limits, shm_host_id="host", weight_specs=specs)
     resp = rollout_pb2.GetInfoResponse.FromString(resp.SerializeToString())
     assert protocol.info_from_proto(resp) == info
-    assert protocol.limits_from_proto(resp) == limits
+    # the client's limits carry the engine's routing size, which its request splitting budgets for
+    assert protocol.limits_from_proto(resp) == dataclasses.replace(limits, routing_bytes_per_token=384)
     assert protocol.weight_specs_from_proto(resp) == specs
     assert (resp.server_id, resp.shm_host_id) == ("abc", "host")
     bare = protocol.info_to_proto(dataclasses.replace(info, quantize=""), server_id="", limits=limits, shm_host_id="")
@@ -99,3 +101,52 @@ def test_weight_chunks_decode_to_the_pushed_tensors():
         assert got[name].dtype == protocol.wire_dtype(specs[name].dtype) and got[name].shape == arr.shape
         assert got[name].tobytes() == np.ascontiguousarray(protocol.little_endian(arr)).tobytes(), name
         assert protocol.tensor_nbytes(specs[name]) == arr.nbytes
+
+
+@pytest.mark.parametrize("routing_bytes", [0, 12])
+def test_response_bytes_bound_holds_for_the_largest_encodings(routing_bytes):
+    """The bound the server refuses and the client splits by is an upper bound of the real encoding: token
+    ids and kept counts as large as varints get, every finish reason and version field set, routing for the
+    prompt and completion tokens of every sample (uint16 ids, 2 layers × top-3), and not loose by much."""
+    spec = SamplingSpec(n=3, max_tokens=7, return_routing=routing_bytes > 0)
+    prompts = [[1] * 40, [2] * 3]
+    big = 2**31 - 1
+    comps = [[Completion(token_ids=[big] * spec.max_tokens, logprobs=[-1e30] * spec.max_tokens,
+                         finish_reason="length", weight_version=2**62, kept_counts=[big] * spec.max_tokens,
+                         routing=(np.full((len(p) + spec.max_tokens, 2, 3), 65535, np.uint16)
+                                  if routing_bytes else None))
+              for _ in range(spec.n)] for p in prompts]
+    size = len(protocol.completions_to_proto(comps, "s" * 64, prompts=prompts).SerializeToString())
+    bound = protocol.response_bytes_bound([len(p) for p in prompts], spec, routing_bytes)
+    assert size <= bound and bound - protocol.RESPONSE_OVERHEAD_BYTES < 2 * size, (size, bound)
+
+
+def test_a_moe_batch_is_split_by_its_routing_bytes_and_the_server_refuses_it_whole():
+    """A Qwen3-30B-A3B-sized routing (48 layers × top-8 × 1 byte) makes 64 prompts × 16 samples × ~1.5k tokens
+    a ~600 MB response while the token limits allow it in one request: gRPC failed it (RESOURCE_EXHAUSTED) only
+    after the whole batch was generated. The client splits it within the message limit; the server refuses it
+    whole, before any generation, naming return_routing; without routing it is one request, and accepted."""
+    from jaxrl_mismatch.rollout.session import request_chunks
+    from jaxrl_mismatch.rollout.validation import RequestError, parse_generate
+
+    rb = 48 * 8
+    limits = protocol.Limits(routing_bytes_per_token=rb)
+    prompts = [[3] * (150 + i) for i in range(64)]
+    spec = SamplingSpec(n=16, max_tokens=1280, return_routing=True)
+    chunks = request_chunks(prompts, spec, limits)
+    assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(64))  # contiguous, all, once
+    sizes = [protocol.response_bytes_bound([len(p) for p in prompts[c]], spec, rb) for c in chunks]
+    assert max(sizes) <= protocol.MAX_MESSAGE_BYTES and len(chunks) >= 9, (len(chunks), sizes)
+    assert sum(sizes) > 8 * protocol.MAX_MESSAGE_BYTES  # it really was oversize (~590 MB)
+    plain = dataclasses.replace(spec, return_routing=False)
+    assert request_chunks(prompts, plain, limits) == [slice(0, 64)]
+
+    info = EngineInfo(architecture="Qwen3MoeForCausalLM", vocab_size=151936, dtype="bfloat16", engine="jax",
+                      weight_version=1, max_model_len=4096, options=("routing",), routing_bytes_per_token=rb)
+    whole = protocol.request_to_proto(prompts, spec)
+    with pytest.raises(RequestError, match=r"^return_routing: the response could reach \d+ bytes .*384 bytes of "
+                                           r"routing.*over the 67108864-byte message limit; split the batch"):
+        parse_generate(whole, info, protocol.Limits())
+    parse_generate(protocol.request_to_proto(prompts, plain), info, protocol.Limits())
+    for c in chunks:  # each piece the client sends is accepted
+        parse_generate(protocol.request_to_proto(prompts[c], spec), info, protocol.Limits())
