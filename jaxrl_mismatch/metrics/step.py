@@ -120,6 +120,8 @@ def step_metrics(old_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask
     ``correction/weight_mean`` and ``correction/zero_weight_frac`` describe the weight ``policy_loss``
     applies (``objectives.applied_weights``: correction × rejection [÷ global mean] × token weight); for the
     ``pg`` objective, whose weight uses π(θ)/μ, they are its value at θ = θ_old (the step's first update).
+    M2PO's mask here is the whole step's cut; each update's loss cuts its own minibatch, and what it masked is
+    the update statistic ``correction/m2po_masked_frac`` (the same with one minibatch per step).
     ``diag/surrogate_j`` is J = Σ_{i,t} Â_it (φ_it − 1) over the step (OLH eq. 23) with φ of eq. 18 at
     (``cfg.phi_delta``, ``cfg.phi_pi_low``) — the paper's monitor, independent of any injected distortion.
     """

@@ -29,9 +29,10 @@ act on and the ``mismatch/*`` metrics read 0 (there is no π(θ_old) to compare 
 M2PO (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on
 LLMs?", arXiv:2510.01161, §4, the second-moment constraint M̂₂ = (1/N) Σ_i (log r_i)² ≤ τ_M2 and its
 masking algorithm): drop the tokens with the largest (log r)², largest first, until the mean over the kept
-tokens is ≤ τ_M2 (the paper uses τ_M2 = 0.04). Here r = π_prox/μ (= ρ), taken over the *whole* step batch
-once, so the cut is a batch constant (``BatchConstants.m2_cut``) and microbatching never changes it; at the
-first minibatch of a step θ = θ_old and this is the paper's r = π_θ/μ exactly. The paper's M2PO also drops
+tokens is ≤ τ_M2 (the paper uses τ_M2 = 0.04). Here r = π_prox/μ (= ρ), taken over the update's whole batch
+(the minibatch) once, so the cut is a batch constant (``BatchConstants.m2_cut``, like the loss normaliser) and
+microbatching never changes it; at the first minibatch of a step θ = θ_old and this is the paper's r = π_θ/μ
+exactly. The masked share each update applied is ``correction/m2po_masked_frac`` (``train/objective.py``). The paper's M2PO also drops
 PPO's clip; the ``decoupled_m2po`` preset keeps the decoupled clip (M2PO's mask on AReaL's objective, as
 the presets below state).
 """

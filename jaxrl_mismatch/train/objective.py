@@ -19,7 +19,9 @@ from jaxrl_mismatch.objectives import (
     BatchConstants,
     ObjectiveConfig,
     batch_constants,
+    m2po_mask,
     policy_loss,
+    proximal_logp,
     ref_kl_k3,
     variance_weights,
     weight_distortion,
@@ -106,6 +108,19 @@ class PolicyLoss:
                             cfg=self.metrics_cfg, token_weight=batch.token_weight)
 
     def update_stats(self, logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]:
-        """θ-dependent sufficient statistics of one update (PPO ratios and clipping, entropy of π)."""
-        return update_stats(logp, batch.old_logp, batch.advantages, batch.response_mask, cfg=self.metrics_cfg,
-                            entropy=entropy)
+        """θ-dependent sufficient statistics of one update (PPO ratios and clipping, entropy of π), and with
+        M2PO the share of tokens this update's loss masked (`correction/m2po_masked_frac`).
+
+        M2PO's cut is a constant of the update's batch (the minibatch, as the loss normaliser is), so it is
+        counted here with the cut the loss used; the step metric `correction/zero_weight_frac` applies one cut
+        to the whole step batch and equals it only with one minibatch per step."""
+        stats = update_stats(logp, batch.old_logp, batch.advantages, batch.response_mask, cfg=self.metrics_cfg,
+                             entropy=entropy)
+        if self.cfg.m2po_threshold is not None:
+            m = batch.response_mask > 0
+            prox = proximal_logp(self.cfg.proximal, batch.old_logp, batch.rollout_logp)
+            num = jax.lax.stop_gradient(logp) if self.cfg.loss == "pg" else prox  # as `policy_loss` passes it
+            keep = m2po_mask(num, batch.rollout_logp, m, self.batch_constants(batch).m2_cut)
+            stats["num:correction/m2po_masked_frac"] = jnp.sum(m & (keep == 0)).astype(jnp.float32)
+            stats["den:correction/m2po_masked_frac"] = jnp.sum(m).astype(jnp.float32)
+        return stats

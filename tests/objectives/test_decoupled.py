@@ -125,3 +125,42 @@ def test_bad_fields_name_themselves():
         objective_config("grpo", proximal="old")
     with pytest.raises(ValueError, match="m2po_threshold"):
         objective_config("grpo", m2po_threshold=0.0)
+
+
+def test_m2po_masked_frac_counts_the_tokens_each_update_loss_masked():
+    """M2PO's cut is a constant of the update's batch (the minibatch): `correction/m2po_masked_frac`, summed over
+    a step's updates, counts exactly the tokens whose loss gradient the mask zeroed, while the step metric
+    `correction/zero_weight_frac` cuts the whole step batch once (the same only with one minibatch). Data where
+    half the rows are staler than the others, so the two minibatches' cuts differ from the step's."""
+    from jaxrl_mismatch.metrics import StatsAccumulator, metrics_config, step_metrics
+    from jaxrl_mismatch.train.batch import RolloutBatch
+    from jaxrl_mismatch.train.minibatches import minibatch_order
+    from jaxrl_mismatch.train.objective import PolicyLoss
+    from tests.train.tiny_policy import synthetic_batch
+
+    cfg = objective_config("decoupled_m2po")
+    objective = PolicyLoss(cfg=cfg, metrics_cfg=metrics_config(cfg))
+    b = synthetic_batch(batch=16, seq=24, prompt_len=4, seed=3)
+    m = b["response_mask"]
+    rng = np.random.default_rng(0)
+    old = (-2.0 + 0.3 * rng.normal(size=m.shape)).astype(np.float32) * m
+    stale = np.where(np.arange(16) < 8, 0.05, 0.4)[:, None]
+    mu = (old + stale * rng.normal(size=m.shape)).astype(np.float32) * m
+    adv = (np.where(np.arange(16) % 2, 1.0, -1.0)[:, None] * m).astype(np.float32)  # no zero advantage
+    batch = RolloutBatch(tokens=b["tokens"], attention_mask=b["attention_mask"], response_mask=m, advantages=adv,
+                         rollout_logp=mu, old_logp=old)
+    acc, zeroed = StatsAccumulator(), 0
+    for k, rows in enumerate(np.split(minibatch_order(7, 0, 16, 2), 2)):
+        mb = batch.rows(rows)
+        acc.add(objective.update_stats(jnp.asarray(mb.old_logp), jnp.zeros(m[rows].shape), mb))
+        norm = objective.batch_constants(mb)
+        # at θ = θ_old (ratio 1, nothing clipped) a token's gradient is 0 exactly when its weight is
+        grad = jax.grad(lambda lp: objective.loss(lp, jnp.zeros_like(lp), mb, norm)[0])(jnp.asarray(mb.old_logp))
+        zeroed += int(np.sum((np.asarray(grad) == 0) & (m[rows] > 0)))
+    applied = acc.result()["correction/m2po_masked_frac"]
+    assert zeroed > 0 and applied == pytest.approx(zeroed / m.sum(), abs=1e-7)
+    step = float(step_metrics(old, mu, m, adv, cfg=metrics_config(cfg))["correction/zero_weight_frac"])
+    assert abs(step - applied) * m.sum() >= 2  # the step-wide cut masks other tokens (9 vs the loss's 13 of 191)
+    assert "num:correction/m2po_masked_frac" not in PolicyLoss(
+        cfg=objective_config("decoupled"), metrics_cfg=metrics_config(objective_config("decoupled"))).update_stats(
+        jnp.asarray(old), jnp.zeros(m.shape), batch)  # only with M2PO
