@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch.models.truncation import renormalise
-from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE  # vLLM's _SAMPLING_EPS
+from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE, is_greedy  # vLLM's _SAMPLING_EPS
 
 
 def effective_settings(temperature, top_k, top_p):
@@ -116,7 +116,7 @@ def truncate_logprobs(logp_all: Float[Array, "*batch vocab"], top_k, top_p
 
 def uses_filtering(top_k: int, top_p: float, temperature: float = 1.0) -> bool:
     """Whether top-k/top-p (or greedy) change anything; the engine compiles a sort-free path otherwise."""
-    return top_k > 0 or top_p < 1.0 or temperature < GREEDY_TEMPERATURE
+    return top_k > 0 or top_p < 1.0 or is_greedy(temperature)
 
 
 def row_keys(base_key: Int[Array, " 2"], prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"]):

@@ -39,6 +39,13 @@ GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollo
 _FINITE_SCAN_BLOCK = 1 << 24
 
 
+def is_greedy(temperature: float) -> bool:
+    """Whether `temperature` means greedy decoding: below GREEDY_TEMPERATURE compared in float32, as the wire
+    carries it and as the JAX sampler compares it (`sampling.effective_settings`), so the server's checks, the
+    JAX engine and the vLLM engine agree at the boundary (1e-5 itself samples)."""
+    return bool(np.float32(temperature) < np.float32(GREEDY_TEMPERATURE))
+
+
 class RequestError(ValueError):
     """A request that is malformed; `field` names the proto field (or tensor) at fault."""
 
@@ -130,12 +137,12 @@ def parse_generate(
     if strength != 1.0 and info.quantize != "none" and "quantize_strength" not in info.options:
         raise RequestError("quantize_strength", f"not supported by the {info.engine} engine (it serves {info.quantize} "
                                                 "weights as they are)")
-    if noise > 0 and spec.temperature < GREEDY_TEMPERATURE:
+    if noise > 0 and is_greedy(spec.temperature):
         raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
     if spec.exact and spec.return_routing:
         raise RequestError("return_routing", "not available in exact mode (exact mode already gives μ = π(θ_old); "
                                              "routing replay is for the normal sampler)")
-    if spec.exact and spec.temperature < GREEDY_TEMPERATURE:
+    if spec.exact and is_greedy(spec.temperature):
         raise RequestError("exact", f"exact mode samples at temperature > 0: needs temperature >= {GREEDY_TEMPERATURE}")
     return prompts, spec
 

@@ -52,6 +52,7 @@ from jaxrl_mismatch.rollout.engine import (
     WeightReloadError,
     resolve_max_model_len,
 )
+from jaxrl_mismatch.rollout.validation import is_greedy
 from jaxrl_mismatch.usage import UsageError
 
 # vLLM treats temperature < 1e-5 as greedy (vllm.sampling_params._SAMPLING_EPS).
@@ -418,9 +419,11 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
 
         temperature, top_k = spec.temperature, spec.top_k
-        if temperature < VLLM_GREEDY_TEMPERATURE:
+        if is_greedy(temperature):
             # See the module docstring: vLLM's greedy path would report unprocessed log-probs.
             temperature, top_k = 1.0, 1
+        else:  # 1e-5 as float32 (9.99999975e-06) is not greedy here (`is_greedy`), but is for vLLM's float64 check
+            temperature = max(float(temperature), VLLM_GREEDY_TEMPERATURE)
         return SamplingParams(
             n=spec.n,
             max_tokens=spec.max_tokens,

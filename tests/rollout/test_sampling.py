@@ -96,3 +96,27 @@ def test_seeds_use_all_64_bits():
     assert seed_key_data(3).tolist() == jax.random.key_data(jax.random.PRNGKey(3)).tolist()
     assert seed_key_data(3).tolist() != seed_key_data(2**40 + 3).tolist()
     assert seed_key_data(-1).tolist() == [0xFFFFFFFF, 0xFFFFFFFF]
+
+
+def test_the_greedy_boundary_is_one_rule_for_the_checks_and_both_engines():
+    """1e-5 (the documented least sampling temperature) reaches the server as float32 9.99999975e-06: the
+    server's checks (float64) called it greedy and refused exact mode at it, while the JAX sampler (float32)
+    sampled. Now one float32 rule (`validation.is_greedy`) decides for the checks, the JAX sampler's settings
+    and its sort-free path; just below it is greedy everywhere."""
+    from jaxrl_mismatch.rollout import protocol
+    from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec
+    from jaxrl_mismatch.rollout.sampling import effective_settings, uses_filtering
+    from jaxrl_mismatch.rollout.validation import RequestError, is_greedy, parse_generate
+
+    info = EngineInfo(architecture="Qwen3ForCausalLM", vocab_size=97, dtype="float32", engine="jax", weight_version=0,
+                      max_model_len=64, options=("exact", "logit_noise_std"))
+    below = float(np.nextafter(np.float32(1e-5), np.float32(0)))
+    for t, greedy in ((1e-5, False), (float(np.float32(1e-5)), False), (below, True), (0.0, True)):
+        _, top_k, _ = effective_settings(t, 0, 1.0)
+        assert is_greedy(t) == greedy == (int(top_k) == 1) == uses_filtering(0, 1.0, t), t
+        req = protocol.request_to_proto([[1, 2]], SamplingSpec(max_tokens=2, temperature=t, exact=True))
+        if greedy:
+            with pytest.raises(RequestError, match="^exact: exact mode samples at temperature > 0"):
+                parse_generate(req, info, protocol.Limits())
+        else:  # sent as float32 over the wire, and accepted
+            assert parse_generate(req, info, protocol.Limits())[1].temperature == float(np.float32(1e-5))

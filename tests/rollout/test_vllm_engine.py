@@ -443,3 +443,20 @@ def test_fp8_is_refused_by_name_without_amx_and_requantizes_pushed_weights_with_
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+
+
+@pytest.mark.vllm
+def test_the_greedy_boundary_reaches_vllm_as_the_jax_engine_reads_it():
+    """At 1e-5 as the wire carries it (float32 9.99999975e-06, not greedy by `validation.is_greedy`) vLLM's own
+    float64 check would decode greedily; the engine passes 1e-5 instead, so vLLM samples, as the JAX engine does
+    (vLLM itself then raises any temperature in (0, 0.01) to 0.01). Just below, both are greedy: top-1 at
+    temperature 1 (the module docstring says why)."""
+    from vllm.sampling_params import SamplingType
+
+    from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
+
+    at = VLLMEngine._sampling_params(None, SamplingSpec(max_tokens=2, temperature=float(np.float32(1e-5))), 0)
+    assert at.sampling_type != SamplingType.GREEDY and at.temperature == 0.01  # vLLM's own floor
+    below = float(np.nextafter(np.float32(1e-5), np.float32(0)))
+    greedy = VLLMEngine._sampling_params(None, SamplingSpec(max_tokens=2, temperature=below), 0)
+    assert (greedy.temperature, greedy.top_k) == (1.0, 1)
