@@ -35,6 +35,9 @@ from jaxrl_mismatch.rollout.protocol import (
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_INDEX = 2**31 - 1  # prompt_offset + i keys a prompt's randomness; the engines hold it as int32
 GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollout/sampling.py and vLLM)
+# vLLM raises any temperature in (0, 0.01) to 0.01 (vllm.sampling_params._MAX_TEMP, with a warning): μ would be
+# sampled at another temperature than the one π is scored at, so the vllm engine refuses those.
+VLLM_MIN_TEMPERATURE = 0.01
 # Elements per block of the finiteness scan: bounds its temporary boolean array (16 MiB) for any tensor size.
 _FINITE_SCAN_BLOCK = 1 << 24
 
@@ -44,6 +47,15 @@ def is_greedy(temperature: float) -> bool:
     carries it and as the JAX sampler compares it (`sampling.effective_settings`), so the server's checks, the
     JAX engine and the vLLM engine agree at the boundary (1e-5 itself samples)."""
     return bool(np.float32(temperature) < np.float32(GREEDY_TEMPERATURE))
+
+
+def check_vllm_temperature(engine: str, temperature: float, field: str) -> None:
+    """RequestError naming `field` for a sampling temperature the vllm engine would not sample at (compared in
+    float32, as the wire carries it: 0.01 arrives as 0.0099999998, which vLLM moves by 2e-10)."""
+    if engine == "vllm" and not is_greedy(temperature) and np.float32(temperature) < np.float32(VLLM_MIN_TEMPERATURE):
+        raise RequestError(field, f"the vllm engine samples any temperature in (0, {VLLM_MIN_TEMPERATURE}) at "
+                                  f"{VLLM_MIN_TEMPERATURE} (vLLM's floor), not at {temperature:g}; use >= "
+                                  f"{VLLM_MIN_TEMPERATURE}, or < {GREEDY_TEMPERATURE} for greedy decoding")
 
 
 class RequestError(ValueError):
@@ -137,6 +149,7 @@ def parse_generate(
     if strength != 1.0 and info.quantize != "none" and "quantize_strength" not in info.options:
         raise RequestError("quantize_strength", f"not supported by the {info.engine} engine (it serves {info.quantize} "
                                                 "weights as they are)")
+    check_vllm_temperature(info.engine, spec.temperature, "temperature")
     if noise > 0 and is_greedy(spec.temperature):
         raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
     if spec.exact and spec.return_routing:

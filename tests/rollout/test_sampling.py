@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,3 +122,24 @@ def test_the_greedy_boundary_is_one_rule_for_the_checks_and_both_engines():
                 parse_generate(req, info, protocol.Limits())
         else:  # sent as float32 over the wire, and accepted
             assert parse_generate(req, info, protocol.Limits())[1].temperature == float(np.float32(1e-5))
+
+
+def test_the_vllm_engine_refuses_temperatures_vllm_would_raise_to_its_floor():
+    """vLLM samples any temperature in (0, 0.01) at 0.01: a server on it refuses them by name (INVALID_ARGUMENT),
+    since μ would be sampled at another temperature than the trainer scores π at; greedy (< 1e-5) and >= 0.01 pass,
+    and the JAX engine samples every temperature as asked."""
+    from jaxrl_mismatch.rollout import protocol
+    from jaxrl_mismatch.rollout.engine import EngineInfo, SamplingSpec
+    from jaxrl_mismatch.rollout.validation import RequestError, parse_generate
+
+    vllm = EngineInfo(architecture="Qwen3ForCausalLM", vocab_size=97, dtype="float32", engine="vllm",
+                      weight_version=0, max_model_len=64)
+    jax_info = dataclasses.replace(vllm, engine="jax")
+    for t in (0.005, 1e-5):
+        req = protocol.request_to_proto([[1, 2]], SamplingSpec(max_tokens=2, temperature=t))
+        with pytest.raises(RequestError, match=r"^temperature: the vllm engine samples any temperature in \(0, 0.01\)"):
+            parse_generate(req, vllm, protocol.Limits())
+        parse_generate(req, jax_info, protocol.Limits())
+    for t in (0.0, 0.01, 1.0):
+        parse_generate(protocol.request_to_proto([[1, 2]], SamplingSpec(max_tokens=2, temperature=t)), vllm,
+                       protocol.Limits())

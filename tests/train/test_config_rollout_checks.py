@@ -28,6 +28,9 @@ def test_a_comma_separated_fleet_address_is_accepted():
     ({"fixed_staleness": True}, "config.rollout.fixed_staleness", "max_staleness >= 1"),
     ({"retry_s": -1.0}, "config.rollout.retry_s", "must be a number >= 0, got -1.0"),
     ({"retry_s": float("nan")}, "config.rollout.retry_s", "got nan"),
+    # vLLM samples any temperature in (0, 0.01) at 0.01, while the trainer scores π at the configured one
+    ({"engine": "vllm", "temperature": 0.005}, "config.rollout.temperature", "at 0.01 (vLLM's floor), not at 0.005"),
+    ({"engine": "vllm", "temperature": 1e-5}, "config.rollout.temperature", "use >= 0.01"),
 ])
 def test_combinations_refused_by_name(rollout, field, words):
     with pytest.raises(ConfigError) as e:
@@ -38,3 +41,17 @@ def test_combinations_refused_by_name(rollout, field, words):
 def test_shm_to_a_loopback_fleet_and_fixed_staleness_with_staleness_are_accepted():
     validate(_config(address="127.0.0.1:5000,localhost:5001", weight_transport="shm"))
     validate(_config(max_staleness=2, fixed_staleness=True))
+
+
+def test_vllm_temperatures_it_samples_as_asked_are_accepted():
+    """0.01 and above, greedy evaluation (0) with vLLM; any temperature with the JAX engine."""
+    validate(_config(engine="vllm", temperature=0.01))
+    c = _config(engine="vllm")
+    c.eval.temperature = 0.0
+    validate(c)
+    c.eval.temperature = 0.003
+    with pytest.raises(ConfigError, match=r"^config\.eval\.temperature: the vllm engine samples"):
+        validate(c)
+    c.rollout.engine = "jax"
+    c.rollout.temperature = 0.005
+    validate(c)
