@@ -32,7 +32,7 @@ from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
 from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
 from jaxrl_mismatch.outputs import staged_dir, write_json
-from jaxrl_mismatch.rollout.validation import RequestError, check_vllm_temperature
+from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file, int_list
 
 TRAINER_PRECISIONS = precision.PRESETS  # fp32, bf16, fp16
@@ -389,10 +389,8 @@ def _check_args(a: argparse.Namespace) -> None:
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         raise UsageError(f"--temperature must be > 0 (π and μ are compared as sampled distributions), got "
                          f"{a.temperature}")
-    try:  # vLLM would sample a lower temperature at 0.01 while the trainer scores π at --temperature
-        check_vllm_temperature(a.engine, a.temperature, "--temperature")
-    except RequestError as e:
-        raise UsageError(str(e)) from None
+    if why := vllm_temperature_problem(a.engine, a.temperature):  # μ at 0.01, π scored at --temperature
+        raise UsageError(f"--temperature: {why}")
 
 
 def run(a: argparse.Namespace) -> int:

@@ -56,6 +56,7 @@ from jaxrl_mismatch.objectives.policy import (
     batch_constants,
     objective_config,
     policy_loss,
+    weight_numerator,
 )
 from jaxrl_mismatch.objectives.ratios import (
     LOG_RATIO_CLAMP,
@@ -78,7 +79,7 @@ REGISTRY = {
 __all__ = [
     "DECOUPLED_PRESETS", "PROXIMALS", "m2po_cut", "m2po_mask", "proximal_logp",
     "ADVANTAGES", "AGGREGATIONS", "CLIP_KINDS", "IS_WEIGHTS", "LOG_RATIO_CLAMP", "LOSSES", "PRESETS", "REGISTRY", "REJECTIONS",
-    "SEQ_LEVELS", "BatchConstants", "ObjectiveConfig", "aggregate", "applied_weights", "clip_indicators", "batch_normalize", "compute_advantages",
+    "SEQ_LEVELS", "BatchConstants", "ObjectiveConfig", "aggregate", "applied_weights", "weight_numerator", "clip_indicators", "batch_normalize", "compute_advantages",
     "correction_weights", "drgrpo_advantages", "global_normalizer", "gmpo_surrogate", "grpo_advantages",
     "gspo_surrogate", "icepop", "is_weights", "log_ratio_ppo", "log_rho", "batch_constants",
     "num_seqs", "num_tokens", "objective_config", "pg_surrogate", "policy_loss", "ppo_clip_surrogate",

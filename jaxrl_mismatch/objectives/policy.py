@@ -245,10 +245,16 @@ def policy_loss(cfg: ObjectiveConfig | str, *, logp: TokenFloat, old_logp: Token
     m = as_bool_mask(mask)
     old_logp = proximal_logp(cfg.proximal, old_logp, rollout_logp)  # π_prox (objectives/decoupled.py)
     obj, _ = _surrogate(cfg, logp, old_logp, advantages, m)
-    w = applied_weights(cfg, sg(logp) if cfg.loss == "pg" else old_logp, rollout_logp, m,
+    w = applied_weights(cfg, weight_numerator(cfg, logp, old_logp), rollout_logp, m,
                         global_weight_mean=norm.weight_mean, token_weight=token_weight, m2_cut=norm.m2_cut)
     loss = -aggregate(w * obj, m, cfg.agg, norm.loss)
     return loss, {"loss/policy": loss}
+
+
+def weight_numerator(cfg: ObjectiveConfig, logp: TokenFloat, prox_logp: TokenFloat) -> TokenFloat:
+    """The numerator of the token weight's ratio over μ: ``sg(logp)`` for ``pg`` (π(θ)/μ, FP16 eqs. 5–7), else
+    π_prox (the PPO family's ρ = π_prox/μ, FP16 eqs. 9–10)."""
+    return sg(logp) if cfg.loss == "pg" else prox_logp
 
 
 def applied_weights(cfg: ObjectiveConfig, num_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask, *,

@@ -49,13 +49,14 @@ def is_greedy(temperature: float) -> bool:
     return bool(np.float32(temperature) < np.float32(GREEDY_TEMPERATURE))
 
 
-def check_vllm_temperature(engine: str, temperature: float, field: str) -> None:
-    """RequestError naming `field` for a sampling temperature the vllm engine would not sample at (compared in
-    float32, as the wire carries it: 0.01 arrives as 0.0099999998, which vLLM moves by 2e-10)."""
+def vllm_temperature_problem(engine: str, temperature: float) -> str | None:
+    """Why the `engine` would not sample at `temperature` (vLLM raises (0, 0.01) to 0.01), or None. Compared in
+    float32, as the wire carries it: 0.01 arrives as 0.0099999998, which vLLM moves by 2e-10."""
     if engine == "vllm" and not is_greedy(temperature) and np.float32(temperature) < np.float32(VLLM_MIN_TEMPERATURE):
-        raise RequestError(field, f"the vllm engine samples any temperature in (0, {VLLM_MIN_TEMPERATURE}) at "
-                                  f"{VLLM_MIN_TEMPERATURE} (vLLM's floor), not at {temperature:g}; use >= "
-                                  f"{VLLM_MIN_TEMPERATURE}, or < {GREEDY_TEMPERATURE} for greedy decoding")
+        return (f"the vllm engine samples any temperature in (0, {VLLM_MIN_TEMPERATURE}) at {VLLM_MIN_TEMPERATURE} "
+                f"(vLLM's floor), not at {temperature:g}; use >= {VLLM_MIN_TEMPERATURE}, or < {GREEDY_TEMPERATURE} "
+                "for greedy decoding")
+    return None
 
 
 class RequestError(ValueError):
@@ -149,7 +150,8 @@ def parse_generate(
     if strength != 1.0 and info.quantize != "none" and "quantize_strength" not in info.options:
         raise RequestError("quantize_strength", f"not supported by the {info.engine} engine (it serves {info.quantize} "
                                                 "weights as they are)")
-    check_vllm_temperature(info.engine, spec.temperature, "temperature")
+    if why := vllm_temperature_problem(info.engine, spec.temperature):
+        raise RequestError("temperature", why)
     if noise > 0 and is_greedy(spec.temperature):
         raise RequestError("logit_noise_std", f"injected noise needs sampling (temperature >= {GREEDY_TEMPERATURE})")
     if spec.exact and spec.return_routing:

@@ -14,7 +14,7 @@ import os
 import ml_collections
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.rollout.validation import RequestError, check_vllm_temperature
+from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.usage import UsageError, host_port
@@ -101,10 +101,8 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
                           f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")
     for field in ("rollout", "eval"):
-        try:
-            check_vllm_temperature(c.rollout.engine, c[field].temperature, f"config.{field}.temperature")
-        except RequestError as e:
-            raise ConfigError(str(e)) from None
+        if why := vllm_temperature_problem(c.rollout.engine, c[field].temperature):
+            raise ConfigError(f"config.{field}.temperature: {why}")
     # With top-p / top-k the engine's log-probs are renormalised over the kept tokens; the trainer renormalises
     # π over the same support from the kept-set sizes the engine returns (TRL #6789). vLLM does not return them.
     if not 0.0 < c.rollout.top_p <= 1.0:

@@ -25,6 +25,7 @@ from jaxrl_mismatch.objectives import (
     ref_kl_k3,
     variance_weights,
     weight_distortion,
+    weight_numerator,
 )
 from jaxrl_mismatch.train.batch import RolloutBatch
 
@@ -118,8 +119,7 @@ class PolicyLoss:
                              entropy=entropy)
         if self.cfg.m2po_threshold is not None:
             m = batch.response_mask > 0
-            prox = proximal_logp(self.cfg.proximal, batch.old_logp, batch.rollout_logp)
-            num = jax.lax.stop_gradient(logp) if self.cfg.loss == "pg" else prox  # as `policy_loss` passes it
+            num = weight_numerator(self.cfg, logp, proximal_logp(self.cfg.proximal, batch.old_logp, batch.rollout_logp))
             keep = m2po_mask(num, batch.rollout_logp, m, self.batch_constants(batch).m2_cut)
             stats["num:correction/m2po_masked_frac"] = jnp.sum(m & (keep == 0)).astype(jnp.float32)
             stats["den:correction/m2po_masked_frac"] = jnp.sum(m).astype(jnp.float32)
