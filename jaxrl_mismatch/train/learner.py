@@ -87,6 +87,7 @@ class Learner:
         """The learner's side of an RL step: `prepare` (with `seed`), then `optimize` (with `minibatch_seed`)
         on the prepared batch where it lies, on the device; the step's metrics cross to the host once, at the
         end (the minibatches' packing is planned from `batch`'s host tokens meanwhile)."""
+        self._check_rows(batch.num_rows)
         prepared, metrics = self._prepare_on_device(batch, seed)
         stats = self._updates(prepared, minibatch_seed, host_batch=batch)
         metrics, stats = jax.device_get((metrics, stats))
@@ -161,6 +162,7 @@ class Learner:
         Each minibatch is gathered from `batch` on the device; only its row indices and (packing) its packed
         layout go up. With `host_batch` (or without packing) nothing here waits for the device."""
         cfg, n, out = self.cfg, batch.num_rows, []
+        self._check_rows(n)
         if cfg.packing:  # the layout needs the rows' tokens: the host has them (the rollout's), or fetch once
             src = host_batch if host_batch is not None else batch
             tokens, mask = (distributed.to_host(x) if isinstance(x, jax.Array) else np.asarray(x)
@@ -179,6 +181,15 @@ class Learner:
                 self.state, stats = self._update(self.state, mb)
                 out.append(stats)
         return out
+
+    def _check_rows(self, n: int) -> None:
+        """The step's minibatches are `minibatch_rows` each: a batch of another size would train a prefix of
+        itself (more rows) or a short last minibatch (fewer), silently; refused before any work instead."""
+        want = self.minibatch_rows * self.cfg.minibatches
+        if n != want:
+            raise ValueError(f"Learner: the batch has {n} rows, but a step takes {want} "
+                             f"({self.cfg.minibatches} minibatches of {self.minibatch_rows} rows: "
+                             "batch.prompts_per_step × rollout.group_size)")
 
     # -- host controls -----------------------------------------------------------------------------------
     @property

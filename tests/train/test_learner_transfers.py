@@ -146,6 +146,24 @@ def test_step_equals_prepare_then_optimize(base_ckpt, tmp_path):
     assert together["grad/norm"] > 0
 
 
+def test_a_batch_of_another_size_is_refused_before_any_update(base_ckpt, tmp_path):
+    """A step is 2 minibatches of 8 rows: 20 rows would train on 16 of them, 12 on a short last minibatch.
+    Both are refused, by `step` and by `optimize`, and θ is untouched."""
+    learner = _learner(base_ckpt, tmp_path / "run")
+    before = [np.asarray(x) for x in jax.tree.leaves(learner.state.params)]
+    for rows in (20, 12):
+        b = synthetic_batch(batch=rows, seq=30, prompt_len=4, seed=0)
+        host = RolloutBatch(**b, rollout_logp=-2.0 * b["response_mask"])
+        with pytest.raises(ValueError, match=f"the batch has {rows} rows, but a step takes 16 "
+                                             r"\(2 minibatches of 8 rows"):
+            learner.step(host, seed=0, minibatch_seed=0)
+        with pytest.raises(ValueError, match=f"the batch has {rows} rows"):
+            learner.optimize(host, seed=0)
+    for x, y in zip(before, jax.tree.leaves(learner.state.params)):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    assert np.isfinite(learner.step(_host_batch(0), seed=0, minibatch_seed=0)["loss/total"])  # 16 rows train
+
+
 def test_device_minibatch_equals_host_rows():
     mesh = make_mesh({"data": 4, "fsdp": 2}, devices=jax.devices()[:8])
     b = synthetic_batch(batch=16, seq=12, prompt_len=4, seed=1)
