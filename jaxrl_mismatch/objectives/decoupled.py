@@ -63,16 +63,20 @@ def m2po_cut(prox_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask, t
     """The largest (log r)² M2PO keeps, r = π_prox/μ, over the whole batch (M2PO §4 masking; see module doc).
 
     Sort the tokens' M₂ = (log r)² ascending; keep the longest prefix whose mean is ≤ τ (prefix means grow
-    with the prefix, so it is one cumulative sum); the cut is its last value. +inf when every token fits
-    (nothing masked), −1 when not even the smallest does (everything masked)."""
+    with the prefix, so it is one cumulative sum); the cut is its last value. The mask keeps every token with
+    M₂ ≤ cut, so tokens tied at one value are kept or dropped together: a prefix may only end where the value
+    changes, else the ties past its end would be kept too and the kept mean could exceed τ (bf16 log-probs
+    tie often). +inf when every token fits (nothing masked), −1 when not even the smallest does (everything
+    masked)."""
     m = as_bool_mask(mask)
     m2 = jnp.where(m, jnp.square(log_rho(prox_logp, rollout_logp, m)), jnp.inf).reshape(-1)
     v = jnp.sort(m2)
     n_valid = jnp.sum(m).astype(jnp.int32)
     k = jnp.arange(1, v.shape[0] + 1)
     prefix_mean = jnp.cumsum(jnp.where(jnp.isfinite(v), v, 0.0)) / k
-    ok = (prefix_mean <= tau) & (k <= n_valid)
-    keep = jnp.sum(ok.astype(jnp.int32))  # prefix means are non-decreasing: the ok set is a prefix
+    ends_a_tie_group = jnp.append(v[1:] > v[:-1], True) | (k == n_valid)
+    ok = (prefix_mean <= tau) & (k <= n_valid) & ends_a_tie_group
+    keep = jnp.max(jnp.where(ok, k, 0))  # the longest such prefix
     cut = jnp.where(keep > 0, v[jnp.maximum(keep - 1, 0)], -1.0)
     return sg(jnp.where(keep >= n_valid, jnp.inf, cut).astype(jnp.float32))
 

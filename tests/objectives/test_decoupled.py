@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_mismatch.objectives import PRESETS, m2po_cut, batch_constants, objective_config, policy_loss
+from jaxrl_mismatch.objectives import PRESETS, m2po_cut, m2po_mask, batch_constants, objective_config, policy_loss
 from jaxrl_mismatch.objectives.decoupled import DECOUPLED_PRESETS
 
 B, T = 5, 9
@@ -104,6 +104,22 @@ def test_m2po_mask_matches_the_iterative_algorithm(tau):
     cfg = objective_config("decoupled_m2po", m2po_threshold=tau)
     np.testing.assert_allclose(float(_loss(cfg, logp, prox, mu, adv, mask)),
                                np_decoupled(logp, prox, mu, adv, mask, keep=keep), rtol=1e-5)
+
+
+@pytest.mark.parametrize("m2, tau, kept", [
+    ([0.02, 0.05, 0.05, 0.05], 0.04, 1),  # keeping one 0.05 would keep all three (mean 0.0425 > τ)
+    ([0.0] + [0.1] * 100, 0.05, 1),       # the reviewer's case: all 101 were kept, mean 0.099 ≈ 2τ
+    ([0.01, 0.03, 0.03, 0.2], 0.04, 3),   # a tie group that fits is kept whole (mean 0.0233)
+])
+def test_m2po_keeps_or_drops_tied_values_together_and_the_kept_mean_stays_within_tau(m2, tau, kept):
+    """The mask keeps every token with (log r)² ≤ cut, so the cut may only fall where the value changes."""
+    mu = np.zeros((1, len(m2)), np.float32)
+    prox = np.sqrt(np.asarray(m2, np.float32))[None]
+    mask = np.ones_like(mu, bool)
+    cut = m2po_cut(jnp.asarray(prox), jnp.asarray(mu), jnp.asarray(mask), tau)
+    keep = np.asarray(m2po_mask(jnp.asarray(prox), jnp.asarray(mu), jnp.asarray(mask), cut)).astype(bool)
+    assert keep.sum() == kept, (float(cut), keep)
+    assert np.square(prox[keep].astype(np.float64)).mean() <= tau + 1e-7
 
 
 def test_m2po_mask_reaches_the_gradient_and_ignores_padding():
