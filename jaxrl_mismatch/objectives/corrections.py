@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_mismatch.objectives._types import Scalar, TokenFloat, TokenMask
-from jaxrl_mismatch.objectives.ratios import as_bool_mask, broadcast_seq, log_rho, seq_log_ratio
+from jaxrl_mismatch.objectives.ratios import as_bool_mask, broadcast_seq, log_rho, masked_log_diff, seq_log_ratio
 
 sg = jax.lax.stop_gradient
 
@@ -143,11 +143,13 @@ def rejection_mask(name: str, old_logp: TokenFloat, rollout_logp: TokenFloat, ma
     if name == "none":
         return _finish(jnp.ones(mask.shape, jnp.float32), mask)
     stat, level = name.split("_", 1)
-    lr = log_rho(old_logp, rollout_logp, m)
+    # Unclamped: a comparison needs no exp, and the ±20 clamp of ratios.py would keep a ρ beyond e^±20
+    # (a sequence's product of ratios reaches that) whatever bound was asked for.
+    lr = masked_log_diff(old_logp, rollout_logp, m, clamp=False)
     if stat == "ratio":
         lo = -math.inf if low is None or low <= 0 else math.log(low)
         hi = math.inf if high is None else math.log(high)
-        # Compare in log space: identical to lo ≤ ρ ≤ hi, no exp needed.
+        # Compare in log space: identical to lo ≤ ρ ≤ hi for any bounds, no exp needed.
         tok_val = lr
     else:
         if low is not None:
@@ -160,12 +162,9 @@ def rejection_mask(name: str, old_logp: TokenFloat, rollout_logp: TokenFloat, ma
     elif level == "seq_max":
         bad = m & ~((tok_val >= lo) & (tok_val <= hi))
         keep = broadcast_seq(~jnp.any(bad, axis=-1), m)
-    else:
-        if stat == "ratio":
-            s = seq_log_ratio(tok_val, m, level)
-        else:
-            total = jnp.sum(jnp.where(m, tok_val, 0.0), axis=-1)
-            s = total if level == "seq_sum" else total / jnp.maximum(jnp.sum(m, axis=-1), 1)
+    else:  # log ρ(y) (Σ or mean of log ρ_t, unclamped) for ratio; the sum or mean of the token KL stat
+        total = jnp.sum(jnp.where(m, tok_val, 0.0), axis=-1)
+        s = total if level == "seq_sum" else total / jnp.maximum(jnp.sum(m, axis=-1), 1)
         keep = broadcast_seq((s >= lo) & (s <= hi), m)
     return _finish(keep.astype(jnp.float32), mask)
 

@@ -87,6 +87,9 @@ class ObjectiveConfig:
             raise ValueError(f"need 0 < eps_low < 1 and eps_high > 0, got {self.eps_low!r}, {self.eps_high!r}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip!r}")
+        if self.dual_clip is not None and self.loss != "ppo":
+            raise ValueError(f"dual_clip is PPO's (a bound on r·A for A < 0); loss {self.loss!r} has none, "
+                             "so it would be ignored: set dual_clip=None or loss='ppo'")
         _check("proximal", self.proximal, PROXIMALS)
         if self.m2po_threshold is not None and not self.m2po_threshold > 0:
             raise ValueError(f"m2po_threshold must be > 0 or None, got {self.m2po_threshold!r}")
@@ -167,9 +170,10 @@ def batch_constants(cfg: ObjectiveConfig, mask: TokenMask, old_logp: TokenFloat 
             raise ValueError("m2po_threshold needs rollout_logp of the whole batch")
         cut = m2po_cut(proximal_logp(cfg.proximal, old_logp, rollout_logp), rollout_logp, mask, cfg.m2po_threshold)
     if cfg.normalize_weights:
-        if old_logp is None or rollout_logp is None:
+        if rollout_logp is None or (old_logp is None and cfg.proximal != "bypass"):
             raise ValueError("normalize_weights=True needs old_logp and rollout_logp of the whole batch")
-        w = _raw_weights(cfg, old_logp, rollout_logp, mask)
+        # The weights the loss applies: ρ of π_prox (μ itself under bypass, where they are all 1).
+        w = _raw_weights(cfg, proximal_logp(cfg.proximal, old_logp, rollout_logp), rollout_logp, mask)
         wm = weight_mean(w, mask)
     return BatchConstants(loss=global_normalizer(mask, cfg.agg, max_len=cfg.max_len),
                        tokens=jnp.maximum(num_tokens(mask), 1.0), weight_mean=wm, m2_cut=cut)

@@ -17,7 +17,10 @@ Convention (pinned by tests/objectives/test_obj_ratios.py):
 Numerical safety: every log-difference is clamped to ±``LOG_RATIO_CLAMP`` (= 20, e^20 ≈ 4.9e8) before
 ``exp`` — at the token level, and again after a sequence reduction — so ratios and their squares
 (e^40 ≈ 2.4e17) stay finite in float32 for any finite inputs. Inside the clamp the values are exact; outside,
-the gradient of the clamped quantity is zero (PPO clipping or IS truncation would zero it there anyway).
+the gradient of the clamped quantity is zero. Mostly a clip or a truncation would zero it there anyway, but
+not for PPO's (and GMPO's) A < 0 branch without a dual clip, where r·A is unclipped: there the clamp acts as a
+dual clip at r = e^20 (a gradient of ≈ 4.9e8·|A| per token would be a blow-up in any case). The rejection
+masks compare unclamped log-ratios (``corrections.rejection_mask``), so their bounds hold beyond e^±20.
 Padding positions are replaced with 0 (log-ratio) by ``jnp.where`` before any arithmetic, so garbage,
 huge or infinite values in padding never reach a loss or a metric.
 """
@@ -43,12 +46,13 @@ def clamp_log_ratio(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def masked_log_diff(logp_num: TokenFloat, logp_den: TokenFloat, mask: TokenMask) -> TokenFloat:
-    """Clamped ``logp_num − logp_den`` on response tokens, 0 on padding (float32)."""
+def masked_log_diff(logp_num: TokenFloat, logp_den: TokenFloat, mask: TokenMask, *, clamp: bool = True) -> TokenFloat:
+    """Clamped ``logp_num − logp_den`` on response tokens, 0 on padding (float32). ``clamp=False`` for a
+    value that is only compared, never exponentiated (the rejection masks' bounds)."""
     m = as_bool_mask(mask)
     num = jnp.where(m, logp_num.astype(jnp.float32), 0.0)
     den = jnp.where(m, logp_den.astype(jnp.float32), 0.0)
-    return jnp.where(m, clamp_log_ratio(num - den), 0.0)
+    return jnp.where(m, clamp_log_ratio(num - den) if clamp else num - den, 0.0)
 
 
 def log_rho(old_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask) -> TokenFloat:

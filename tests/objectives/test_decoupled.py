@@ -69,6 +69,18 @@ def test_bypass_clips_on_pi_over_mu_and_ignores_theta_old():
     assert abs(a - float(_loss(objective_config("decoupled"), logp, prox, mu, adv, mask))) > 1e-4
 
 
+def test_bypass_normalises_the_weights_it_applies():
+    """Under bypass the weights are ρ of π_prox = μ, all 1: `normalize_weights` divides by their mean (1),
+    not by the mean of θ_old's weights, which the loss never applies (1.032 in the reviewer's case)."""
+    logp, prox, mu, adv, mask = _batch(1, stale=0.6)
+    cfg = objective_config("naive_ppo", correction="token_tis", normalize_weights=True)
+    norm = batch_constants(cfg, jnp.asarray(mask), jnp.asarray(prox), jnp.asarray(mu))
+    assert float(norm.weight_mean) == 1.0
+    assert float(batch_constants(cfg, jnp.asarray(mask), None, jnp.asarray(mu)).weight_mean) == 1.0
+    plain = objective_config("naive_ppo", correction="token_tis")
+    assert float(_loss(cfg, logp, prox, mu, adv, mask)) == float(_loss(plain, logp, prox, mu, adv, mask))
+
+
 def test_decoupled_with_tis_truncates_the_decoupled_weight():
     logp, prox, mu, adv, mask = _batch(2, stale=1.5)
     cfg = objective_config("decoupled_tis")

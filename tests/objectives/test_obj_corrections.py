@@ -159,6 +159,20 @@ def test_rejection_masks_match_numpy(name, seed):
         assert 0 < got[mask].sum() < mask.sum(), name
 
 
+@pytest.mark.parametrize("level", ["token", "seq_sum", "seq_mean", "seq_max"])
+def test_ratio_rejection_bounds_hold_beyond_the_log_ratio_clamp(level):
+    """Bounds past e^±20 (the exp clamp of ratios.py): a sequence log ρ(y) of ±30 (3 tokens of ±10; 1 token
+    of ±30 at the token levels) is rejected by high = 1e10 / low = 1e-10 (log 23.03), ±21 is kept. The
+    clamp kept all four rows."""
+    per_token = {"token": [30.0, -30.0, 21.0, -21.0], "seq_max": [30.0, -30.0, 21.0, -21.0],
+                 "seq_sum": [10.0, -10.0, 7.0, -7.0], "seq_mean": [30.0, -30.0, 21.0, -21.0]}[level]
+    old = jnp.asarray(np.repeat(np.asarray(per_token, np.float32)[:, None], 3, axis=1) - 40.0)
+    roll = jnp.full((4, 3), -40.0, jnp.float32)
+    mask = jnp.ones((4, 3), bool)
+    got = np.asarray(rejection_mask(f"ratio_{level}", old, roll, mask, low=1e-10, high=1e10))
+    np.testing.assert_array_equal(got[:, 0], [0, 0, 1, 1])
+
+
 def test_rejection_k_stats_reject_low_bound():
     old, roll, mask = make_batch(0)
     with pytest.raises(ValueError, match="low"):

@@ -78,6 +78,9 @@ def test_registry_lists_and_unknown_names_list_valid_ones():
         objective_config("grpo", rejection="ratio_token")
     with pytest.raises(ValueError, match="dual_clip"):
         objective_config("grpo", dual_clip=0.5)
+    for loss in ("gspo", "gmpo", "pg"):  # no dual clip there: it would be ignored
+        with pytest.raises(ValueError, match=f"dual_clip is PPO's .* loss '{loss}' has none"):
+            objective_config("grpo", loss=loss, dual_clip=3.0)
     with pytest.raises(ValueError, match="unknown advantages 'std'; valid: grpo, drgrpo, rloo"):
         objective_config("grpo", advantages="std")
 
