@@ -35,9 +35,11 @@ def last_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    i = text.find("{", start)
-    if i < 0:
-        # "\boxed 5" (no braces) is valid LaTeX for a single token
+    i = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        # "\boxed 5" (no braces) is valid LaTeX for a single token; a later "{" belongs to something else
         m = re.match(r"\\(?:boxed|fbox)\s+(\S+)", text[start:])
         return m.group(1) if m else None
     depth = 0
@@ -80,8 +82,10 @@ def _parse(text: str) -> list:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
     t = _timeouts()
-    parsed = []
-    # LaTeX wrapped in $...$ covers \frac, \sqrt, \pi; the plain-expression pass covers 0.5, 1/2, -3.
+    first = []
+    # LaTeX wrapped in $...$ covers \frac, \sqrt, \pi; the plain-expression pass covers 0.5, 1/2, -3, "34.".
+    # A pass that found no expression still returns the raw string (math-verify's fallback), which compares
+    # literally: only an expression ends the search, else the first pass's string is the answer.
     for candidate, configs in (
         (f"${text}$", [LatexExtractionConfig()]),
         (text, [ExprExtractionConfig()]),
@@ -90,9 +94,10 @@ def _parse(text: str) -> list:
             parsed = math_verify.parse(candidate, extraction_config=configs, parsing_timeout=t)
         except Exception:  # math-verify raises on pathological input; treat as unparseable
             parsed = []
-        if parsed:
+        if any(not isinstance(p, str) for p in parsed):
             return parsed
-    return parsed
+        first = first or parsed
+    return first
 
 
 def math_reward(completion: str, answer: str) -> float:

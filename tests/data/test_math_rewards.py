@@ -20,6 +20,14 @@ from jaxrl_mismatch.data import rewards as R
         ("\\boxed{x^2+1}", "1+x^2"),
         ("first \\boxed{3}, finally \\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}"),  # the last box counts
         ("\\boxed{1,000}", "1000"),
+        # trailing punctuation and markdown: the plain-expression pass (LaTeX's raw-string fallback skipped it)
+        ("steps...\nAnswer: 34.", "34"),
+        ("**Answer:** 34", "34"),
+        ("Answer: **34**", "34"),
+        ("#### 34.", "34"),
+        ("Answer: 1/2.", "1/2"),
+        ("\\boxed 5.", "5"),
+        ("\\boxed 5 so check \\frac{10}{2}=5", "5"),  # a brace-less box: the later "{" is not its argument
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -36,6 +44,9 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("\\boxed{}", "5"),
         ("1/2 appears in the text but \\boxed{7}", "1/2"),  # only the final answer is graded
         ("", "5"),
+        ("Answer: 35.", "3"),
+        ("Answer: 34 or 35", "34"),
+        ("Answer: not 5", "5"),
     ],
 )
 def test_wrong_or_malformed_score_zero(completion, gold):
