@@ -34,7 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.attention import CHUNKED_MIN_SEQ
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask
-from jaxrl_mismatch.models.scoring import logprobs_from_logits, target_scores
+from jaxrl_mismatch.models.scoring import target_scores
 
 EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
 
@@ -65,8 +65,15 @@ def chunk_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperat
                    ) -> Float[Array, "chunk vocab"]:
     """The trainer's head (`models.scoring.logprobs_from_logits`) on one `EXACT_CHUNK` of positions, as float32:
     the one head every exact program (scorer, samplers, the update's exact forward) runs, with the same shapes
-    and casts, so all of them compute the same bits."""
-    return logprobs_from_logits(model.logits(hidden[None])[0], temperature).astype(jnp.float32)
+    and casts, so all of them compute the same bits.
+
+    `logits / T` divides by a full array behind an optimization barrier: XLA's simplifier may rewrite a
+    division by a broadcast scalar into a multiplication by its reciprocal in one program and not in another
+    (it did in the speculative sampler's verify program, not in the scorer), and x·(1/T) ≠ x/T in the last
+    bit unless 1/T is exact (T = 1, 0.5; not 0.7). The barrier leaves it a division everywhere."""
+    logits = model.logits(hidden[None])[0]
+    t = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(temperature, logits.dtype), logits.shape))
+    return jax.nn.log_softmax(logits / t, axis=-1).astype(jnp.float32)  # = logprobs_from_logits(logits, T)
 
 
 def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""]) -> Float[Array, "length d"]:
