@@ -21,8 +21,12 @@ def write_jsonl(records: Sequence[Mapping], path: str) -> None:
 def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
     """(line number, parsed object) of each non-blank line of a JSONL file; a line that is not JSON is a
     `UsageError` naming the flag, file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(f"{flag} {path}:{lineno}: not UTF-8 (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -41,6 +45,8 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
         raise UsageError(f"--task {task}: not a file-backed task; valid: arithmetic, {', '.join(sorted(CONVERTERS))}")
     records, originals = [], []
     for lineno, obj in iter_jsonl(path, flag):
+        if not isinstance(obj, dict):
+            raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         try:
             text, answer, _ = CONVERTERS[fmt](obj, f"{path}:{lineno}")
         except DataFormatError as e:

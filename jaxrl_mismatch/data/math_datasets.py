@@ -102,6 +102,8 @@ def _convert_dapo(obj: Mapping, where: str) -> tuple[str, str, dict]:
 def _convert_prompts(obj: Mapping, where: str) -> tuple[str, str, dict]:
     text = _field(obj, "prompt_text", where, "prompts")
     answer = _field(obj, "answer", where, "prompts", (str, int, float))
+    if not str(answer).strip():  # the reward raises on it, at whatever step first samples the prompt
+        raise DataFormatError(f"{where}: field 'answer' is empty")
     return text, str(answer), {k: v for k, v in obj.items() if k not in ("prompt_text", "answer")}
 
 
@@ -119,11 +121,15 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
     if fmt not in CONVERTERS:
         raise ValueError(f"unknown data format {fmt!r}; valid: {sorted(CONVERTERS)}")
     convert = CONVERTERS[fmt]
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(f"{where}: not UTF-8 (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

@@ -101,12 +101,30 @@ def test_changed_source_rebuilds(tmp_path):
         ("math", [{"problem": 3, "solution": "\\boxed{1}"}], r"b\.jsonl:1: field 'problem' should be str"),
         ("dapo", [{"prompt": [{"role": "system", "content": "x"}], "reward_model": {"ground_truth": "1"}}], r"b\.jsonl:1: field 'prompt' has no user"),
         ("dapo", [{"prompt": "p", "reward_model": {}}], r"b\.jsonl:1: field 'reward_model.ground_truth'"),
+        ("prompts", [{"prompt_text": "p", "answer": "1"}, {"prompt_text": "q", "answer": "  "}],
+         r"b\.jsonl:2: field 'answer' is empty"),
     ],
 )
 def test_bad_lines_name_file_line_and_field(tmp_path, fmt, rows, match):
     with pytest.raises(M.DataFormatError, match=match):
         M.build(fmt, {"train": _write(tmp_path / "b.jsonl", rows)}, str(tmp_path / "tfds"))
     assert not (tmp_path / "tfds").exists()  # validated before anything is written
+
+
+def test_bad_utf8_and_non_object_lines_name_file_and_line(tmp_path):
+    from jaxrl_mismatch.data.jsonl import read_task_file
+    from jaxrl_mismatch.usage import UsageError
+
+    bad = tmp_path / "b.jsonl"
+    bad.write_bytes(json.dumps(GSM8K[0]).encode() + b"\n" + b'{"question": "\xff", "answer": "#### 1"}\n')
+    with pytest.raises(M.DataFormatError, match=r"b\.jsonl:2: not UTF-8"):
+        M.build("gsm8k", {"train": str(bad)}, str(tmp_path / "tfds"))
+    with pytest.raises(UsageError, match=r"--file .*b\.jsonl:2: not UTF-8"):
+        read_task_file("gsm8k", str(bad), 0)
+    five = tmp_path / "five.jsonl"
+    five.write_text(json.dumps(GSM8K[0]) + "\n5\n")
+    with pytest.raises(UsageError, match=r"five\.jsonl:2: expected a JSON object, got int"):
+        read_task_file("gsm8k", str(five), 0)
 
 
 def test_missing_file_and_unknown_format(tmp_path):
