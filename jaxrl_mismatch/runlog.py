@@ -41,9 +41,18 @@ class RunWriter:
         self.path = os.path.join(run_dir, METRICS_FILE)
         if resume_from_step is not None and os.path.exists(self.path):
             kept = [r for r in read_jsonl(self.path) if r.get("step", -1) < resume_from_step]
-            with open(self.path, "w") as f:
-                for r in kept:
-                    f.write(json.dumps(r) + "\n")
+            tmp = self.path + ".tmp"  # a sibling renamed into place: a crash leaves the old file or the new one
+            try:
+                with open(tmp, "w") as f:
+                    for r in kept:
+                        f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)  # our own temporary
+                raise
         elif resume_from_step is None and os.path.exists(self.path):
             os.remove(self.path)
         self._f = open(self.path, "a", buffering=1)

@@ -27,6 +27,31 @@ def test_writer_jsonl_tensorboard_and_resume_truncation(tmp_path):
     assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3]
 
 
+def test_resume_cut_back_that_fails_half_way_leaves_the_records_as_they_were(tmp_path, monkeypatch):
+    """The cut-back writes a temporary sibling renamed into place: a failure while writing it (a full disk, a
+    kill) leaves metrics.jsonl whole. It was rewritten in place, so such a failure emptied it."""
+    from jaxrl_mismatch import runlog
+
+    w = RunWriter(str(tmp_path), tensorboard=False)
+    for s in range(5):
+        w.write(s, {"x": float(s)})
+    w.close()
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    calls = []
+
+    def failing_dumps(obj, *a, **k):
+        calls.append(obj)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return json.dumps(obj, *a, **k)
+
+    monkeypatch.setattr(runlog.json, "dumps", failing_dumps)
+    with pytest.raises(OSError, match="No space"):
+        RunWriter(str(tmp_path), resume_from_step=3, tensorboard=False)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
 def test_read_jsonl_skips_torn_last_line(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text(json.dumps({"step": 0, "x": 1.0}) + "\n" + '{"step": 1, "x"')

@@ -17,6 +17,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
+from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE
 from jaxrl_mismatch.usage import UsageError, host_port
 
 _CHOICES = {
@@ -49,7 +50,7 @@ _POSITIVE_INTS = (
 )
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
-    "rollout.max_model_len", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
+    "rollout.max_model_len", "seed", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
     "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
     "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness", "rollout.retry_s",
 )
@@ -281,8 +282,18 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
 
     Separate from `validate` so that configs for other machines (GPU/TPU paths) validate anywhere.
     """
+    if not str(c.run_dir).strip():
+        raise ConfigError("config.run_dir: empty; give the run directory (new, empty, or an earlier run's)")
     if os.path.lexists(c.run_dir) and not os.path.isdir(c.run_dir):
         raise ConfigError(f"config.run_dir: {c.run_dir} is a file; expected a (new or existing) run directory")
+    if os.path.isdir(c.run_dir):  # a run starts in a new or empty folder, or resumes its own
+        entries = sorted(os.listdir(c.run_dir))
+        ours = LOCK_FILE in entries or os.path.isdir(os.path.join(c.run_dir, "checkpoints"))  # a run (copied?)
+        if not ours and not set(entries) <= {HARNESS_LOG_FILE, HARNESS_STATUS_FILE}:
+            shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+            raise ConfigError(f"config.run_dir: {c.run_dir} is a non-empty directory not written by "
+                              f"`jaxrl-mismatch train` (holds {shown}); choose a new or empty directory "
+                              "(nothing was changed)")
     existing = os.path.abspath(c.run_dir)
     while not os.path.exists(existing):  # the run directory, or the ancestor it will be created in
         existing = os.path.dirname(existing)
@@ -301,7 +312,12 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
 
 
 def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
-    """The options that need a mixture-of-experts policy are off for a dense one; ConfigError naming the field."""
+    """The options that need a mixture-of-experts policy are off for a dense one, and a response fits the model's
+    context; ConfigError naming the field."""
+    if c.rollout.max_tokens >= model_cfg.max_position_embeddings:  # the rollout server would fail at step 0
+        raise ConfigError(f"config.rollout.max_tokens: {c.rollout.max_tokens} response tokens do not fit with a "
+                          f"prompt in the context of {c.model.path} (max_position_embeddings "
+                          f"{model_cfg.max_position_embeddings})")
     if model_cfg.is_moe:
         if exact_forward_enabled(c):
             raise ConfigError(f"config.trainer.exact_forward: the exact training forward is for dense policies; "

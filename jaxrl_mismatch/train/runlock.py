@@ -18,6 +18,9 @@ import socket
 from jaxrl_mismatch.usage import UsageError
 
 LOCK_FILE = "train.lock"
+# What a harness may put in a new run directory before its trainer starts (jobs/compare.py's status and log).
+# Any other content in a run directory without LOCK_FILE belongs to someone else: `train` refuses it.
+HARNESS_STATUS_FILE, HARNESS_LOG_FILE = "compare.json", "compare.log"
 
 
 class RunDirLock:
