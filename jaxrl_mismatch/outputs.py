@@ -5,8 +5,9 @@ attribute} --out`, a train's warm start into `model.path`):
 
 - the target must be new, an empty directory, or a directory carrying this project's marker file of
   the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
-  replacing such a previous output needs `--force`; anything else (user files, a run directory, a file)
-  is refused with one line naming it and saying how to proceed (`UsageError`, exit 2);
+  replacing such a previous output needs `--force`, and the marker lists what was written, so `--force`
+  refuses an output that holds anything added since; anything else (user files, a run directory, a file, a
+  symbolic link) is refused with one line naming it and saying how to proceed (`UsageError`, exit 2);
 - everything is written into a temporary sibling (`.<name>.tmp-<random>`) and renamed into place at the
   end, so a crash or error never leaves a half-written output under the target name, and the temporary
   is removed on every failure path;
@@ -37,6 +38,30 @@ def marker_name(kind: str) -> str:
     return MARKER_PREFIX + kind.replace(" ", "-")
 
 
+_MARKER_HEADER = "written by jaxrl-mismatch {kind}; `--force` may replace this directory"
+_MARKER_LIST = "its files and folders when written (--force replaces it only while it holds no others):"
+
+
+def _entries(root: str) -> set[str]:
+    """Every file and folder under `root`, as paths relative to it (symlinks listed, not followed)."""
+    out = set()
+    for d, dirs, files in os.walk(root):
+        rel = os.path.relpath(d, root)
+        out.update(os.path.normpath(os.path.join(rel, n)) for n in dirs + files)
+    return out
+
+
+def _foreign_entries(path: str, kind: str) -> list[str] | None:
+    """What `path` (an earlier output of `kind`) holds that the command did not write; None when its marker
+    lists nothing (written before the marker listed its files: unknown)."""
+    with open(os.path.join(path, marker_name(kind)), errors="replace") as f:
+        lines = f.read().splitlines()
+    if _MARKER_LIST not in lines:
+        return None
+    written = set(lines[lines.index(_MARKER_LIST) + 1:]) | {marker_name(kind)}
+    return sorted(_entries(path) - written)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -58,6 +83,9 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
     """UsageError unless `path` may receive an output directory of `kind` (see module doc)."""
     if not path:
         raise UsageError(f"{flag}: empty path")
+    if os.path.islink(path):  # replacing it would delete the user's link and leave its target as it was
+        raise UsageError(f"{flag} {path}: is a symbolic link; give the directory it points to "
+                         f"({os.path.realpath(path)}) or a new path")
     if os.path.lexists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a file, not a directory; choose a new directory")
     _parent_writable(flag, path)
@@ -70,6 +98,16 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
         if not force:
             raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {kind}`; "
                              "pass --force to replace it, or choose a new directory")
+        foreign = _foreign_entries(path, kind)
+        if foreign is None:
+            raise UsageError(f"{flag} {path}: its earlier `jaxrl-mismatch {kind}` output does not list its files, "
+                             "so --force cannot tell them from files added since; remove it yourself, or choose "
+                             "a new directory (nothing was changed)")
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 3 else "")
+            raise UsageError(f"{flag} {path}: holds files the earlier `jaxrl-mismatch {kind}` did not write "
+                             f"({shown}); --force replaces only its own output: move them out or choose a new "
+                             "directory (nothing was changed)")
         if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UsageError(f"{flag} {path}: cannot replace it: its parent directory is not writable")
         return
@@ -105,8 +143,9 @@ def staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
         yield tmp
+        listed = sorted(_entries(tmp))
         with open(os.path.join(tmp, marker_name(kind)), "w") as f:
-            f.write(f"written by jaxrl-mismatch {kind}; `--force` may replace this directory\n")
+            f.write("\n".join([_MARKER_HEADER.format(kind=kind), _MARKER_LIST, *listed]) + "\n")
         _open_permissions(tmp)
         check_out_dir(flag, path, kind, force=force)
         old = None

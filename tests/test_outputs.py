@@ -1,0 +1,57 @@
+"""`outputs.staged_dir`: --force replaces only what an earlier output of the same command wrote, and a symlink
+target is refused, never replaced (both used to delete what the user had put there)."""
+
+import os
+
+import pytest
+
+from jaxrl_mismatch.outputs import marker_name, staged_dir
+from jaxrl_mismatch.usage import UsageError
+
+KIND = "export"
+
+
+def _write(out, files=("a.txt", "sub/b.txt")):
+    with staged_dir("--out", str(out), KIND, force=True) as tmp:
+        for name in files:
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)) or tmp, exist_ok=True)
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(name)
+
+
+def test_force_replaces_an_earlier_output_that_holds_only_its_own_files(tmp_path):
+    out = tmp_path / "out"
+    _write(out)
+    _write(out, files=("c.txt",))
+    assert sorted(p.name for p in out.iterdir()) == [marker_name(KIND), "c.txt"]
+
+
+def test_force_refuses_an_earlier_output_holding_files_added_since(tmp_path):
+    out = tmp_path / "out"
+    _write(out)
+    (out / "NOTES.txt").write_text("mine")
+    (out / "sub" / "mine").mkdir()
+    with pytest.raises(UsageError, match=r"--out .*did not write \(NOTES.txt, sub/mine\); --force replaces only"):
+        _write(out, files=("c.txt",))
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "sub" / "mine").is_dir() and (out / "a.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary left behind
+
+
+def test_force_refuses_an_output_whose_marker_lists_no_files(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / marker_name(KIND)).write_text(f"written by jaxrl-mismatch {KIND}; `--force` may replace this directory\n")
+    (out / "x").write_text("?")
+    with pytest.raises(UsageError, match="does not list its files"):
+        _write(out)
+    assert (out / "x").read_text() == "?"
+
+
+def test_a_symlink_target_is_refused_and_kept(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(UsageError, match=r"--out .*link: is a symbolic link; give the directory it points to"):
+        _write(link)
+    assert link.is_symlink() and real.is_dir() and not list(real.iterdir())
