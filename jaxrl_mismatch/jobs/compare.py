@@ -85,6 +85,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
+from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
 from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function
 
 PROG = "jaxrl-mismatch compare"
@@ -92,7 +93,7 @@ SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "
                "collapse")
 HARNESS_FIELDS = ("run_dir", "seed")  # set per run by the harness; a spec may not set them
 HARNESS_DEFAULTS = {"log.progress": False}  # a spec may override these
-LOG_FILE, STATUS_FILE = "compare.log", "compare.json"
+LOG_FILE, STATUS_FILE = HARNESS_LOG_FILE, HARNESS_STATUS_FILE  # in each run directory (train accepts them)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -474,6 +475,32 @@ def _warm_start(spec: Spec) -> None:
             raise UsageError(f"config.model.warmstart_args: the warm start of {model} failed (exit {rc}); see {log_path}")
 
 
+COMPARE_FILES = ("table.md", "table.json", "compare.png", "warmstart.log")  # what compare writes in OUT itself
+OUT_MARKER = ".jaxrl-mismatch-compare"
+
+
+def check_out(spec: Spec) -> None:
+    """UsageError unless `spec.out` may hold this grid: new, empty, or a compare output — its marker, or (one
+    written before the marker) nothing but this spec's variant folders and compare's own files. A user's
+    folder is never written into (its table.md would be overwritten)."""
+    out = spec.out
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise _error(spec.path, "out", f"{out} is a file; give a directory")
+    if not os.path.isdir(out) or os.path.islink(out):
+        if os.path.islink(out):
+            raise _error(spec.path, "out", f"{out} is a symbolic link; give the directory it points to")
+        return
+    entries = set(os.listdir(out))
+    if not entries or OUT_MARKER in entries:
+        return
+    ours = set(spec.variants) | set(COMPARE_FILES)
+    if entries <= ours and entries & set(spec.variants):
+        return
+    shown = ", ".join(sorted(entries)[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+    raise _error(spec.path, "out", f"{out} is a non-empty directory not written by `jaxrl-mismatch compare` "
+                 f"(holds {shown}); choose a new or empty directory (nothing was changed)")
+
+
 def write_outputs(spec: Spec) -> tuple[str, bool]:
     """table.md, table.json and compare.png of the grid as it is on disk; (the Markdown, all runs ok?)."""
     results = {v: [run_result(j) for j in spec.jobs if j.variant == v] for v in spec.variants}
@@ -520,7 +547,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(note + shlex.join(j.argv))
         print(f"# {len(todo)} of {len(spec.jobs)} runs to do, {parallel} at a time; outputs in {spec.out}")
         return 0
+    check_out(spec)
     os.makedirs(spec.out, exist_ok=True)
+    if not os.path.exists(os.path.join(spec.out, OUT_MARKER)):
+        with open(os.path.join(spec.out, OUT_MARKER), "w") as f:
+            f.write("written by jaxrl-mismatch compare: its runs (VARIANT/seed_N), tables and figure\n")
     if not args.table_only:
         finished = sum(r.ok for r in results.values())
         if finished:

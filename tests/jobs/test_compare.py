@@ -280,6 +280,24 @@ def _write_run(run_dir: Path, records: list[dict]) -> None:
     w.close()
 
 
+def test_compare_never_writes_into_a_folder_of_the_users(tmp_path, fake_model):
+    """A folder holding the user's own table.md is refused (it was overwritten); its content is kept."""
+    from jaxrl_mismatch.usage import UsageError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "table.md").write_text("mine\n")
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model))
+    with pytest.raises(UsageError, match=r"out: .*out is a non-empty directory not written by `jaxrl-mismatch "
+                                         r"compare` \(holds table.md\)"):
+        compare.main([str(spec_path), "--table-only"])
+    assert sorted(p.name for p in out.iterdir()) == ["table.md"] and (out / "table.md").read_text() == "mine\n"
+    (out / "table.md").unlink()  # an empty folder is taken, and marked as compare's
+    assert compare.main([str(spec_path), "--table-only"]) == 0
+    assert (out / compare.OUT_MARKER).is_file() and (out / "table.md").read_text() != "mine\n"
+    assert compare.main([str(spec_path), "--table-only"]) == 0  # its own output again
+
+
 def test_table_only_aggregates_over_seeds_and_reports_failed_runs(tmp_path, fake_model, capsys):
     """Variant `a`: seed 0 collapses at step 12, seed 1 does not; variant `b`: seed 0 finished, seed 1 failed
     half-way. The statistics are over finished seeds; the failed run is a line under the table."""
