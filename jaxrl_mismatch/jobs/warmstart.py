@@ -203,6 +203,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--shortcut-steps must be in [0, --steps], got {args.shortcut_steps}")
     if not 0.0 <= args.shortcut_prob <= 1.0:
         raise UsageError(f"--shortcut-prob must be in [0, 1], got {args.shortcut_prob}")
+    if args.seed < 0:  # numpy's generators take only non-negative seeds
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.num_eval < 0:
         raise UsageError(f"--num-eval must be >= 0, got {args.num_eval}")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -259,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     model = Transformer(cfg, precision.policy("fp32"), rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=max(1, args.steps // 20), decay_steps=args.steps, end_value=args.lr * 0.05
+    warmup = max(1, args.steps // 20)
+    schedule = optax.warmup_cosine_decay_schedule(  # decay_steps includes the warm-up: > it even for --steps 1
+        0.0, args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1), end_value=args.lr * 0.05
     )
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay))
     opt_state = optimizer.init(params)

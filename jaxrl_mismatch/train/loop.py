@@ -80,7 +80,11 @@ class Trainer:
         c = self.c
         self._restore()
         if self.is_lead:
-            self.session = self._open_session()
+            try:
+                self.session = self._open_session()
+            except RolloutError as e:  # nothing trained in this start: the run (if any) stays at its checkpoint
+                raise RolloutFailure(f"rollout server unavailable at the start (step {self.step}): {e}; nothing "
+                                     "was trained or written; fix the server and rerun the same command") from e
             if c.rollout.max_staleness:
                 self.session = LockedSession(self.session)
                 self.producer = RolloutProducer(

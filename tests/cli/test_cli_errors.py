@@ -22,9 +22,9 @@ def cli(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.Com
                           timeout=300, cwd=cwd, env=e)
 
 
-def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str, code: int = 2) -> None:
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.returncode == code, (out.returncode, out.stderr)
     assert "Traceback" not in out.stderr + out.stdout
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
     for n in needles:
@@ -72,6 +72,8 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["serve", "--model", "/tmp", "--engine", "sglang"], ["--engine", "sglang"]),
     (["perfectible", "--out", "x.jsonl"], ["--model"]),
     (["warmstart", "--out", "/tmp/ws", "--steps", "0"], ["--steps"]),
+    (["warmstart", "--out", "/tmp/ws", "--seed", "-1"], ["--seed must be >= 0"]),
+    (["train", "--config", CONFIG, "--config.seed=-1"], ["config.seed"]),
     (["warmstart", "--out", "/tmp/ws", "--lr", "-1"], ["--lr must be a number > 0"]),
     (["warmstart", "--out", "/tmp/ws", "--weight-decay", "nan"], ["--weight-decay"]),
     (["warmstart", "--out", "/tmp/ws", "--hidden", "30", "--heads", "4"], ["--hidden 30", "--heads 4"]),
@@ -100,6 +102,45 @@ def test_bad_input_is_one_line_exit_2(args, needles, tmp_path):
     out = cli(*args)
     assert_one_line_error(out, *needles)
     assert not (tmp_path / "base").exists() and not (tmp_path / "run").exists()  # nothing started or written
+
+
+def test_responses_longer_than_the_model_context_are_refused_before_any_rollout(tiny_base_model_h64, tmp_path):
+    """The rollout server failed at step 0 (exit 3, a step-0 checkpoint that a corrected rerun then refused as
+    a config change); now one line naming the field and the model's context."""
+    import json
+
+    context = json.loads((tiny_base_model_h64 / "config.json").read_text())["max_position_embeddings"]
+    out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}",
+              f"--config.model.path={tiny_base_model_h64}", f"--config.rollout.max_tokens={context}")
+    assert_one_line_error(out, "config.rollout.max_tokens", f"max_position_embeddings {context}")
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_external_rollout_server_nobody_serves_is_exit_3_with_one_line(tiny_base_model_h64, tmp_path):
+    """It was exit 1 ("not a usage error", a traceback) after rollout.startup_timeout_s."""
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}",
+              f"--config.model.path={tiny_base_model_h64}", "--config.rollout.address=127.0.0.1:1",
+              f"--config.rollout.token_file={token}", "--config.rollout.startup_timeout_s=3")
+    assert_one_line_error(out, "rollout server unavailable at the start (step 0)", "127.0.0.1:1", code=3)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not (ckpts.exists() and any(ckpts.iterdir())) and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_train_refuses_a_run_dir_it_did_not_write_and_an_empty_one(tmp_path):
+    """A folder of the user's (here their own metrics.jsonl, which a fresh run used to delete) is refused
+    before anything is written; compare's per-run status and log are a harness's and accepted."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.jsonl").write_text('{"step": 0, "mine": 1}\n')
+    out = cli("train", "--config", CONFIG, f"--config.run_dir={mine}", f"--config.model.path={tmp_path / 'base'}")
+    assert_one_line_error(out, "config.run_dir", "non-empty directory not written by `jaxrl-mismatch train`",
+                          "metrics.jsonl")
+    assert sorted(p.name for p in mine.iterdir()) == ["metrics.jsonl"]
+    assert (mine / "metrics.jsonl").read_text() == '{"step": 0, "mine": 1}\n'
+    assert not (tmp_path / "base").exists()
+    assert_one_line_error(cli("train", "--config", CONFIG, "--config.run_dir="), "config.run_dir: empty")
 
 
 @pytest.mark.parametrize("flag, devices, needles", [
