@@ -11,13 +11,17 @@ text would let math-verify pick up some intermediate number and reward an answer
 gave. The gold answer is parsed as LaTeX and as a plain expression, so ``1/2``, ``0.5``,
 ``\\frac{1}{2}`` and ``\\dfrac12`` are all equal, as in the math-verify grader used by verl/Oat.
 
-Timeouts: math-verify guards parsing with ``signal.alarm``, which only works in the main thread.
-We keep the timeout there and switch it off in worker threads (where a thread-pooled caller must
-bound time itself), instead of failing.
+Timeouts: math-verify guards parsing and verifying with ``signal.alarm``, which only works in a main
+thread. Off the main thread (the asynchronous rollout producer computes rewards on its own thread) a
+completion such as ``\\boxed{9^{9^{9}}}`` would run unbounded and stall the run, so there the reward runs
+in one persistent helper process (spawned, not forked: the trainer is multithreaded), in that process's
+main thread where the alarms work, with ``OFF_THREAD_TIMEOUT_S`` as a backstop after which the helper is
+killed, replaced, and the completion scores 0.0.
 """
 
 from __future__ import annotations
 
+import atexit
 import re
 import threading
 from collections.abc import Callable
@@ -73,8 +77,8 @@ def gsm8k_final_answer(solution: str) -> str:
     return found[-1].replace(",", "").strip()
 
 
-def _timeouts() -> int | None:
-    return 5 if threading.current_thread() is threading.main_thread() else None
+def _timeouts() -> int:
+    return 5  # math-verify's alarms: `_math_reward` runs in a main thread (its own, or the helper's)
 
 
 def _parse(text: str) -> list:
@@ -100,13 +104,43 @@ def _parse(text: str) -> list:
     return first
 
 
+OFF_THREAD_TIMEOUT_S = 30.0  # > math-verify's own alarms (5 s per parse, 5 s to verify) in the helper
+_helper = None
+_helper_lock = threading.Lock()
+
+
+def _off_thread(completion: str, answer: str) -> float:
+    """`math_reward` in the helper process (module doc); 0.0 if it has not answered in time."""
+    import multiprocessing
+
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = multiprocessing.get_context("spawn").Pool(1)
+            atexit.register(_helper.terminate)  # before the interpreter tears down what its pipes use
+        pending = _helper.apply_async(_math_reward, (completion, answer))
+        try:
+            return pending.get(timeout=OFF_THREAD_TIMEOUT_S)
+        except multiprocessing.TimeoutError:
+            _helper.terminate()  # it is stuck in that completion: a fresh one takes the next
+            _helper = None
+            return 0.0
+
+
 def math_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer is mathematically equal to ``answer``, else 0.0.
 
     Malformed completions (no boxed/``Answer:``/``####`` answer, an unbalanced box, something that
     does not parse) score 0.0. An empty gold answer is a data error and raises. (math-verify keeps
-    non-mathematical text as a string and compares it literally, so text answers still work.)
+    non-mathematical text as a string and compares it literally, so text answers still work.) Off the
+    main thread it runs time-bounded in a helper process (module doc).
     """
+    if threading.current_thread() is not threading.main_thread():
+        return _off_thread(completion, answer)
+    return _math_reward(completion, answer)
+
+
+def _math_reward(completion: str, answer: str) -> float:
     import math_verify
 
     if not str(answer).strip():

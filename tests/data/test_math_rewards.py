@@ -83,6 +83,35 @@ def test_works_off_the_main_thread():
     assert out == [1.0]
 
 
+def test_off_the_main_thread_a_pathological_answer_is_bounded_and_errors_still_raise(monkeypatch):
+    """`\\boxed{9^{9^{9}}}` ran > 100 s on a worker thread (math-verify's alarms only work in a main thread);
+    the helper process's alarms end it at ~5 s with 0.0, and a stuck helper is replaced after the backstop."""
+    import time
+
+    def on_thread(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(_call(fn)))
+        t.start()
+        t.join()
+        return out[0]
+
+    def _call(fn):
+        try:
+            return fn()
+        except ValueError as e:
+            return e
+
+    t0 = time.monotonic()
+    assert on_thread(lambda: R.math_reward("\\boxed{9^{9^{9}}}", "5")) == 0.0
+    assert time.monotonic() - t0 < 20
+    assert on_thread(lambda: R.math_reward("\\boxed{5}", "5")) == 1.0  # the same helper goes on
+    assert isinstance(on_thread(lambda: R.math_reward("\\boxed{1}", " ")), ValueError)  # a data error still raises
+    monkeypatch.setattr(R, "OFF_THREAD_TIMEOUT_S", 0.5)  # the backstop: a helper that does not answer in time
+    assert on_thread(lambda: R.math_reward("\\boxed{9^{9^{9}}}", "5")) == 0.0 and R._helper is None
+    monkeypatch.setattr(R, "OFF_THREAD_TIMEOUT_S", 30.0)
+    assert on_thread(lambda: R.math_reward("\\boxed{0.5}", "1/2")) == 1.0  # a fresh helper
+
+
 def test_registry():
     assert R.get_reward("math") is R.math_reward
     assert R.get_reward("arithmetic")("1+1=2#2", "2") == 1.0
