@@ -40,8 +40,15 @@ class TaskData:
         self.task = get_task(c.task.name)
         self.template = c.task.template or self.task.template
         self.max_prompt_len = c.task.max_prompt_len
-        train = self.task.load(c.task.train_split, **task_options(c, c.task.train_split, c.task.num_train))
-        val = self.task.load(c.task.val_split, **task_options(c, c.task.val_split, c.task.num_val))
+        try:
+            train = self.task.load(c.task.train_split, **task_options(c, c.task.train_split, c.task.num_train))
+            val = self.task.load(c.task.val_split, **task_options(c, c.task.val_split, c.task.num_val))
+        except ValueError as e:
+            from jaxrl_mismatch.data.math_datasets import DataFormatError  # file tasks only (it imports TFDS)
+
+            if isinstance(e, DataFormatError):  # names the file and line: one line, exit 2, like a config fault
+                raise ConfigError(f"config.task.files: {e}") from None
+            raise
         for split, records in ((c.task.train_split, train), (c.task.val_split, val)):
             if not records:
                 raise ConfigError(f"config.task: split {split!r} of task {c.task.name!r} is empty")

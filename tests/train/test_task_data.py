@@ -48,3 +48,15 @@ def test_data_seed_must_be_non_negative():
     c.task.data_seed = -1
     with pytest.raises(ConfigError, match="config.task.data_seed"):
         validate(c)
+
+
+def test_a_bad_task_file_is_a_config_error_naming_file_and_line(model_dir, tmp_path):
+    """It was a bare DataFormatError (exit 1, a traceback); `perfectible` and `analyze` already said exit 2."""
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt_text": "1+1=", "answer": "2"}\n{"prompt_text": "2+2="}\n')
+    c = base_config()
+    c.model.path, c.run_dir = model_dir, str(tmp_path / "run")
+    c.task.name, c.task.data_dir = "arithmetic_prompts", str(tmp_path / "tfds")
+    c.task.files = {"train": str(bad), "validation": str(bad)}
+    with pytest.raises(ConfigError, match=r"config.task.files: .*train.jsonl:2: missing field 'answer'"):
+        TaskData(c, model_vocab_size=10_000)
