@@ -215,7 +215,13 @@ def _read_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no config.json at {path}")
     with open(path) as f:
-        return json.load(f)
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
+    return d
 
 
 def _refuse_unsupported_features(d: dict[str, Any], arch: str) -> None:

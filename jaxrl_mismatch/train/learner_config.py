@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxrl_mismatch.metrics import metrics_config
 from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.objectives import objective_config
-from jaxrl_mismatch.train.config import exact_forward_enabled
+from jaxrl_mismatch.train.config import ConfigError, exact_forward_enabled
 from jaxrl_mismatch.train.config_checks import check_mesh, check_model
 from jaxrl_mismatch.train.objective import LossInterventions, PolicyLoss
 from jaxrl_mismatch.train.optimizer import build_optimizer, build_schedule
@@ -82,7 +82,11 @@ def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
     """The learner's part of a validated run config (`config_checks.validate`), checked against this job's
     devices (`check_mesh`) and the policy's `config.json` (`check_model`) before any weight is read."""
     mesh = check_mesh(c)
-    check_model(c, ModelConfig.from_hf(c.model.path))
+    try:
+        model_cfg = ModelConfig.from_hf(c.model.path)
+    except (ValueError, OSError) as e:  # a damaged or unsupported config.json: one line naming it
+        raise ConfigError(f"config.model.path: {c.model.path}: {e}") from None
+    check_model(c, model_cfg)
     t = c.trainer
     return LearnerConfig(
         model_path=c.model.path, precision=t.precision, fp32_lm_head=bool(t.fp32_lm_head),

@@ -128,6 +128,16 @@ def test_an_external_rollout_server_nobody_serves_is_exit_3_with_one_line(tiny_b
     assert not (ckpts.exists() and any(ckpts.iterdir())) and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_damaged_model_config_is_one_line_naming_the_file(tmp_path):
+    """A config.json that is not JSON was a traceback (exit 1) from inside the trainer's start."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], ')
+    out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}", f"--config.model.path={model}",
+              "--config.model.warmstart_if_missing=false")
+    assert_one_line_error(out, "config.model.path", f"{model / 'config.json'} is not valid JSON")
+
+
 def test_train_refuses_a_run_dir_it_did_not_write_and_an_empty_one(tmp_path):
     """A folder of the user's (here their own metrics.jsonl, which a fresh run used to delete) is refused
     before anything is written; compare's per-run status and log are a harness's and accepted."""

@@ -72,6 +72,11 @@ def test_replay_and_aux_coef_on_a_dense_model_are_refused():
     moe = tiny_config(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=8)
     c = _valid()
+    c.rollout.max_tokens = dense.max_position_embeddings  # no room left for a prompt
+    with pytest.raises(ConfigError, match=rf"^config\.rollout\.max_tokens: {c.rollout.max_tokens} response tokens "
+                                          r"do not fit .*max_position_embeddings"):
+        check_model(c, dense)
+    c.rollout.max_tokens = 16
     check_model(c, dense)  # defaults: nothing MoE-only is on
     c.trainer.routing_replay = "R2"
     check_model(c, moe)
@@ -79,6 +84,7 @@ def test_replay_and_aux_coef_on_a_dense_model_are_refused():
                                           r"checkpoints/some-model is a dense Qwen3ForCausalLM"):
         check_model(c, dense)
     c = _valid()
+    c.rollout.max_tokens = 16
     c.objective.router_aux_coef = 0.001
     check_model(c, moe)
     with pytest.raises(ConfigError, match=r"^config\.objective\.router_aux_coef: 0\.001 weights the MoE"):
