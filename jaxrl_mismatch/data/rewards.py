@@ -1,8 +1,9 @@
 """Verifiable rewards: math answers checked with ``math-verify``, and a registry of reward functions.
 
 Every reward function has the signature ``reward(completion: str, answer: str) -> float`` with values
-in [0, 1]: 1.0 correct, 0.0 wrong or malformed. The completion is the *decoded response only*
-(special tokens skipped), never prompt + response.
+in [0, 1]: 1.0 correct, 0.0 wrong or malformed. The completion is the *decoded response only*, never
+prompt + response: its final stop token dropped, any other special token left visible so junk inside an
+answer is not read past, and an id outside the tokenizer's vocabulary scoring 0.0 (`TaskData.reward`).
 
 Math answers (:func:`math_reward`): the prediction is taken, in order of preference, from the last
 ``\\boxed{...}`` (MATH, the Qwen/R1 templates), the last ``Answer: ...`` line (DAPO-Math-17k's own

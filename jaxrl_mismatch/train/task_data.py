@@ -67,7 +67,15 @@ class TaskData:
         return [r["prompt_ids"] for r in recs], [r["answer"] for r in recs]
 
     def reward(self, token_ids: list[int], answer: str) -> float:
-        return float(self.task.reward(self.tok.decode(token_ids), answer))
+        """The task's reward of a completion's text. The stop token ending it is not text; any other special
+        token stays visible in the text (decoding used to drop it, so `#2<bos>0` read as the answer `#20`),
+        and an id past the tokenizer's vocabulary (a padded row of the model's) makes it malformed: 0.0."""
+        ids = list(token_ids)
+        if ids and ids[-1] == self.tok.eos_id:
+            ids = ids[:-1]
+        if any(not 0 <= i < self.tok.vocab_size for i in ids):
+            return 0.0
+        return float(self.task.reward(self.tok.decode(ids, skip_special_tokens=False), answer))
 
     @property
     def eos_id(self) -> int:

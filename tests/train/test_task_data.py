@@ -60,3 +60,14 @@ def test_a_bad_task_file_is_a_config_error_naming_file_and_line(model_dir, tmp_p
     c.task.files = {"train": str(bad), "validation": str(bad)}
     with pytest.raises(ConfigError, match=r"config.task.files: .*train.jsonl:2: missing field 'answer'"):
         TaskData(c, model_vocab_size=10_000)
+
+
+def test_junk_tokens_inside_an_answer_are_not_read_past(model_dir):
+    """A padded-vocabulary id or a special token inside the answer made it malformed text, not the answer
+    decoding silently dropped them to (`#2<bos>0` scored as `#20`); the final stop token is not text."""
+    d = _data(model_dir, seed=0)
+    good = d.tok.encode("7+15-2=22-2=20#20", add_special_tokens=False)
+    assert d.reward(good + [d.eos_id], "20") == 1.0 and d.reward(good, "20") == 1.0
+    assert d.tok.vocab_size < 30  # the model's rows past the tokenizer's ids (a padded vocabulary)
+    for junk in (30, d.tok.bos_id, d.pad_id):
+        assert d.reward(good[:-1] + [junk] + good[-1:] + [d.eos_id], "20") == 0.0, junk
