@@ -11,8 +11,9 @@ Every format is mapped to one uniform record::
 
 ``prompt_text`` is the question as the dataset states it (no template: apply one from
 :mod:`templates` when building prompts), ``answer`` the gold final answer compared by
-:func:`rewards.math_reward`, ``index`` the 0-based line in the source file (records come back in
-hashed-key order, not file order; sort by ``index`` when order matters), ``extra`` any other fields.
+:func:`rewards.math_reward`, ``index`` the record's 0-based position in its split, the split's files
+taken in the order given (records come back in hashed-key order; sort by ``index`` for file order, as
+``BuiltDataset.records`` does), ``extra`` any other fields.
 
 Formats (one JSON object per line):
 
@@ -212,9 +213,13 @@ class _JsonlBuilderMixin:
         return {split: self._generate_examples(paths) for split, paths in self._files.items()}
 
     def _generate_examples(self, paths):
-        for file_no, path in enumerate(paths):
+        # `index` numbers the split's records across its files, in the order given: sorting by it is file order
+        # (a per-file line number interleaved the files' lines and tied between them).
+        n = 0
+        for path in paths:
             for rec in read_jsonl(path, self.FORMAT):
-                yield f"{file_no}:{rec['index']}", rec
+                yield str(n), {**rec, "index": n}
+                n += 1
 
 
 class Gsm8kJsonl(_JsonlBuilderMixin, tfds.core.GeneratorBasedBuilder):

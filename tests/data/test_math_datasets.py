@@ -70,6 +70,17 @@ def test_gsm8k_build_and_read(tmp_path):
     assert math_reward("\\boxed{1/2}", recs[2]["answer"]) == 1.0
 
 
+def test_a_split_of_several_files_reads_in_file_order(tmp_path):
+    """The per-file line number was the index: train = [a, b] read A0 B0 A1 B1 ..., so `val[:num_val]` took a
+    mix of both files."""
+    rows = lambda tag, n: [{"prompt_text": f"{tag}{i}", "answer": str(i)} for i in range(n)]  # noqa: E731
+    ds = M.build("prompts", {"train": [_write(tmp_path / "a.jsonl", rows("A", 3)),
+                                       _write(tmp_path / "b.jsonl", rows("B", 4))]}, str(tmp_path / "tfds"))
+    recs = ds.records("train")
+    assert [r["prompt_text"] for r in recs] == ["A0", "A1", "A2", "B0", "B1", "B2", "B3"]
+    assert [r["index"] for r in recs] == list(range(7))
+
+
 def test_math_and_dapo_build_and_read(tmp_path):
     recs = M.load_records("math", {"train": _write(tmp_path / "m.jsonl", MATH)}, str(tmp_path / "tfds"), "train")
     assert [r["answer"] for r in recs] == ["\\frac{1}{2}", "9", "\\sqrt{2}"]
