@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 from typing import Any, Sequence
 
 from jaxrl_mismatch.data import get_task
@@ -24,6 +26,7 @@ from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.rollout import SamplingSpec
 from jaxrl_mismatch.rollout.engine import ENGINE_DTYPES
+from jaxrl_mismatch.rollout.client import RolloutError
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.outputs import check_out_file
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, host_port
@@ -48,6 +51,8 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--engine", choices=("jax", "vllm"), default=None)
     p.add_argument("--dtype", choices=ENGINE_DTYPES, default=None)
     p.add_argument("--address", default=None, help="host:port of a running rollout server (else start one)")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for the --address server to be ready (default 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output JSONL (a new file, or an existing one with --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
@@ -92,6 +97,8 @@ def parse_args(argv: Sequence[str]):
         raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
     else:
         existing_file("--file", a.file)
+    if not (math.isfinite(a.ready_timeout) and a.ready_timeout > 0):
+        raise UsageError(f"--ready-timeout must be a number > 0, got {a.ready_timeout}")
     if a.address:
         host_port("--address", a.address)
     check_out_file("--out", a.out, ours=lambda _: False, what="an output of this run", force=a.force)
@@ -117,10 +124,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = load_tokenizer(a.model)
     template = a.template or task.template
     calls = {"n": 0}
+    work = None
     if a.address:
-        session = RolloutSession.attach(a.address, token=None)
-    else:
-        work = os.path.join(os.path.dirname(os.path.abspath(a.out)), ".perfectible_server")
+        print(f"perfectible: waiting up to {a.ready_timeout:.0f} s for the rollout server at {a.address}", flush=True)
+        try:
+            session = RolloutSession.attach(a.address, token=None, ready_timeout_s=a.ready_timeout)
+        except RolloutError as e:
+            raise UsageError(f"--address {a.address}: no rollout server ready there within "
+                             f"{a.ready_timeout:.0f} s ({e})") from None
+    else:  # its own server's token, log and ready file: a folder of ours, removed once the output is written
+        work = tempfile.mkdtemp(prefix=".perfectible-server-", dir=os.path.dirname(os.path.abspath(a.out)))
         session = RolloutSession.launch(work_dir=work, engine=a.engine, model=a.model, dtype=a.dtype)
     with session:
         def sample_fn(prompts: list[str], n: int) -> list[list[str]]:
@@ -136,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = [{**originals[r["line"]], "initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
            for r in kept]
     write_jsonl(out, a.out)
+    if work is not None:  # kept on a failure: its server log says what went wrong
+        shutil.rmtree(work, ignore_errors=True)
     fmt = "prompts (task arithmetic_prompts)" if a.task == "arithmetic" else f"{a.task} (same as the input)"
     print(f"perfectible: kept {len(kept)} of {len(records)} prompts with accuracy in [{a.lo}, {a.hi}] over {a.k} "
           f"samples → {a.out}, format {fmt}", flush=True)

@@ -86,6 +86,8 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
      ["--address 'localhost'", "host:port"]),
     (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--temperature", "-1", "--out", "/tmp/p.jsonl"],
      ["--temperature"]),
+    (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--ready-timeout", "0", "--out", "/tmp/p.jsonl"],
+     ["--ready-timeout must be a number > 0"]),
     (["serve", "--model", "/tmp", "--host", "256.1.1.1"], ["--host 256.1.1.1", "not an IP address"]),
     (["train", "--config", CONFIG, "--config.rollout.address=10.0.0.5"], ["config.rollout.address", "host:port"]),
     (["report", "/etc/passwd"], ["/etc/passwd", "is a file"]),
@@ -136,6 +138,14 @@ def test_a_damaged_model_config_is_one_line_naming_the_file(tmp_path):
     out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}", f"--config.model.path={model}",
               "--config.model.warmstart_if_missing=false")
     assert_one_line_error(out, "config.model.path", f"{model / 'config.json'} is not valid JSON")
+
+
+def test_perfectible_with_no_server_at_address_says_so_after_its_ready_timeout(tiny_base_model_h64, tmp_path):
+    """It waited 600 s without a word, then failed with a traceback."""
+    out = cli("perfectible", "--model", str(tiny_base_model_h64), "--max-tokens", "8", "--num", "4",
+              "--address", "127.0.0.1:1", "--ready-timeout", "2", "--out", str(tmp_path / "p.jsonl"))
+    assert_one_line_error(out, "--address 127.0.0.1:1: no rollout server ready there within 2 s")
+    assert "waiting up to 2 s" in out.stdout and not list(tmp_path.iterdir())
 
 
 def test_train_refuses_a_run_dir_it_did_not_write_and_an_empty_one(tmp_path):

@@ -204,6 +204,7 @@ def test_perfectible_keeps_prompts_in_the_accuracy_band(base_model, tmp_path):
     band = read_records(str(tmp_path / "band.jsonl"))
     expected = [r["prompt_text"] for r in everything if 0.25 <= r["initial_accuracy"] <= 0.75]
     assert [r["prompt_text"] for r in band] == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all.jsonl", "band.jsonl"]  # its servers' folders gone
 
 
 @pytest.mark.slow
