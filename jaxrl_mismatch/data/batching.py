@@ -122,8 +122,13 @@ def tokenize_prompts(
     if max_prompt_len is not None:
         for i, p in enumerate(ids):
             if len(p) > max_prompt_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens > max_prompt_len={max_prompt_len}: {rendered[i][:60]!r}")
+                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens > max_prompt_len={max_prompt_len}: "
+                                         f"{rendered[i][:60]!r}")
     return ids
+
+
+class PromptTooLongError(ValueError):
+    """A prompt has more tokens than `max_prompt_len` (`tokenize_prompts`)."""
 
 
 def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:

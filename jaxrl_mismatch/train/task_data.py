@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 
 from jaxrl_mismatch.data import get_task
-from jaxrl_mismatch.data.batching import PromptIterator, tokenize_prompts
+from jaxrl_mismatch.data.batching import PromptIterator, PromptTooLongError, tokenize_prompts
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.train.config import ConfigError
 
@@ -52,11 +52,15 @@ class TaskData:
         for split, records in ((c.task.train_split, train), (c.task.val_split, val)):
             if not records:
                 raise ConfigError(f"config.task: split {split!r} of task {c.task.name!r} is empty")
-        ids = self.tokenize([r["prompt_text"] for r in train])
+        try:
+            ids = self.tokenize([r["prompt_text"] for r in train])
+            val_ids = self.tokenize([r["prompt_text"] for r in val[: c.task.num_val]])
+        except PromptTooLongError as e:  # before any weight is pushed or rollout made: one line naming the field
+            raise ConfigError(f"config.task.max_prompt_len: {e}") from None
         self.prompts = PromptIterator([{"prompt_ids": p, "answer": r["answer"]} for p, r in zip(ids, train)],
                                       c.batch.prompts_per_step, seed=c.seed)
         val = val[: c.task.num_val]
-        self.val_ids = self.tokenize([r["prompt_text"] for r in val])
+        self.val_ids = val_ids
         self.val_answers = [r["answer"] for r in val]
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:

@@ -71,3 +71,11 @@ def test_junk_tokens_inside_an_answer_are_not_read_past(model_dir):
     assert d.tok.vocab_size < 30  # the model's rows past the tokenizer's ids (a padded vocabulary)
     for junk in (30, d.tok.bos_id, d.pad_id):
         assert d.reward(good[:-1] + [junk] + good[-1:] + [d.eos_id], "20") == 0.0, junk
+
+
+def test_a_prompt_longer_than_max_prompt_len_names_the_field(model_dir):
+    c = base_config()
+    c.model.path = model_dir
+    c.task.num_train, c.task.num_val, c.task.max_prompt_len = 64, 16, 1
+    with pytest.raises(ConfigError, match=r"^config\.task\.max_prompt_len: prompt 0 has \d+ tokens > max_prompt_len=1"):
+        TaskData(c, model_vocab_size=10_000)
