@@ -149,7 +149,23 @@ def objective_config(preset: str = "grpo", **overrides) -> ObjectiveConfig:
     bad = sorted(set(overrides) - fields)
     if bad:
         raise ValueError(f"unknown ObjectiveConfig field(s) {bad}; valid: {', '.join(sorted(fields))}")
+    for f in dataclasses.fields(ObjectiveConfig):  # the type first: a range check on 'abc' says nothing useful
+        if f.name in overrides and not _has_type(overrides[f.name], str(f.type)):
+            raise ValueError(f"{f.name} must be {str(f.type).replace(' | None', ' or None')}, "
+                             f"got {overrides[f.name]!r}")
     return ObjectiveConfig(**{**PRESETS[preset], **overrides})
+
+
+def _has_type(value, annotation: str) -> bool:
+    """`value` fits a field annotated `annotation` (one of str, bool, int, float, optionally `| None`)."""
+    if value is None:
+        return annotation.endswith("| None")
+    kind = annotation.removesuffix(" | None")
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, {"str": str, "bool": bool}.get(kind, object))
 
 
 class BatchConstants(NamedTuple):

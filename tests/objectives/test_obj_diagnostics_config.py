@@ -78,6 +78,12 @@ def test_registry_lists_and_unknown_names_list_valid_ones():
         objective_config("grpo", rejection="ratio_token")
     with pytest.raises(ValueError, match="dual_clip"):
         objective_config("grpo", dual_clip=0.5)
+    # a value of the wrong type is named as such (a CLI `eps_low=abc` said "'<' not supported between ...")
+    with pytest.raises(ValueError, match=r"^eps_low must be float, got 'abc'$"):
+        objective_config("grpo", eps_low="abc")
+    with pytest.raises(ValueError, match=r"^dual_clip must be float or None, got '3'$"):
+        objective_config("grpo", dual_clip="3")
+    assert objective_config("grpo", correction_cap=2).correction_cap == 2  # an int is a number
     for loss in ("gspo", "gmpo", "pg"):  # no dual clip there: it would be ignored
         with pytest.raises(ValueError, match=f"dual_clip is PPO's .* loss '{loss}' has none"):
             objective_config("grpo", loss=loss, dual_clip=3.0)
