@@ -96,6 +96,9 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
 
 
+FP16_LOGITS_MIN_TEMPERATURE = 0.01
+
+
 def _check_sampling(c: ml_collections.ConfigDict) -> None:
     """Sampling, evaluation, fleet and timeout fields, and what each engine can sample."""
     if not c.rollout.temperature >= 1e-5:
@@ -104,6 +107,13 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
     for field in ("rollout", "eval"):
         if why := vllm_temperature_problem(c.rollout.engine, c[field].temperature):
             raise ConfigError(f"config.{field}.temperature: {why}")
+    if (c.trainer.precision == "fp16" and not c.trainer.fp32_lm_head
+            and c.rollout.temperature < FP16_LOGITS_MIN_TEMPERATURE):
+        # fp16 logits / T overflow past 65504 once |logit| > 65504·T: π = −inf or NaN where μ is finite (the
+        # engine divides in float32). At T = 0.01 that needs |logit| > 655, which no LM head reaches.
+        raise ConfigError(f"config.rollout.temperature: {c.rollout.temperature!r} with the fp16 trainer divides fp16 "
+                          f"logits past their range (log-probs −inf / NaN); use T >= {FP16_LOGITS_MIN_TEMPERATURE} "
+                          "or trainer.fp32_lm_head = True")
     # With top-p / top-k the engine's log-probs are renormalised over the kept tokens; the trainer renormalises
     # π over the same support from the kept-set sizes the engine returns (TRL #6789). vLLM does not return them.
     if not 0.0 < c.rollout.top_p <= 1.0:

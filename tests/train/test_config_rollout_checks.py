@@ -55,3 +55,22 @@ def test_vllm_temperatures_it_samples_as_asked_are_accepted():
     c.rollout.engine = "jax"
     c.rollout.temperature = 0.005
     validate(c)
+
+
+def test_fp16_trainer_refuses_temperatures_that_overflow_its_logits():
+    """fp16 logits / T: at T = 1e-4 logits (8, 1, −3) give NaN log-probs where the engine's float32 are finite."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_mismatch.models.scoring import logprobs_from_logits
+
+    assert not np.isfinite(np.asarray(logprobs_from_logits(jnp.array([8.0, 1.0, -3.0], jnp.float16), 1e-4))).any()
+    assert np.isfinite(np.asarray(logprobs_from_logits(jnp.array([8.0, 1.0, -3.0], jnp.float32), 1e-4))).all()
+    c = _config(temperature=1e-3)
+    c.trainer.precision = "fp16"
+    with pytest.raises(ConfigError, match=r"^config\.rollout\.temperature: 0\.001 with the fp16 trainer .* T >= 0\.01"):
+        validate(c)
+    c.trainer.fp32_lm_head = True  # float32 logits: fine
+    validate(c)
+    c.trainer.fp32_lm_head, c.rollout.temperature = False, 0.01
+    validate(c)
