@@ -186,6 +186,11 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
 
     if a.task not in TASKS:
         raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(sorted(TASKS))}")
+    if a.task == "arithmetic":
+        from jaxrl_mismatch.data.arithmetic import SPLITS
+
+        if a.split not in SPLITS:
+            raise UsageError(f"--split {a.split}: task 'arithmetic' has splits {', '.join(SPLITS)}")
     task = get_task(a.task)
     try:
         tok = load_tokenizer(a.model)

@@ -88,6 +88,8 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
      ["--temperature"]),
     (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--ready-timeout", "0", "--out", "/tmp/p.jsonl"],
      ["--ready-timeout must be a number > 0"]),
+    (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--split", "nosuch", "--out", "/tmp/p.jsonl"],
+     ["--split nosuch", "train, validation, test"]),
     (["serve", "--model", "/tmp", "--host", "256.1.1.1"], ["--host 256.1.1.1", "not an IP address"]),
     (["train", "--config", CONFIG, "--config.rollout.address=10.0.0.5"], ["config.rollout.address", "host:port"]),
     (["report", "/etc/passwd"], ["/etc/passwd", "is a file"]),

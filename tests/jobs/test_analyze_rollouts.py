@@ -164,6 +164,7 @@ def ckpt_dir(tiny_model) -> str:
     (["--stop-ids", "3"], "--stop-ids"),
     (["--prompt-ids", "/nonexistent.jsonl"], "--prompt-ids"),
     (["--axes", "polar"], "--axes"),
+    (["--split", "nosuch"], "--split nosuch"),
 ])
 def test_rollouts_bad_flags(ckpt_dir, tmp_path, args, flag):
     with pytest.raises(UsageError) as e:
