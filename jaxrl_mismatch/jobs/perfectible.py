@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--address {a.address}: no rollout server ready there within "
                              f"{a.ready_timeout:.0f} s ({e})") from None
     else:  # its own server's token, log and ready file: a folder of ours, removed once the output is written
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         work = tempfile.mkdtemp(prefix=".perfectible-server-", dir=os.path.dirname(os.path.abspath(a.out)))
         session = RolloutSession.launch(work_dir=work, engine=a.engine, model=a.model, dtype=a.dtype)
     with session:
