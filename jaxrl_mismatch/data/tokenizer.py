@@ -147,13 +147,19 @@ def load_tokenizer(path: str) -> TextTokenizer:
     d, file = (path, os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else (os.path.dirname(path), path)
     if not os.path.exists(file):
         raise FileNotFoundError(f"no tokenizer.json at {file}")
-    tok = Tokenizer.from_file(file)
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as e:  # the tokenizers library raises its own exception types for a damaged file
+        raise ValueError(f"{file} is not a readable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     names: dict[str, str | None] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
         p = os.path.join(d, fname)
         if os.path.exists(p):
             with open(p) as f:
-                cfg = json.load(f)
+                try:
+                    cfg = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p} is not valid JSON ({e.msg}, line {e.lineno})") from None
             for key in ("pad_token", "bos_token", "eos_token"):
                 if key in cfg:
                     names[key] = _token_str(cfg[key])

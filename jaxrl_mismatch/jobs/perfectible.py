@@ -125,7 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not a.file:
             raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
         records, originals = read_task_file(a.task, existing_file("--file", a.file), a.num)
-    tok = load_tokenizer(a.model)
+    try:
+        tok = load_tokenizer(a.model)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--model {a.model}: {e}") from None
     template = a.template or task.template
     calls = {"n": 0}
     work = None

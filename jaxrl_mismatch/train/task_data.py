@@ -35,7 +35,10 @@ def task_options(c: ml_collections.ConfigDict, split: str, n: int) -> dict[str, 
 
 class TaskData:
     def __init__(self, c: ml_collections.ConfigDict, model_vocab_size: int) -> None:
-        self.tok = load_tokenizer(c.model.path)
+        try:
+            self.tok = load_tokenizer(c.model.path)
+        except (ValueError, OSError) as e:  # a damaged or missing tokenizer: one line naming the field and file
+            raise ConfigError(f"config.model.path: {e}") from None
         self.tok.check_model_vocab(model_vocab_size)
         self.task = get_task(c.task.name)
         self.template = c.task.template or self.task.template

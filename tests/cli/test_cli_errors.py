@@ -150,6 +150,15 @@ def test_perfectible_with_no_server_at_address_says_so_after_its_ready_timeout(t
     assert "waiting up to 2 s" in out.stdout and not list(tmp_path.iterdir())
 
 
+def test_perfectible_with_a_damaged_tokenizer_is_one_line(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text('{"version": ')
+    out = cli("perfectible", "--model", str(model), "--max-tokens", "8", "--num", "4", "--out", str(tmp_path / "p.jsonl"))
+    assert_one_line_error(out, f"--model {model}", "is not a readable tokenizer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_train_refuses_a_run_dir_it_did_not_write_and_an_empty_one(tmp_path):
     """A folder of the user's (here their own metrics.jsonl, which a fresh run used to delete) is refused
     before anything is written; compare's per-run status and log are a harness's and accepted."""

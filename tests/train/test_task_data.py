@@ -3,6 +3,8 @@ that every seed of a paired comparison is scored on the same held-out prompts.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
@@ -78,4 +80,21 @@ def test_a_prompt_longer_than_max_prompt_len_names_the_field(model_dir):
     c.model.path = model_dir
     c.task.num_train, c.task.num_val, c.task.max_prompt_len = 64, 16, 1
     with pytest.raises(ConfigError, match=r"^config\.task\.max_prompt_len: prompt 0 has \d+ tokens > max_prompt_len=1"):
+        TaskData(c, model_vocab_size=10_000)
+
+
+def test_a_damaged_tokenizer_is_a_config_error_naming_the_file(model_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    c = base_config()
+    c.model.path = str(broken)
+    with pytest.raises(ConfigError, match=rf"^config\.model\.path: {broken / 'tokenizer.json'} is not a readable "
+                                          r"tokenizer"):
+        TaskData(c, model_vocab_size=10_000)
+    (broken / "tokenizer.json").write_text((Path(model_dir) / "tokenizer.json").read_text())
+    (broken / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json is not valid JSON"):
         TaskData(c, model_vocab_size=10_000)
