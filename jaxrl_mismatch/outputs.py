@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxrl_mismatch.usage import UsageError
+from jaxrl_mismatch.usage import UsageError, listing
 
 MARKER_PREFIX = ".jaxrl-mismatch-"
 
@@ -104,16 +104,14 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
                              "so --force cannot tell them from files added since; remove it yourself, or choose "
                              "a new directory (nothing was changed)")
         if foreign:
-            shown = ", ".join(foreign[:3]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 3 else "")
             raise UsageError(f"{flag} {path}: holds files the earlier `jaxrl-mismatch {kind}` did not write "
-                             f"({shown}); --force replaces only its own output: move them out or choose a new "
+                             f"({listing(foreign)}); --force replaces only its own output: move them out or choose a new "
                              "directory (nothing was changed)")
         if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UsageError(f"{flag} {path}: cannot replace it: its parent directory is not writable")
         return
-    shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
     raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {kind}` "
-                     f"(holds {shown}); choose a new or empty directory (nothing was changed; --force "
+                     f"(holds {listing(entries)}); choose a new or empty directory (nothing was changed; --force "
                      f"only replaces an earlier {kind} output)")
 
 

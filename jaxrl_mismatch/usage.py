@@ -13,7 +13,7 @@ import argparse
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 
@@ -57,6 +57,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def listing(names: Sequence[str], shown: int = 3) -> str:
+    """The first `shown` names and how many there are, for a one-line error: "a, b, c, ... (7 entries)"."""
+    names = list(names)
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} entries)" if len(names) > shown else "")
 
 
 def existing_file(flag: str, path: str) -> str:

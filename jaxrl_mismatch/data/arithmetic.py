@@ -141,14 +141,19 @@ def _sample(rng: np.random.Generator, spec: ArithmeticSpec) -> Problem:
     return make_problem(values, ops)
 
 
+def check_split(split: str) -> None:
+    """ValueError naming the valid splits unless `split` is one (before any work: `perfectible`, `analyze`)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+
+
 def generate(spec: ArithmeticSpec, split: str, n: int, seed: int = 0) -> list[Problem]:
     """``n`` unique problems of ``split``, deterministic in ``(spec, split, n, seed)``.
 
     Candidates are drawn from one stream seeded by ``(seed, split index)`` and kept when their prompt
     hashes into ``split``; a prefix of the result for a smaller ``n`` is the same problems.
     """
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid: {SPLITS}")
+    check_split(split)
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     seen: set[str] = set()
     out: list[Problem] = []

@@ -78,15 +78,13 @@ def gsm8k_final_answer(solution: str) -> str:
     return found[-1].replace(",", "").strip()
 
 
-def _timeouts() -> int:
-    return 5  # math-verify's alarms: `_math_reward` runs in a main thread (its own, or the helper's)
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's alarms: `_math_reward` runs in a main thread (its own, or the helper's)
 
 
 def _parse(text: str) -> list:
     import math_verify  # deferred: imports sympy (~1 s), not needed by the arithmetic demo
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
-    t = _timeouts()
     first = []
     # LaTeX wrapped in $...$ covers \frac, \sqrt, \pi; the plain-expression pass covers 0.5, 1/2, -3, "34.".
     # A pass that found no expression still returns the raw string (math-verify's fallback), which compares
@@ -96,7 +94,7 @@ def _parse(text: str) -> list:
         (text, [ExprExtractionConfig()]),
     ):
         try:
-            parsed = math_verify.parse(candidate, extraction_config=configs, parsing_timeout=t)
+            parsed = math_verify.parse(candidate, extraction_config=configs, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
         except Exception:  # math-verify raises on pathological input; treat as unparseable
             parsed = []
         if any(not isinstance(p, str) for p in parsed):
@@ -156,7 +154,7 @@ def _math_reward(completion: str, answer: str) -> float:
     if not pred:
         return 0.0
     try:
-        return 1.0 if math_verify.verify(gold, pred, timeout_seconds=_timeouts()) else 0.0
+        return 1.0 if math_verify.verify(gold, pred, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
     except Exception:
         return 0.0
 

@@ -150,7 +150,8 @@ def load_tokenizer(path: str) -> TextTokenizer:
     try:
         tok = Tokenizer.from_file(file)
     except Exception as e:  # the tokenizers library raises its own exception types for a damaged file
-        raise ValueError(f"{file} is not a readable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{file} is not a readable tokenizer ({why})") from None
     names: dict[str, str | None] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
         p = os.path.join(d, fname)

@@ -187,10 +187,12 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
     if a.task not in TASKS:
         raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(sorted(TASKS))}")
     if a.task == "arithmetic":
-        from jaxrl_mismatch.data.arithmetic import SPLITS
+        from jaxrl_mismatch.data.arithmetic import check_split
 
-        if a.split not in SPLITS:
-            raise UsageError(f"--split {a.split}: task 'arithmetic' has splits {', '.join(SPLITS)}")
+        try:
+            check_split(a.split)
+        except ValueError as e:
+            raise UsageError(f"--split {a.split}: {e}") from None
     task = get_task(a.task)
     try:
         tok = load_tokenizer(a.model)

@@ -86,7 +86,7 @@ from typing import Any, Mapping, Sequence
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
-from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function
+from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function, listing
 
 PROG = "jaxrl-mismatch compare"
 SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "controls", "out", "metrics",
@@ -484,11 +484,11 @@ def check_out(spec: Spec) -> None:
     written before the marker) nothing but this spec's variant folders and compare's own files. A user's
     folder is never written into (its table.md would be overwritten)."""
     out = spec.out
+    if os.path.islink(out):
+        raise _error(spec.path, "out", f"{out} is a symbolic link; give the directory it points to")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise _error(spec.path, "out", f"{out} is a file; give a directory")
-    if not os.path.isdir(out) or os.path.islink(out):
-        if os.path.islink(out):
-            raise _error(spec.path, "out", f"{out} is a symbolic link; give the directory it points to")
+    if not os.path.isdir(out):
         return
     entries = set(os.listdir(out))
     if not entries or OUT_MARKER in entries:
@@ -496,9 +496,8 @@ def check_out(spec: Spec) -> None:
     ours = set(spec.variants) | set(COMPARE_FILES)
     if entries <= ours and entries & set(spec.variants):
         return
-    shown = ", ".join(sorted(entries)[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
     raise _error(spec.path, "out", f"{out} is a non-empty directory not written by `jaxrl-mismatch compare` "
-                 f"(holds {shown}); choose a new or empty directory (nothing was changed)")
+                 f"(holds {listing(sorted(entries))}); choose a new or empty directory (nothing was changed)")
 
 
 def write_outputs(spec: Spec) -> tuple[str, bool]:

@@ -90,10 +90,12 @@ def parse_args(argv: Sequence[str]):
     if a.task not in _tasks():
         raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")
     if a.task == "arithmetic":
-        from jaxrl_mismatch.data.arithmetic import SPLITS
+        from jaxrl_mismatch.data.arithmetic import check_split
 
-        if a.split not in SPLITS:
-            raise UsageError(f"--split {a.split}: task 'arithmetic' has splits {', '.join(SPLITS)}")
+        try:
+            check_split(a.split)
+        except ValueError as e:
+            raise UsageError(f"--split {a.split}: {e}") from None
         if file_flag is not None:
             raise UsageError(f"--file {file_flag}: task 'arithmetic' generates its prompts and reads no file; pass "
                              "--task NAME (or --config) for a file-backed task")

@@ -18,7 +18,7 @@ from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE
-from jaxrl_mismatch.usage import UsageError, host_port
+from jaxrl_mismatch.usage import UsageError, host_port, listing
 
 _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
@@ -300,9 +300,8 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
         entries = sorted(os.listdir(c.run_dir))
         ours = LOCK_FILE in entries or os.path.isdir(os.path.join(c.run_dir, "checkpoints"))  # a run (copied?)
         if not ours and not set(entries) <= {HARNESS_LOG_FILE, HARNESS_STATUS_FILE}:
-            shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
             raise ConfigError(f"config.run_dir: {c.run_dir} is a non-empty directory not written by "
-                              f"`jaxrl-mismatch train` (holds {shown}); choose a new or empty directory "
+                              f"`jaxrl-mismatch train` (holds {listing(entries)}); choose a new or empty directory "
                               "(nothing was changed)")
     existing = os.path.abspath(c.run_dir)
     while not os.path.exists(existing):  # the run directory, or the ancestor it will be created in
