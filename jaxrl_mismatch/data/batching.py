@@ -131,6 +131,26 @@ class PromptTooLongError(ValueError):
     """A prompt has more tokens than `max_prompt_len` (`tokenize_prompts`)."""
 
 
+def generation_stop_ids(tokenizer: TextTokenizer, template: str | None) -> tuple[int, ...]:
+    """The ids that end a response to prompts rendered through ``template``: the tokenizer's stop ids (EOS and
+    ``generation_config.json``'s) and the chat format's end-of-turn token when the tokenizer has it as one id."""
+    end = get_template(template).end_of_turn if template is not None else None
+    turn = tokenizer.tokenizer.token_to_id(end) if end is not None else None
+    return tuple(dict.fromkeys((*tokenizer.stop_ids, *(() if turn is None else (turn,)))))
+
+
+def response_text(tokenizer: TextTokenizer, token_ids: Sequence[int], stop_ids: Sequence[int]) -> str | None:
+    """The text a reward reads from a response: the stop token ending it is not text; any other special token stays
+    visible (dropping it made `#2<bos>0` read as the answer `#20`). None when an id is outside the tokenizer's
+    vocabulary (a padded row of the model's): the response is malformed."""
+    ids = list(token_ids)
+    if ids and ids[-1] in stop_ids:
+        ids = ids[:-1]
+    if any(not 0 <= i < tokenizer.vocab_size for i in ids):
+        return None
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
     """Smallest bucket ``>= n``; raises when ``n`` exceeds the largest."""
     for b in sorted(buckets):

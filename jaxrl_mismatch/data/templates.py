@@ -41,6 +41,10 @@ CHAT_FORMATS: dict[str, str] = {
     # a second one would put the prompt off-distribution.
     "deepseek_r1": "<｜User｜>{user}<｜Assistant｜><think>\n",
 }
+# The token that closes the assistant's turn in each chat format. A model prompted in that format ends its answer
+# with it, so it stops generation: a base model's tokenizer (Qwen3-4B-Base) names only `<|endoftext|>` as EOS, and
+# without this the response would run on past `<|im_end|>` into a made-up next turn.
+END_OF_TURN: dict[str, str] = {"chatml": "<|im_end|>", "deepseek_r1": "<｜end▁of▁sentence｜>"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +68,11 @@ class PromptTemplate:
     def user_message(self, question: str) -> str:
         """The user turn (what a tokenizer chat template would receive as ``content``)."""
         return self.instruction.replace("{question}", question)
+
+    @property
+    def end_of_turn(self) -> str | None:
+        """The text of the token that ends the assistant's turn in this chat format (None for plain text)."""
+        return END_OF_TURN.get(self.chat_format)
 
     def render(self, question: str) -> str:
         """The full prompt text given to the engine; the model's response follows it directly."""

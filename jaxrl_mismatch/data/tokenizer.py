@@ -34,13 +34,21 @@ class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with the special ids the trainer needs.
 
     ``bos_id`` may be None (Qwen tokenizers have no BOS); ``pad_id`` falls back to ``eos_id`` when the
-    tokenizer defines no pad token, which is what HF generation does too.
+    tokenizer defines no pad token, which is what HF generation does too. ``extra_stop_ids`` are the other
+    ids that end a generation: ``generation_config.json``'s ``eos_token_id`` list (Qwen instruct models list
+    ``<|im_end|>`` and ``<|endoftext|>``; vLLM and HF ``generate`` stop at every one of them).
     """
 
     tokenizer: Tokenizer
     pad_id: int
     bos_id: int | None
     eos_id: int
+    extra_stop_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, ``eos_id`` first, each once."""
+        return tuple(dict.fromkeys((self.eos_id, *self.extra_stop_ids)))
 
     @property
     def vocab_size(self) -> int:
@@ -142,7 +150,8 @@ def load_tokenizer(path: str) -> TextTokenizer:
     """Load a tokenizer directory (or a ``tokenizer.json`` path) with its special ids.
 
     Special tokens come from ``tokenizer_config.json`` (then ``special_tokens_map.json``); when EOS
-    is missing there, ``generation_config.json``'s ``eos_token_id`` is used (Qwen base models).
+    is missing there, the first of ``generation_config.json``'s ``eos_token_id`` is used (Qwen base models),
+    and the others in that list become ``extra_stop_ids``.
     """
     d, file = (path, os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else (os.path.dirname(path), path)
     if not os.path.exists(file):
@@ -174,14 +183,31 @@ def load_tokenizer(path: str) -> TextTokenizer:
             raise ValueError(f"{d}: {key} {name!r} from the tokenizer config is not in tokenizer.json's vocabulary")
         return i
 
+    gen_eos = _generation_eos_ids(d, tok.get_vocab_size(with_added_tokens=True))
     eos_id = _id("eos_token")
     if eos_id is None:
-        gen = os.path.join(d, "generation_config.json")
-        if os.path.exists(gen):
-            with open(gen) as f:
-                e = json.load(f).get("eos_token_id")
-            eos_id = e[0] if isinstance(e, list) else e
+        eos_id = gen_eos[0] if gen_eos else None
     if eos_id is None:
         raise ValueError(f"{d}: no eos_token in tokenizer_config.json/special_tokens_map.json or generation_config.json")
     pad_id = _id("pad_token")
-    return TextTokenizer(tokenizer=tok, pad_id=eos_id if pad_id is None else pad_id, bos_id=_id("bos_token"), eos_id=eos_id)
+    return TextTokenizer(tokenizer=tok, pad_id=eos_id if pad_id is None else pad_id, bos_id=_id("bos_token"), eos_id=eos_id,
+                         extra_stop_ids=tuple(i for i in gen_eos if i != eos_id))
+
+
+def _generation_eos_ids(d: str, vocab_size: int) -> tuple[int, ...]:
+    """``generation_config.json``'s ``eos_token_id`` (an id or a list of ids) as a tuple; () without the file or
+    the key. A value that is not a token id of this tokenizer is refused, naming the file."""
+    path = os.path.join(d, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        try:
+            e = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    e = e.get("eos_token_id") if isinstance(e, dict) else None
+    ids = e if isinstance(e, list) else [] if e is None else [e]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"{path}: eos_token_id {e!r} is not a token id of this tokenizer (0..{vocab_size - 1})")
+    return tuple(dict.fromkeys(ids))

@@ -181,7 +181,7 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
     """(prompt ids, stop ids, tokenizer vocab size) of `--num-prompts` prompts of `--task`, rendered through the
     task's template with the checkpoint's tokenizer (the path `perfectible` and the trainer take)."""
     from jaxrl_mismatch.data import TASKS, get_task
-    from jaxrl_mismatch.data.batching import tokenize_prompts
+    from jaxrl_mismatch.data.batching import generation_stop_ids, tokenize_prompts
     from jaxrl_mismatch.data.tokenizer import load_tokenizer
 
     if a.task not in TASKS:
@@ -212,8 +212,8 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
         texts = [r["prompt_text"] for r in read_task_file(a.task, existing_file("--file", a.file), a.num_prompts)[0]]
     if not texts:
         raise UsageError(f"--task {a.task}: no prompts")
-    ids = tokenize_prompts(tok, texts, template=a.template or task.template)
-    return ids, (tok.eos_id,), tok.vocab_size
+    template = a.template or task.template
+    return tokenize_prompts(tok, texts, template=template), generation_stop_ids(tok, template), tok.vocab_size
 
 
 def _default_max_tokens(model_dir: str) -> int:

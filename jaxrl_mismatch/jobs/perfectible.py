@@ -20,7 +20,7 @@ import tempfile
 from typing import Any, Sequence
 
 from jaxrl_mismatch.data import get_task
-from jaxrl_mismatch.data.batching import tokenize_prompts
+from jaxrl_mismatch.data.batching import generation_stop_ids, response_text, tokenize_prompts
 from jaxrl_mismatch.data.jsonl import read_task_file, write_jsonl
 from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
@@ -132,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         raise UsageError(f"--model {a.model}: {e}") from None
     template = a.template or task.template
+    stop_ids = generation_stop_ids(tok, template)
     calls = {"n": 0}
     work = None
     if a.address:
@@ -150,8 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ids = tokenize_prompts(tok, prompts, template=template)
             calls["n"] += 1
             spec = SamplingSpec(n=n, max_tokens=a.max_tokens, temperature=a.temperature,
-                                seed=a.seed * 7919 + calls["n"], stop_token_ids=(tok.eos_id,))
-            return [[tok.decode(c.token_ids) for c in group] for group in session.generate(ids, spec)]
+                                seed=a.seed * 7919 + calls["n"], stop_token_ids=stop_ids)
+            # the text the trainer's reward reads (TaskData.reward); a malformed response scores 0 there: "" here
+            return [[response_text(tok, c.token_ids, stop_ids) or "" for c in group]
+                    for group in session.generate(ids, spec)]
 
         kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records], sample_fn,
                                   task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=64,

@@ -252,7 +252,7 @@ class Trainer:
         batch is made for, which the asynchronous producer runs ahead of the trainer's step."""
         r = self.c.rollout
         return SamplingSpec(n=r.group_size, max_tokens=r.max_tokens, temperature=r.temperature, seed=seed,
-                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=(self.data.eos_id,), exact=r.exact, return_routing=self.collect_routing,
+                            top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.data.stop_ids, exact=r.exact, return_routing=self.collect_routing,
                             **rollout_mismatch(r, step))
 
     def _mismatch_scale(self, step: int) -> float:
@@ -267,7 +267,7 @@ class Trainer:
         c, d, seed = self.c, self.data, self._seed("eval")
         runs = [("val/accuracy", c.eval.k, c.eval.temperature)] + ([("val/greedy_accuracy", 1, 0.0)] if c.eval.greedy else [])
         return {name: evaluate(self.session, d.val_ids, d.val_answers, d.reward, k=k, temperature=t,
-                               max_tokens=c.rollout.max_tokens, stop_token_ids=(d.eos_id,), seed=seed,
+                               max_tokens=c.rollout.max_tokens, stop_token_ids=d.stop_ids, seed=seed,
                                quantize_strength=self._eval_quantize_strength)
                 for name, k, t in runs}
 

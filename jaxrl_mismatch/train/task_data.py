@@ -14,7 +14,8 @@ from typing import Any
 import ml_collections
 
 from jaxrl_mismatch.data import get_task
-from jaxrl_mismatch.data.batching import PromptIterator, PromptTooLongError, tokenize_prompts
+from jaxrl_mismatch.data.batching import (PromptIterator, PromptTooLongError, generation_stop_ids, response_text,
+                                         tokenize_prompts)
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.train.config import ConfigError
 
@@ -42,6 +43,7 @@ class TaskData:
         self.tok.check_model_vocab(model_vocab_size)
         self.task = get_task(c.task.name)
         self.template = c.task.template or self.task.template
+        self.stop_ids = generation_stop_ids(self.tok, self.template)  # what ends a rollout and what the reward strips
         self.max_prompt_len = c.task.max_prompt_len
         try:
             train = self.task.load(c.task.train_split, **task_options(c, c.task.train_split, c.task.num_train))
@@ -74,15 +76,10 @@ class TaskData:
         return [r["prompt_ids"] for r in recs], [r["answer"] for r in recs]
 
     def reward(self, token_ids: list[int], answer: str) -> float:
-        """The task's reward of a completion's text. The stop token ending it is not text; any other special
-        token stays visible in the text (decoding used to drop it, so `#2<bos>0` read as the answer `#20`),
-        and an id past the tokenizer's vocabulary (a padded row of the model's) makes it malformed: 0.0."""
-        ids = list(token_ids)
-        if ids and ids[-1] == self.tok.eos_id:
-            ids = ids[:-1]
-        if any(not 0 <= i < self.tok.vocab_size for i in ids):
-            return 0.0
-        return float(self.task.reward(self.tok.decode(ids, skip_special_tokens=False), answer))
+        """The task's reward of a completion's text (`data.batching.response_text`: a final stop token is not
+        text, other special tokens stay visible, an id past the tokenizer's vocabulary scores 0.0)."""
+        text = response_text(self.tok, token_ids, self.stop_ids)
+        return 0.0 if text is None else float(self.task.reward(text, answer))
 
     @property
     def eos_id(self) -> int:
