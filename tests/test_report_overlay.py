@@ -102,3 +102,32 @@ def test_short_labels_tell_runs_apart():
 ])
 def test_panels_from_spec(entries, expected):
     assert list(plot.panels_from_spec(entries)) == expected
+
+
+@pytest.mark.parametrize("ext", ["png", "pdf", "svg"])
+def test_out_replaces_only_a_figure_this_tool_wrote(tmp_path, ext):
+    """A figure of the user's (another tool's plot, a photo) at `--out` or at the default path is refused in one
+    line and left as it was; a figure `report` wrote carries a mark in its metadata and is replaced."""
+    a, b = _run(tmp_path / "runs" / "a", 0.3, steps=3), _run(tmp_path / "runs" / "b", 0.4, steps=3)
+    fig = plt.figure()
+    plt.plot([1, 2])
+    theirs = tmp_path / f"theirs.{ext}"
+    fig.savefig(theirs, format=ext)
+    plt.close(fig)
+    before = theirs.read_bytes()
+    with pytest.raises(UsageError, match=rf"--out .*theirs.{ext}: already exists and is not a .{ext} figure written by"):
+        plot.main([str(a), "--out", str(theirs)])
+    assert theirs.read_bytes() == before
+    ours = tmp_path / f"ours.{ext}"
+    assert plot.main([str(a), "--out", str(ours)]) == 0
+    first = ours.read_bytes()
+    assert plot.main([str(a), str(b), "--out", str(ours)]) == 0 and ours.read_bytes() != first
+    # The defaults, RUN_DIR/report.png and the parent's overlay.png, are checked the same way.
+    for default, argv in ((a / "report.png", [str(a)]), (tmp_path / "runs" / "overlay.png", [str(a), str(b)])):
+        default.write_bytes(theirs.read_bytes() if ext == "png" else b"\x89PNG\r\n\x1a\n a user's picture")
+        kept = default.read_bytes()
+        with pytest.raises(UsageError, match=r"--out \(default\) .*: already exists"):
+            plot.main(argv)
+        assert default.read_bytes() == kept
+        default.unlink()
+        assert plot.main(argv) == 0 and plot.main(argv) == 0  # its own figure: replaced

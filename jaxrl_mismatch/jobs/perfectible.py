@@ -55,7 +55,8 @@ def parse_args(argv: Sequence[str]):
                    help="seconds to wait for the --address server to be ready (default 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output JSONL (a new file, or an existing one with --force)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out file that an earlier perfectible run wrote (nothing else)")
     a = p.parse_args(argv)
     file_flag = a.file
     c = None
@@ -107,8 +108,32 @@ def parse_args(argv: Sequence[str]):
         raise UsageError(f"--ready-timeout must be a number > 0, got {a.ready_timeout}")
     if a.address:
         host_port("--address", a.address)
-    check_out_file("--out", a.out, ours=lambda _: False, what="an output of this run", force=a.force)
+    if a.file and os.path.lexists(a.out) and os.path.exists(a.file) and os.path.samefile(a.out, a.file):
+        raise UsageError(f"--out {a.out}: is the input --file; write the kept prompts to a new file")
+    if a.force and os.path.lexists(a.out) and not os.path.isdir(a.out) and not _is_perfectible_output(a.out):
+        raise UsageError(f"--out {a.out}: --force replaces only an earlier output of perfectible (every line a JSON "
+                         f"object with {OUTPUT_FIELDS[0]!r} and {OUTPUT_FIELDS[1]!r}); this file is not one, "
+                         "choose a new path")
+    check_out_file("--out", a.out, ours=lambda _: False, what="", force=a.force)
     return a
+
+
+OUTPUT_FIELDS = ("initial_accuracy", "num_samples")  # what perfectible adds to every record it keeps
+
+
+def _is_perfectible_output(path: str) -> bool:
+    """Whether `path` is a file an earlier run wrote: JSON lines, each an object with the fields added here (an
+    empty file is one too: a run that kept no prompt writes it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    if not (isinstance(rec, dict) and all(k in rec for k in OUTPUT_FIELDS)):
+                        return False
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,19 +26,25 @@ from jaxrl_mismatch.runlog import read_run  # noqa: E402
 from jaxrl_mismatch.outputs import check_out_file, staged_file  # noqa: E402
 from jaxrl_mismatch.usage import ArgumentParser, UsageError  # noqa: E402
 
-# File signatures of the figure formats a report is written in: an existing file is replaced only if it is one.
+# File signatures of the figure formats a report is written in, and the mark every figure written here carries in
+# its metadata (PNG "Software", PDF/SVG "Creator"): an existing file is replaced only when it is a figure with the
+# mark, so `--out` never overwrites a user's own figure (a photo, another tool's plot) that happens to be a PNG.
 _SIGNATURES = {"png": (b"\x89PNG\r\n\x1a\n",), "pdf": (b"%PDF",), "svg": (b"<?xml", b"<svg")}
+FIGURE_MARK = "jaxrl-mismatch figure"
+_MAX_FIGURE_BYTES = 64 << 20  # larger than any figure written here: not read
 
 
-def _is_figure(path: str) -> bool:
-    """Whether `path` holds a figure of the format its name says (what `report` itself writes)."""
+def _is_our_figure(path: str) -> bool:
+    """Whether `path` holds a figure of the format its name says, written by `save_figure` (it has the mark)."""
     signatures = _SIGNATURES.get(os.path.splitext(path)[1].lower().lstrip("."), ())
     try:
+        if os.path.getsize(path) > _MAX_FIGURE_BYTES:
+            return False
         with open(path, "rb") as f:
-            head = f.read(16)
+            data = f.read()
     except OSError:
         return False
-    return any(head.startswith(sig) for sig in signatures)
+    return any(data.startswith(sig) for sig in signatures) and FIGURE_MARK.encode() in data
 
 
 def check_figure_out(flag: str, out: str) -> None:
@@ -47,13 +53,16 @@ def check_figure_out(flag: str, out: str) -> None:
     if ext not in _SIGNATURES:
         raise UsageError(f"{flag} {out}: unsupported figure format {('.' + ext) if ext else '(no extension)'}; "
                          "use .png, .pdf or .svg")
-    check_out_file(flag, out, ours=_is_figure, what=f"a .{ext} figure")
+    check_out_file(flag, out, ours=_is_our_figure, what=f"a .{ext} figure written by jaxrl-mismatch")
 
 
 def save_figure(fig, out: str, **kwargs) -> None:
-    """`fig.savefig` into a temporary sibling renamed to `out` (never a half-written figure)."""
+    """`fig.savefig` into a temporary sibling renamed to `out` (never a half-written figure), with the mark that
+    lets a later `--out` replace it."""
+    fmt = os.path.splitext(out)[1].lower().lstrip(".") or "png"
+    metadata = {"Software": FIGURE_MARK} if fmt == "png" else {"Creator": FIGURE_MARK}
     with staged_file(out) as tmp:
-        fig.savefig(tmp, format=os.path.splitext(out)[1].lower().lstrip(".") or "png", **kwargs)
+        fig.savefig(tmp, format=fmt, metadata=metadata, **kwargs)
 
 # (title, metric names tried in order, y scale)
 Panel = tuple[str, tuple[str, ...], str]
@@ -268,14 +277,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="PNG path (default RUN_DIR/report.png; for several runs overlay.png in their common parent)")
     args = p.parse_args(argv)
-    if args.out:
-        if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-            raise UsageError(f"--out {args.out}: its directory does not exist")
-        check_figure_out("--out", args.out)
+    parent = os.path.commonpath([os.path.abspath(d) for d in args.run_dirs])
+    default = os.path.join(args.run_dirs[0], "report.png") if len(args.run_dirs) == 1 else os.path.join(parent, "overlay.png")
+    out, flag = (args.out, "--out") if args.out else (default, "--out (default)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        if args.out:  # (a default's directory is a RUN_DIR, which reading the run checks and names below)
+            raise UsageError(f"{flag} {out}: its directory does not exist")
+    else:
+        check_figure_out(flag, out)  # the default path too: a figure of the user's there is never replaced
     if len(args.run_dirs) == 1:
         if args.labels is not None:
             raise UsageError("--labels: only for an overlay of several run directories")
-        print(make_report(args.run_dirs[0], args.out))
+        print(make_report(args.run_dirs[0], out))
         return 0
     labels = _short_labels(args.run_dirs) if args.labels is None else [s.strip() for s in args.labels.split(",")]
     if len(labels) != len(args.run_dirs):
@@ -283,6 +296,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(set(labels)) != len(labels) or not all(labels):
         raise UsageError(f"--labels: labels must be distinct and non-empty, got {args.labels!r}")
     groups = {label: [read_run(d)] for label, d in zip(labels, args.run_dirs)}
-    parent = os.path.commonpath([os.path.abspath(d) for d in args.run_dirs])
-    print(plot_overlay(groups, args.out or os.path.join(parent, "overlay.png")))
+    print(plot_overlay(groups, out))
     return 0

@@ -67,3 +67,27 @@ def test_saved_subset_builds_as_a_tfds_dataset(tmp_path):
     assert [(r["prompt_text"], r["answer"]) for r in recs] == [("0:q", "100"), ("2:q", "102")]
     assert json.loads(recs[0]["extra"]) == {"initial_accuracy": 0.5, "num_samples": 8}
     assert task.reward("x#102", recs[1]["answer"]) == 1.0
+
+
+def test_force_replaces_only_an_earlier_perfectible_output(tmp_path):
+    """`--force` used to replace any file at `--out`, the input `--file` included; now only one this command wrote
+    (every line with the fields it adds), and `--out` may never be the input."""
+    from jaxrl_mismatch.jobs.perfectible import parse_args
+    from jaxrl_mismatch.usage import UsageError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt_text": "1+1=", "answer": "2"}) + "\n")
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"mine": 1}\n')
+    base = ["--model", str(model), "--max-tokens", "8", "--task", "prompts", "--file", str(data)]
+    for out, needle in ((notes, "--force replaces only an earlier output of perfectible"), (data, "is the input --file")):
+        with pytest.raises(UsageError, match=f"--out {out}: {needle}"):
+            parse_args([*base, "--out", str(out), "--force"])
+    with pytest.raises(UsageError, match="already exists; choose a new path or pass --force"):
+        parse_args([*base, "--out", str(notes)])
+    assert notes.read_text() == '{"mine": 1}\n' and json.loads(data.read_text())["answer"] == "2"
+    earlier = tmp_path / "kept.jsonl"
+    earlier.write_text(json.dumps({"prompt_text": "1+1=", "answer": "2", "initial_accuracy": 0.5, "num_samples": 8}) + "\n")
+    assert parse_args([*base, "--out", str(earlier), "--force"]).force
