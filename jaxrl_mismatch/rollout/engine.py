@@ -71,7 +71,7 @@ class EngineInfo:
     weight_version: int
     max_model_len: int
     # optional SamplingSpec features supported: "exact", "logit_noise_std", "routing" (return_routing),
-    # "quantize_strength"
+    # "quantize_strength", "kept_counts" (top-k/top-p completions carry Completion.kept_counts)
     options: tuple[str, ...] = ()
     quantize: str = "none"  # weight quantization the engine serves with: none | int8 | fp8 (models/quantize.py)
     # wire bytes of one token's expert ids in a completion's routing (sparse layers × k × itemsize); 0: no routing

@@ -122,7 +122,7 @@ class JaxEngine(Engine):
     def info(self) -> EngineInfo:
         with self._lock:
             version = self._version
-        options = (("exact", "logit_noise_std") + (("routing",) if self.cfg.is_moe else ())
+        options = (("exact", "logit_noise_std", "kept_counts") + (("routing",) if self.cfg.is_moe else ())
                    + (("quantize_strength",) if self._quantize != "none" else ()))
         routing_bytes = (len(self.cfg.sparse_layers) * self.cfg.num_experts_per_tok
                          * np.dtype(_routing_dtype(self.cfg.num_experts)).itemsize) if self.cfg.is_moe else 0

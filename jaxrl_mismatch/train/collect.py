@@ -103,8 +103,11 @@ def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[
 
 
 def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.ndarray, int], np.ndarray], *,
-             pad_id: int, with_routing: bool = False) -> RolloutBatch:
+             pad_id: int, with_routing: bool = False, truncated: bool | None = None) -> RolloutBatch:
     """Rows in group order; `advantages_fn(rewards [B], group_ids [B], num_groups) -> [B]`.
+
+    `truncated` (the request sampled with top-k/top-p): every non-empty completion must carry its kept-set sizes,
+    which π is renormalised with; None infers it from the completions.
 
     `with_routing` (a MoE policy sampled with `SamplingSpec.return_routing`): every completion's
     `Completion.routing` goes into the batch's `routing` field, aligned with `tokens`."""
@@ -123,7 +126,8 @@ def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.nd
                                      "(the request asked for return_routing)")
                 routing.append(c.routing)
     adv = advantages_fn(np.asarray(rewards, np.float32), np.asarray(gids, np.int32), len(groups))
-    truncated = any(k for k in kept)  # top-k/top-p: every non-empty completion carries its kept-set sizes
+    if truncated is None:
+        truncated = any(k for k in kept)  # top-k/top-p: every non-empty completion carries its kept-set sizes
     if truncated and any(k is None for k in kept):
         raise ValueError("kept_counts: some completions of a truncated (top-k/top-p) request came back without them")
     return from_completions(prompts, comps, logps, adv, pad_id=pad_id, routing=routing if with_routing else None,

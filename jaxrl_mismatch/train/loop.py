@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from jaxrl_mismatch.objectives import compute_advantages
-from jaxrl_mismatch.rollout import NonFiniteLogprobsError, RetryPolicy, RolloutError, SamplingSpec
+from jaxrl_mismatch.rollout import EngineInfo, NonFiniteLogprobsError, RetryPolicy, RolloutError, SamplingSpec
 from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
@@ -43,6 +43,21 @@ VAL_KEYS = ("val/accuracy", "val/greedy_accuracy")
 # order, epoch × records + index), batches dropped beyond the bound so far, and the two sides' times.
 ASYNC_STAT_KEYS = ("rollout/batch_index", "rollout/prompt_position", "rollout/dropped_batches",
                    "time/rollout_wait_s", "time/generate_s")
+
+
+def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str) -> None:
+    """ConfigError unless every server serves what the config's `rollout` section asks for: its weight quantization,
+    and with top-k/top-p each token's kept-set size (an attached vLLM server returns log-probs renormalised over the
+    kept set without it, and π over the full vocabulary would bias every ratio by the kept mass)."""
+    for i in infos:
+        if i.quantize != r.quantize:
+            raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {where} serves {i.quantize!r} weights "
+                              f"(serve --quantize {r.quantize})")
+        if (r.top_p < 1.0 or r.top_k > 0) and "kept_counts" not in i.options:
+            field = "rollout.top_p" if r.top_p < 1.0 else "rollout.top_k"
+            raise ConfigError(f"config.{field}: needs a rollout engine that returns each token's kept-set size (the "
+                              f"jax engine), but {where} ({i.engine} engine) does not; the trainer could not "
+                              "renormalise π over the tokens μ was sampled from")
 
 
 class RolloutFailure(RuntimeError):
@@ -239,7 +254,8 @@ class Trainer:
         def advantages(rewards, group_ids, num_groups):
             return np.asarray(compute_advantages(kind, rewards, group_ids, num_groups))
 
-        batch = to_batch(collected.groups, advantages, pad_id=self.data.pad_id, with_routing=self.collect_routing)
+        batch = to_batch(collected.groups, advantages, pad_id=self.data.pad_id, with_routing=self.collect_routing,
+                         truncated=self.c.rollout.top_p < 1.0 or self.c.rollout.top_k > 0)
         versions = np.array([cm.weight_version for g in collected.groups for cm in g.completions], np.int32)
         # The strength travels with the batch: after a dropped batch the producer's indices run ahead of the
         # trainer's step, and the logged scale must be the one the batch was sampled with.
@@ -307,10 +323,7 @@ class Trainer:
                                      tokenizer_vocab_size=self.data.tok.vocab_size)
             infos = session.infos() if hasattr(session, "infos") else [session.info()]  # a fleet: every live server
             info = infos[0]
-            for i in infos:
-                if i.quantize != r.quantize:
-                    raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {session.describe()} serves "
-                                      f"{i.quantize!r} weights (serve --quantize {r.quantize})")
+            check_servers(r, infos, session.describe())
             # Validation measures the trainer's policy: full-precision weights where the engines can serve them.
             self._eval_quantize_strength = 0.0 if all("quantize_strength" in i.options for i in infos) else 1.0
             if self.collect_routing and "routing" not in info.options:

@@ -74,3 +74,45 @@ def test_fp16_trainer_refuses_temperatures_that_overflow_its_logits():
     validate(c)
     c.trainer.fp32_lm_head, c.rollout.temperature = False, 0.01
     validate(c)
+
+
+def _info(engine: str, options: tuple[str, ...], quantize: str = "none"):
+    from jaxrl_mismatch.rollout import EngineInfo
+
+    return EngineInfo(architecture="Qwen3ForCausalLM", vocab_size=97, dtype="float32", engine=engine,
+                      weight_version=0, max_model_len=256, options=options, quantize=quantize)
+
+
+def test_top_p_with_a_server_that_returns_no_kept_set_sizes_is_refused():
+    """An attached `serve --engine vllm` passed the config check (rollout.engine keeps its default 'jax') and its
+    log-probs, renormalised over the nucleus, were trained against π over the full vocabulary."""
+    from jaxrl_mismatch.train.loop import check_servers
+
+    jax_server, vllm_server = _info("jax", ("exact", "logit_noise_std", "kept_counts")), _info("vllm", ())
+    for rollout, field in (({"top_p": 0.9}, "config.rollout.top_p"), ({"top_k": 20}, "config.rollout.top_k")):
+        c = _config(address="127.0.0.1:5000", **rollout)
+        validate(c)
+        check_servers(c.rollout, [jax_server], "the server at 127.0.0.1:5000")
+        with pytest.raises(ConfigError, match=f"{field}: needs a rollout engine that returns each token's kept-set "
+                                              r"size .*127.0.0.1:5000 \(vllm engine\) does not"):
+            check_servers(c.rollout, [jax_server, vllm_server], "the server at 127.0.0.1:5000")
+    check_servers(_config(address="127.0.0.1:5000").rollout, [vllm_server], "x")  # untruncated: vLLM is fine
+    with pytest.raises(ConfigError, match="config.rollout.quantize: 'none', but x serves 'int8' weights"):
+        check_servers(_config().rollout, [_info("jax", (), quantize="int8")], "x")
+
+
+def test_the_jax_engine_says_it_returns_kept_set_sizes_and_a_batch_without_them_is_refused(tmp_path):
+    import numpy as np
+
+    from jaxrl_mismatch.rollout import Completion
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+    from jaxrl_mismatch.train.collect import Group, to_batch
+    from tests.rollout.conftest import make_tiny_qwen3
+
+    assert "kept_counts" in JaxEngine(str(make_tiny_qwen3(tmp_path / "m", tied=True))).info().options
+    group = Group(prompt_ids=[1, 2], answer="4", rewards=np.ones(1, np.float32), completions=[
+        Completion(token_ids=[3, 4], logprobs=[-1.0, -2.0], finish_reason="length", weight_version=0)])
+    adv = lambda r, g, n: np.zeros_like(r)  # noqa: E731
+    assert to_batch([group], adv, pad_id=0).kept_count is None  # inferred: an untruncated request
+    with pytest.raises(ValueError, match="kept_counts: some completions of a truncated"):
+        to_batch([group], adv, pad_id=0, truncated=True)
