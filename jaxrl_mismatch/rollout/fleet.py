@@ -177,10 +177,12 @@ class RolloutFleet:
         if not candidates:
             raise NoServerLeftError(f"no rollout server left to push weights to ({self.describe()})")
         infos = self._parallel(candidates, lambda m: m.session.info().weight_version)
-        served = [v for v in infos if v is not None]
-        version = max([self.version, *served]) + 1
-        read = {id(m) for m, v in zip(candidates, infos) if v is not None}  # their push needs no GetInfo of its own
-        results = self._parallel(candidates, lambda m: m.session.push(weights, version, synced=id(m) in read),
+        # A member that failed GetInfo is down now (its client closed): it sits this push out and rejoins later.
+        candidates = [m for m, v in zip(candidates, infos) if v is not None]
+        if not candidates:
+            raise NoServerLeftError(f"no rollout server answered before the push ({self.describe()})")
+        version = max([self.version, *(v for v in infos if v is not None)]) + 1
+        results = self._parallel(candidates, lambda m: m.session.push(weights, version, synced=True),
                                  what="UpdateWeights")
         ok = [m for m, r in zip(candidates, results) if r is not None]
         if not ok:
@@ -324,8 +326,10 @@ class RolloutFleet:
         for m, f in zip(members, futures):
             try:
                 out.append(f.result())
-            except RolloutError as e:
-                log.warning("rollout server %s failed %s (%s); it sits this step out", m.name, what, e)
+            except Exception as e:  # noqa: BLE001 - any failure of one member's call (gRPC raises ValueError on a
+                # closed channel) is that member's: it sits the step out, the fleet goes on without it
+                why = str(e) if isinstance(e, RolloutError) else f"{type(e).__name__}: {e}"
+                log.warning("rollout server %s failed %s (%s); it sits this step out", m.name, what, why)
                 m.up = True  # so that _take_down applies
                 self._take_down(m)
                 out.append(None)

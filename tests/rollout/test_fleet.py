@@ -102,6 +102,31 @@ def test_a_server_that_failed_the_push_sits_the_step_out(three_servers, tiny_che
 
 
 @pytest.mark.slow
+def test_a_server_that_failed_getinfo_is_not_pushed_to(three_servers, tiny_checkpoints, monkeypatch, caplog):
+    """A server that died between steps fails the push's GetInfo and is taken down (its client closed); the push
+    then went to it anyway, and gRPC's "closed channel" ValueError ended the run with exit 1 and no checkpoint."""
+    from jaxrl_mismatch.rollout.client import RolloutError
+
+    weights = _perturbed(tiny_checkpoints["untied"], 0.1)
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30) as fleet:
+        fleet.push(weights)
+        dead = fleet.members[2]
+
+        def gone(*a, **kw):
+            raise RolloutError("GetInfo: UNAVAILABLE (test)")
+
+        pushed = []
+        monkeypatch.setattr(dead.session, "info", gone)
+        monkeypatch.setattr(dead.session, "push", lambda *a, **kw: pushed.append(a))
+        version = fleet.push(weights)
+        assert pushed == [] and not dead.up and dead.served is None
+        assert [m.served for m in fleet.members[:2]] == [version, version]
+        assert "failed GetInfo" in caplog.text and len(fleet.generate(PROMPTS, SPEC)) == len(PROMPTS)
+        dead.revival.result(timeout=30)  # let its background revival finish before the servers are reused
+
+
+@pytest.mark.slow
 def test_sigkill_mid_step_fails_over_and_the_server_rejoins(tmp_path, tiny_checkpoints, caplog):
     ckpt = tiny_checkpoints["untied"]
     weights = _perturbed(ckpt)
