@@ -17,7 +17,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
-from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE
+from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, is_run_dir
 from jaxrl_mismatch.usage import UsageError, host_port, listing
 
 _CHOICES = {
@@ -298,8 +298,7 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.run_dir: {c.run_dir} is a file; expected a (new or existing) run directory")
     if os.path.isdir(c.run_dir):  # a run starts in a new or empty folder, or resumes its own
         entries = sorted(os.listdir(c.run_dir))
-        ours = LOCK_FILE in entries or os.path.isdir(os.path.join(c.run_dir, "checkpoints"))  # a run (copied?)
-        if not ours and not set(entries) <= {HARNESS_LOG_FILE, HARNESS_STATUS_FILE}:
+        if not is_run_dir(c.run_dir) and not set(entries) <= {HARNESS_LOG_FILE, HARNESS_STATUS_FILE}:
             raise ConfigError(f"config.run_dir: {c.run_dir} is a non-empty directory not written by "
                               f"`jaxrl-mismatch train` (holds {listing(entries)}); choose a new or empty directory "
                               "(nothing was changed)")

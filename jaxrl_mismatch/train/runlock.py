@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 
 from jaxrl_mismatch.usage import UsageError
@@ -21,6 +22,27 @@ LOCK_FILE = "train.lock"
 # What a harness may put in a new run directory before its trainer starts (jobs/compare.py's status and log).
 # Any other content in a run directory without LOCK_FILE belongs to someone else: `train` refuses it.
 HARNESS_STATUS_FILE, HARNESS_LOG_FILE = "compare.json", "compare.log"
+# What train/checkpoint.py leaves in <run_dir>/checkpoints: orbax step folders, its temporaries, and the steps it
+# set aside (`<step>.uncommitted-<ns>`, `<step>.damaged-<ns>`).
+_CHECKPOINT_ENTRY = re.compile(r"^(0|[1-9]\d*)(\.orbax-checkpoint-tmp.*|\.uncommitted-\d+|\.damaged-\d+)?$")
+_STEP_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA")  # one of them is in every step folder orbax wrote
+
+
+def is_run_dir(run_dir: str) -> bool:
+    """Whether `run_dir` is a training run's (it may be resumed or restarted there): it holds the run lock, or a
+    `checkpoints/` folder of this trainer's checkpoints only. A folder of another tool's with a `checkpoints/`
+    subfolder (its own numbered steps, model files) is not: a new run there would replace its metrics.jsonl and
+    move its step folders aside."""
+    if os.path.lexists(os.path.join(run_dir, LOCK_FILE)):
+        return True
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if os.path.islink(ckpts) or not os.path.isdir(ckpts):
+        return False
+    entries = os.listdir(ckpts)
+    return bool(entries) and all(
+        (m := _CHECKPOINT_ENTRY.match(e)) is not None and os.path.isdir(os.path.join(ckpts, e))
+        and (m.group(2) is not None or any(os.path.isfile(os.path.join(ckpts, e, f)) for f in _STEP_FILES))
+        for e in entries)
 
 
 class RunDirLock:
