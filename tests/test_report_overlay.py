@@ -131,3 +131,16 @@ def test_out_replaces_only_a_figure_this_tool_wrote(tmp_path, ext):
         assert default.read_bytes() == kept
         default.unlink()
         assert plot.main(argv) == 0 and plot.main(argv) == 0  # its own figure: replaced
+
+
+def test_the_surge_marker_finds_a_combined_controllers_surge_and_a_run_given_twice_is_named(tmp_path):
+    """`combine(...)` logs `controller/<i>_<name>/surge_step`: the marker looked for `controller/surge_step` only."""
+    combined = [{"step": 0, "controller/0_length_triggered_decay/surge_step": -1.0},
+                {"step": 30, "controller/0_length_triggered_decay/surge_step": 20.0,
+                 "controller/0_length_triggered_decay/trigger_step": 27.0}]
+    assert plot._surge(combined) == (20.0, 27.0)
+    assert plot._surge([{"controller/surge_step": 5.0, "controller/trigger_step": -1.0}]) == (5.0, None)
+    assert plot._surge([{"controller/surge_step": -1.0}, {"lr": 1.0}]) == (None, None)
+    a = _run(tmp_path / "a", 0.3, steps=3)
+    with pytest.raises(UsageError, match=f"RUN_DIR {a}: given twice"):
+        plot.main([str(a), str(a)])

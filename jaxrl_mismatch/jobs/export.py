@@ -53,20 +53,26 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
     from jaxrl_mismatch import precision
     from jaxrl_mismatch.models import ModelConfig, save_hf
     from jaxrl_mismatch.models.hf_io import abstract_model
-    from jaxrl_mismatch.train.checkpoint import Checkpointer, CheckpointDamagedError, CheckpointMismatchError
+    from jaxrl_mismatch.train.checkpoint import (Checkpointer, CheckpointDamagedError, CheckpointMismatchError,
+                                                 require_meta)
     from jaxrl_mismatch.train.optimizer import build_optimizer
     from jaxrl_mismatch.train.state import init_state
 
     def load(s: int):
         """(run config, base dir, model config, state) of step `s`; CheckpointDamagedError if unreadable."""
-        c = ml_collections.ConfigDict(ckpt.read_meta(s)["config"])
+        where = os.path.join(ckpt_dir, str(s))
+        meta = require_meta(ckpt.read_meta(s), where, {"config": dict})
+        require_meta(meta["config"], f"{where} (its meta's config)", {"model": dict, "trainer": dict, "optim": dict})
+        c = ml_collections.ConfigDict(meta["config"])
         b = base or c.model.path
         if not os.path.isfile(os.path.join(b, "config.json")):
             raise UsageError(f"--base {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
                              "pass --base DIR pointing to it")
         cfg = ModelConfig.from_hf(b)
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
-        abstract_params = nnx.split(abstract_model(cfg, policy), nnx.Param)[1]
+        # the layout the run trained in: scan_layers stacks the layers' parameters (save_hf writes either)
+        abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=bool(c.trainer.get("scan_layers", False))),
+                                    nnx.Param)[1]
         opt = build_optimizer(c.optim)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.eval_shape(lambda p: init_state(p, opt, precision.loss_scale_for(policy), seed=0),

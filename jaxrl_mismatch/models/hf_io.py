@@ -215,6 +215,15 @@ def params_to_hf(params: PyTree, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return {name: _to_host(leaf, tr) for name, _, tr, leaf in _iter_hf(params)}
 
 
+class ModelFilesError(ValueError):
+    """A checkpoint directory's weights cannot be loaded: an unreadable safetensors file, a missing tensor, a shape
+    that does not match config.json (`load_hf`; the message names the directory or file)."""
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 class _LazyCheckpoint(Mapping):
     """Read-on-demand view of a HF safetensors directory: name → numpy array (one tensor at a time)."""
 
@@ -234,13 +243,20 @@ class _LazyCheckpoint(Mapping):
             fpath = os.path.join(directory, fname)
             if not os.path.exists(fpath):
                 raise FileNotFoundError(f"{index_path} lists {fname}, which does not exist")
-            self._handles[fname] = stack.enter_context(safe_open(fpath, framework="numpy"))
+            try:
+                self._handles[fname] = stack.enter_context(safe_open(fpath, framework="numpy"))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (truncated, garbled)
+                raise ModelFilesError(f"{fpath} is not a readable safetensors file ({_first_line(e)})") from None
         if weight_map is None:
             weight_map = {n: fname for fname, h in self._handles.items() for n in h.keys()}
         self._weight_map = weight_map
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._handles[self._weight_map[name]].get_tensor(name)
+        fname = self._weight_map[name]
+        try:
+            return self._handles[fname].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a tensor whose bytes cannot be read (a damaged file)
+            raise ModelFilesError(f"{fname}: tensor {name!r} cannot be read ({_first_line(e)})") from None
 
     def __iter__(self):
         return iter(self._weight_map)
@@ -276,8 +292,13 @@ def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.shar
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
         )
-    with contextlib.ExitStack() as stack:
-        params = hf_to_params(_LazyCheckpoint(directory, stack), cfg, abstract)
+    try:
+        with contextlib.ExitStack() as stack:
+            params = hf_to_params(_LazyCheckpoint(directory, stack), cfg, abstract)
+    except ModelFilesError:
+        raise
+    except (ValueError, OSError) as e:  # a missing tensor or file, a wrong shape, a bad index (JSON)
+        raise ModelFilesError(f"{directory}: {_first_line(e)}") from None
     return cfg, nnx.merge(graphdef, params)
 
 

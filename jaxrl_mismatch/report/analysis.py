@@ -115,14 +115,18 @@ def plot_softmax_simulation(samples: Sequence[tuple[np.ndarray, np.ndarray]], se
     """Histograms of the sampled tokens' probabilities in float32 and in `setting['dtype']` (OLH Fig. 13)."""
     fig, axs = plt.subplots(1, 3, figsize=(15, 4))
     # Linear bins finer than bfloat16's level spacing above ~0.005 (2^-15 ≈ 3e-5), so its levels show as spikes.
-    hi = float(np.quantile(np.concatenate([p for pair in samples for p in pair]), 0.98))
+    # The axis ends at the 98th percentile (the spikes need the fine bins); how many tokens lie past it is said.
+    every = np.concatenate([p for pair in samples for p in pair])
+    hi = float(np.quantile(every, 0.98))
     edges = np.linspace(0.0, hi, 600)
+    panels = [np.concatenate([pair[i] for pair in samples]) for i in (0, 1)]
     for (p_ref, p_low), seed in zip(samples, seeds):
         axs[0].hist(p_ref, bins=edges, histtype="step", lw=0.8, label=f"seed {seed}")
         axs[1].hist(p_low, bins=edges, histtype="step", lw=0.8, label=f"seed {seed}")
         axs[2].hist(np.asarray(p_ref, np.float64) / p_low, bins=200, histtype="step", lw=0.8, label=f"seed {seed}")
-    for ax, title in zip(axs[:2], ("float32", setting["dtype"])):
-        ax.set_xlabel(f"probability of the sampled token ({title})")
+    for ax, title, values in zip(axs[:2], ("float32", setting["dtype"]), panels):
+        ax.set_xlabel(f"probability of the sampled token ({title}); {int(np.sum(values > hi))} of {values.size} "
+                      f"> {hi:.3g} not shown")
         ax.set_ylabel("tokens")
         ax.set_title(f"computed in {title}")
     axs[2].set_xlabel(f"p_fp32 / p_{setting['dtype']}")

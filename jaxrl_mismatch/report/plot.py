@@ -102,12 +102,23 @@ def _finish_axis(ax, scale: str, ys: Sequence[float]) -> None:
     ax.grid(alpha=0.3)
 
 
+def _surge(records: Sequence[Mapping[str, Any]]) -> tuple[float | None, float | None]:
+    """(onset, detection step) of the newest length surge a controller logged: `controller/surge_step` and
+    `controller/trigger_step`, or a combined controller's `controller/<i>_<name>/surge_step` and its sibling."""
+    for r in reversed(records):
+        for key, value in r.items():
+            if (key.startswith("controller/") and key.endswith("surge_step") and isinstance(value, (int, float))
+                    and value >= 0):
+                trigger = r.get(key[: -len("surge_step")] + "trigger_step")
+                return value, trigger if isinstance(trigger, (int, float)) and trigger >= 0 else None
+    return None, None
+
+
 def make_report(run_dir: str, out: str | None = None) -> str:
     """Render `<run_dir>/metrics.jsonl` to a PNG; returns its path."""
     records = read_run(run_dir)
     out = out or os.path.join(run_dir, "report.png")
-    surge = [r.get("controller/surge_step", -1) for r in records]
-    surge_step = next((s for s in reversed(surge) if isinstance(s, (int, float)) and s >= 0), None)
+    surge_step, detected = _surge(records)
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
     for ax, (title, names, scale) in zip(axes.flat, PANELS):
@@ -131,7 +142,8 @@ def make_report(run_dir: str, out: str | None = None) -> str:
             ax.plot(gx, gy, marker=marker, lw=1.5, ls="--", label="val/greedy_accuracy")
             ax.legend(fontsize=8)
         if name == "length/mean" and surge_step is not None:
-            ax.axvline(surge_step, color="red", ls="--", label=f"surge detected (step {int(surge_step)})")
+            ax.axvline(surge_step, color="red", ls="--", label=f"surge onset (step {int(surge_step)}"
+                       + (f", detected at {int(detected)})" if detected is not None else ")"))
             ax.legend(fontsize=8)
         _finish_axis(ax, scale, ys)
     # Last panel: a text summary of the run.
@@ -277,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="PNG path (default RUN_DIR/report.png; for several runs overlay.png in their common parent)")
     args = p.parse_args(argv)
+    real = [os.path.realpath(d) for d in args.run_dirs]
+    if twice := next((d for d, r in zip(args.run_dirs, real) if real.count(r) > 1), None):
+        raise UsageError(f"RUN_DIR {twice}: given twice; an overlay takes each run directory once")
     parent = os.path.commonpath([os.path.abspath(d) for d in args.run_dirs])
     default = os.path.join(args.run_dirs[0], "report.png") if len(args.run_dirs) == 1 else os.path.join(parent, "overlay.png")
     out, flag = (args.out, "--out") if args.out else (default, "--out (default)")

@@ -242,7 +242,7 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str |
               f"steps) falls below {rule.frac:g} × its running peak and stays below to the end (≥ {rule.patience} "
               f"points); steps to collapse average the seeds that collapsed, – when none did. Length start/end: "
               f"mean of `length/mean` over the first/last {EDGE_STEPS} steps. LR decays: steps that lowered "
-              "`controller/scale`, from the 1.0 it starts at (a cut at step 0 counts). Σ step time: the sum of "
+              "`controller/scale`, from the 1.0 it starts at (a cut decided at step 0 counts; it applies from step 1). Σ step time: the sum of "
               "`time/step_s`; wall: the train process's wall time."]
     if baseline is not None:
         from jaxrl_mismatch.report.paired import paired_against, paired_markdown

@@ -8,8 +8,9 @@ with the dataset (Sec. 2 "Key Finding 2", Figs. 6–7), so the decay is timed fr
 Contract shared by every controller (plain Python, no jax/numpy, deterministic):
 
 * `update(step, metrics) -> float` consumes the metrics observed at training step `step` (strictly
-  increasing) and returns the LR *multiplier* in effect for that step's update, in (0, 1]. It is the
-  value for `optim.set_lr_scale`; the effective LR is `schedule(count) × scale` (the optimizer's
+  increasing) and returns the LR *multiplier* in (0, 1] for the updates that follow: before step `step`'s
+  update when its metrics are known then (docs/schedules.md's example), from step `step + 1`'s in the trainer,
+  whose step metrics include the update's (train/loop.py). It is the value for `optim.set_lr_scale`; the effective LR is `schedule(count) × scale` (the optimizer's
   `learning_rate` is the one and only base LR — controllers carry none).
 * `state_dict()` is a JSON-able dict (kind, format, config, state of Python ints/floats/lists) that
   goes into the checkpoint; `load_state_dict()` restores it into a controller built with the same
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 from jaxrl_mismatch.schedules._registry import check_kwargs
 
@@ -76,6 +77,14 @@ def _check_decay(floor: float, factor: float) -> None:
     _check_number("factor", factor, low=0.0, high=1.0, low_open=True, high_open=True)
 
 
+
+class MissingMetricError(KeyError):
+    """A controller's metric is not in the step's metrics (a typo, or a metric this run does not log)."""
+
+    def __init__(self, controller: str, metric: str, available: Iterable[str]) -> None:
+        self.metric, self.available = metric, sorted(available)
+        super().__init__(f"{controller} needs metric {metric!r}; got {self.available}")
+
 class Controller(abc.ABC):
     """Base class: step bookkeeping, the scale, and (de)serialisation of `_state`."""
 
@@ -112,7 +121,7 @@ class Controller(abc.ABC):
     def _read(self, metrics: Mapping[str, Any], key: str) -> float | None:
         """`metrics[key]` as a float, or None (counted) when it is not finite."""
         if key not in metrics:
-            raise KeyError(f"{type(self).__name__} needs metric {key!r}; got {sorted(metrics)}")
+            raise MissingMetricError(type(self).__name__, key, metrics)
         value = float(metrics[key])
         if not math.isfinite(value):
             self._state["num_nonfinite"] += 1
@@ -348,7 +357,8 @@ class MetricTriggered(Controller):
     gradient norm matches the degradation of performance and the growth of training-inference
     mismatch"); the objective-hacking paper's mismatch (§2: the std of ρ over a step's tokens) is a
     third. Unlike the length surge — an *early* warning, hence the paper's 1.8× delay — these
-    alarms mean the instability is under way, so the controller acts on the alarm step itself.
+    alarms mean the instability is under way, so the controller cuts at the alarm itself (in the trainer, from the
+    update right after the alarm step's).
 
     Alarm at step t (evaluated every step, after `min_steps_before_detect` observations):
 

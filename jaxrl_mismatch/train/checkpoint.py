@@ -96,6 +96,20 @@ class CheckpointDamagedError(CheckpointError, EnvironmentFailure):
     """A complete-looking checkpoint whose files cannot be read (truncated, deleted, garbled)."""
 
 
+def require_meta(meta: Any, where: str, fields: dict[str, type | tuple[type, ...]]) -> dict:
+    """`meta` if it is a dict holding each of `fields` with its type; else CheckpointDamagedError naming `where` and
+    the field, so a damaged newest checkpoint is set aside like one whose arrays cannot be read."""
+    if not isinstance(meta, dict):
+        raise CheckpointDamagedError(f"{where}: its meta is not a JSON object")
+    for name, kind in fields.items():
+        if name not in meta:
+            raise CheckpointDamagedError(f"{where}: its meta has no {name!r}")
+        if not isinstance(meta[name], kind) or isinstance(meta[name], bool):
+            raise CheckpointDamagedError(f"{where}: its meta's {name!r} is {type(meta[name]).__name__} "
+                                         f"{str(meta[name])[:60]!r}")
+    return meta
+
+
 class CheckpointSaveError(CheckpointError, EnvironmentFailure):
     """Writing a checkpoint failed (permissions, read-only or full filesystem, I/O error)."""
 
@@ -589,5 +603,6 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointNotFoundError",
     "describe_failure",
+    "require_meta",
     "state_layout",
 ]

@@ -10,6 +10,7 @@ update leaves the previous step's state and data position intact.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import time
@@ -19,14 +20,16 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxrl_mismatch.models.hf_io import ModelFilesError
 from jaxrl_mismatch.objectives import compute_advantages
 from jaxrl_mismatch.rollout import EngineInfo, NonFiniteLogprobsError, RetryPolicy, RolloutError, SamplingSpec
 from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
+from jaxrl_mismatch.schedules import MissingMetricError
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch, rollout_fields
-from jaxrl_mismatch.train.checkpoint import Checkpointer
+from jaxrl_mismatch.train.checkpoint import Checkpointer, CheckpointDamagedError, require_meta
 from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError
 from jaxrl_mismatch.train.config_resume import config_changes
@@ -36,6 +39,7 @@ from jaxrl_mismatch.train.optimizer import build_controller
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
 from jaxrl_mismatch.train.runlock import RunDirLock
 from jaxrl_mismatch.train.task_data import TaskData
+from jaxrl_mismatch.usage import listing
 
 log = logging.getLogger(__name__)
 VAL_KEYS = ("val/accuracy", "val/greedy_accuracy")
@@ -43,6 +47,10 @@ VAL_KEYS = ("val/accuracy", "val/greedy_accuracy")
 # order, epoch × records + index), batches dropped beyond the bound so far, and the two sides' times.
 ASYNC_STAT_KEYS = ("rollout/batch_index", "rollout/prompt_position", "rollout/dropped_batches",
                    "time/rollout_wait_s", "time/generate_s")
+
+
+# What `_save` writes into every checkpoint's meta, and a resume reads back ("controller" may be None).
+RUN_META_FIELDS: dict[str, type] = {"step": int, "weight_version": int, "data": dict, "config": dict}
 
 
 def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str) -> None:
@@ -72,7 +80,10 @@ class Trainer:
         os.makedirs(c.run_dir, exist_ok=True)
         # Before anything touches the directory (the checkpointer tidies it): one trainer per run_dir.
         self.lock = RunDirLock(c.run_dir).acquire() if self.is_lead else None
-        self.learner = Learner(learner_config(c))
+        try:
+            self.learner = Learner(learner_config(c))
+        except ModelFilesError as e:  # a damaged or incomplete base model: one line naming the field and file
+            raise ConfigError(f"config.model.path: {e}") from None
         # A MoE policy sampled by the built-in engine brings the engine's routing into the batch (routing
         # replay R3, and the moe/router_disagree_* metrics for any replay mode); vLLM does not return it.
         self.collect_routing = (self.learner.routing_shape is not None and c.rollout.engine == "jax"
@@ -122,6 +133,7 @@ class Trainer:
                 data_start = None  # the step is applied: the current data position is its successor's
                 last = self.step == c.steps
                 if (c.eval.every and self.step % c.eval.every == 0) or last:
+                    self._push()  # "after step N" measures step N's update (the next step's push is then skipped)
                     val = self._evaluate()
                     metrics.update(val)
                     progress.note(self.step - 1, val)
@@ -170,7 +182,13 @@ class Trainer:
         metrics["lr"] = self.learner.lr
         if self.controller is not None:
             # The controller sees step s's metrics; the scale it returns drives the next step's updates.
-            scale = self.controller.update(self.step, metrics)
+            try:
+                scale = self.controller.update(self.step, metrics)
+            except MissingMetricError as e:  # a typo in the config: one line naming the field, not a KeyError
+                near = difflib.get_close_matches(e.metric, e.available, n=1)
+                raise ConfigError(f"config.controller.kwargs.metric: {e.metric!r} is not a metric of a training step"
+                                  + (f"; did you mean {near[0]!r}?" if near else f" (they are {listing(e.available)})")
+                                  ) from None
             self.learner.set_lr_scale(scale)
             metrics.update({f"controller/{k}": float(v) for k, v in self.controller.metrics().items()})
         self.step += 1
@@ -346,8 +364,18 @@ class Trainer:
         _, (state, meta) = self.ckpt.newest_good(self._read_checkpoint)
         self.learner.load_state(state)
         self.step, self._version = int(meta["step"]), int(meta["weight_version"])
-        self.data.prompts.restore(meta["data"])
-        if self.controller is not None and meta.get("controller") is not None:
+        try:
+            self.data.prompts.restore(meta["data"])
+        except ValueError as e:  # another dataset size (task.num_train changed) or a damaged position
+            raise ConfigError(f"config.task: cannot continue the checkpoint's prompt order: {e} (use a new run_dir "
+                              "to train on another prompt set)") from None
+        if any(ch.startswith("controller.") for ch in config_changes(meta["config"], self.c.to_dict())):  # accepted
+            # Another controller's state cannot continue this one, and the multiplier the old one left in the
+            # optimizer state is not the new one's: the configured controller starts afresh at scale 1.0.
+            self.learner.set_lr_scale(1.0)
+            log.warning("config.controller changed since the checkpoint: the LR multiplier is reset to 1.0 and the "
+                        "controller starts afresh at step %d", self.step)
+        elif self.controller is not None and meta.get("controller") is not None:
             self.controller.load_state_dict(meta["controller"])
         log.info("resumed from step %d (weight version %d)", self.step, self.version)
         if self.step > self.c.steps:
@@ -355,8 +383,11 @@ class Trainer:
                         "(raise config.steps to continue)", self.c.steps, self.step)
 
     def _read_checkpoint(self, step: int) -> tuple[Any, dict]:
-        meta = self.ckpt.read_meta(step)
-        changes = config_changes(meta.get("config", {}), self.c.to_dict())
+        where = os.path.join(self.ckpt.directory, str(step))
+        meta = require_meta(self.ckpt.read_meta(step), where, RUN_META_FIELDS)
+        if not isinstance(meta.get("controller"), (dict, type(None))):
+            raise CheckpointDamagedError(f"{where}: its meta's 'controller' is not a JSON object")
+        changes = config_changes(meta["config"], self.c.to_dict())
         if changes and not self.accept_config_changes:
             raise ConfigError(
                 f"config: {self.c.run_dir} was started with another config; resuming would change "

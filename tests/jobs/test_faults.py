@@ -245,6 +245,73 @@ def test_export_falls_back_from_each_damaged_file_and_refuses_an_explicit_damage
         assert not [d for d in undetected if d.endswith(f" {rel}")], (rel, undetected)
 
 
+def _edit_meta(run: Path, step: int, edit) -> None:
+    import json
+
+    path = run / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.slow
+def test_a_meta_without_a_field_is_a_damaged_checkpoint_for_train_and_export(reference, tmp_path, caplog):
+    """A newest checkpoint whose meta (valid JSON) lacks a field the resume or the export reads was a bare KeyError,
+    exit 1, although the good step 2 sat next to it; now it is set aside (train) or skipped (export) like one whose
+    files cannot be read, and an explicit `--step` on it names the missing field."""
+    from jaxrl_mismatch.jobs.export import export
+    from jaxrl_mismatch.train.config_checks import validate
+    from jaxrl_mismatch.train.config_overrides import load_config
+    from jaxrl_mismatch.train.loop import Trainer
+
+    for field in ("weight_version", "data", "config"):
+        run = copy_run(reference["run_dir"], tmp_path / field)
+        _edit_meta(run, 4, lambda m: m.pop(field))
+        if field == "config":
+            step = export(str(run), str(tmp_path / "out"))
+            assert step == 2 and any("checkpoints/4" in r.getMessage() and "skipping it" in r.getMessage()
+                                     for r in caplog.records)
+            with pytest.raises(CheckpointDamagedError, match="--step 4: .*checkpoints/4: its meta has no 'config'"):
+                export(str(run), str(tmp_path / "x"), step=4)
+            _edit_meta(run, 4, lambda m: m.update(config={"model": {}}))
+            with pytest.raises(CheckpointDamagedError, match="its meta's config.*: its meta has no 'trainer'"):
+                export(str(run), str(tmp_path / "x"), step=4)
+            continue
+        c = load_config(str(config_file(tmp_path / f"{field}.py", _model_of(reference), run)), [])
+        validate(c)
+        t = Trainer(c)
+        try:
+            step, (_, meta) = t.ckpt.newest_good(t._read_checkpoint)
+        finally:
+            t.close()
+        assert step == 2 and meta["step"] == 2
+        assert [n for n in os.listdir(run / "checkpoints") if n.startswith("4.damaged-")]
+
+
+@pytest.mark.slow
+def test_a_damaged_base_model_is_one_line_naming_the_field_and_file(reference, tmp_path):
+    """A truncated model.safetensors or a missing tensor was exit 1 with the library's exception."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxrl_mismatch.train.config import ConfigError
+    from jaxrl_mismatch.train.config_overrides import load_config
+    from jaxrl_mismatch.train.loop import Trainer
+
+    for how, needle in (("truncate", "model.safetensors is not a readable safetensors file"),
+                        ("drop", "checkpoint is missing tensor 'lm_head.weight'")):
+        model = tmp_path / how
+        shutil.copytree(_model_of(reference), model)
+        if how == "truncate":
+            _damage(model / "model.safetensors", "truncate")
+        else:
+            tensors = load_file(str(model / "model.safetensors"))
+            tensors.pop("lm_head.weight")
+            save_file(tensors, str(model / "model.safetensors"))
+        c = load_config(str(config_file(tmp_path / f"{how}.py", model, tmp_path / f"run_{how}")), [])
+        with pytest.raises(ConfigError, match=f"config.model.path: .*{needle}"):
+            Trainer(c)
+
+
 @pytest.mark.slow
 def test_train_moves_a_damaged_newest_checkpoint_aside_and_resumes_bit_for_bit(reference, tmp_path):
     run = copy_run(reference["run_dir"], tmp_path / "run")

@@ -74,10 +74,17 @@ def _run(c) -> dict:
 
 
 @pytest.mark.slow
-def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path):
+def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path, monkeypatch):
+    from jaxrl_mismatch.train.loop import Trainer
+
+    # Validation "after step N" is of step N's update: the server serves the weights pushed after it (it used to
+    # serve those pushed before, so the final validation was not of the policy saved and exported).
+    evaluate, seen = Trainer._evaluate, []
+    monkeypatch.setattr(Trainer, "_evaluate", lambda self: seen.append((self.step, self._pushed_step)) or evaluate(self))
     run_dir = tmp_path / "run"
     summary = _run(tiny_config(base_model, run_dir))
     assert (summary["start_step"], summary["end_step"]) == (0, 3)
+    assert seen == [(0, 0), (2, 2), (3, 3)]  # (steps applied, step whose weights the server serves)
     recs = read_jsonl(str(run_dir / "metrics.jsonl"))
     steps = [r for r in recs if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1, 2]
@@ -118,8 +125,49 @@ def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path):
         meta = ckpt.read_meta(5)
     finally:
         ckpt.close()
-    assert meta["step"] == 5 and meta["weight_version"] == versions[-1]
+    # the final validation's push (of step 4's update) is the version the checkpoint continues from
+    assert meta["step"] == 5 and meta["weight_version"] == versions[-1] + 1
     assert meta["controller"]["state"]["num_observed"] == 5
+
+
+@pytest.mark.slow
+def test_a_controller_metric_that_no_step_logs_is_a_config_error(base_model, tmp_path):
+    """A typo in `controller.kwargs.metric` passed validation and ended the run after step 0 with a KeyError
+    (exit 1); it is now one line naming the field and the nearest metric name."""
+    from jaxrl_mismatch.train.config import ConfigError
+
+    c = tiny_config(base_model, tmp_path / "run")
+    c.steps, c.eval.every = 1, 0
+    c.controller.name, c.controller.kwargs = "metric_triggered", {"metric": "mismatch/log_ppl_abs_dif",
+                                                                    "threshold": 1.0}
+    with pytest.raises(ConfigError, match=r"config.controller.kwargs.metric: 'mismatch/log_ppl_abs_dif' is not a "
+                                          r"metric of a training step; did you mean 'mismatch/log_ppl_abs_diff'\?"):
+        _run(c)
+
+
+@pytest.mark.slow
+def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, tmp_path):
+    """With --accept-config-changes, turning the controller off kept the old multiplier in the optimizer state for
+    the rest of the run, and another controller's kwargs ended the resume with exit 1."""
+    from jaxrl_mismatch.train.loop import Trainer
+
+    run_dir = tmp_path / "run"
+    c = tiny_config(base_model, run_dir)
+    c.steps, c.eval.every = 2, 0
+    c.controller.name, c.controller.kwargs = "metric_triggered", {"metric": "length/mean", "threshold": 0.0}
+    _run(c)  # alarms at step 0: half the LR from step 1 on
+    assert [r["lr"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0] == pytest.approx([1e-3, 5e-4])
+    for name, kwargs in (("metric_triggered", {"metric": "length/mean", "threshold": 1e9}), ("none", {})):
+        c = tiny_config(base_model, run_dir)
+        c.steps, c.eval.every = 3 if name != "none" else 4, 0
+        c.controller.name, c.controller.kwargs = name, kwargs
+        t = Trainer(checked(c), accept_config_changes=True)
+        try:
+            t.run()
+        finally:
+            t.close()
+        last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
+        assert last["lr"] == pytest.approx(1e-3), (name, last)  # the configured LR, never cut by the new controller
 
 
 @pytest.mark.slow

@@ -65,7 +65,8 @@ def test_trainer_version_is_the_sessions_after_pushes_and_resume(tiny_base_model
             with pytest.raises(AttributeError):
                 t.version = 3  # read-only: nothing but a push moves it
             t.run()
-            _assert_one_version(t, served(), PREVIOUS_RUN + 2)  # one push per step, above the served version
+            # one push per step, above the served version, and one of the last update for the final validation
+            _assert_one_version(t, served(), PREVIOUS_RUN + 3)
         finally:
             t.close()
         steps = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
@@ -80,12 +81,12 @@ def test_trainer_version_is_the_sessions_after_pushes_and_resume(tiny_base_model
         try:
             t.run()
             assert t.step == 3
-            _assert_one_version(t, served(), PREVIOUS_RUN + 3)
+            _assert_one_version(t, served(), PREVIOUS_RUN + 5)  # resumed at + 3, step 2's push, the final one
         finally:
             t.close()
         ckpt = Checkpointer(str(run_dir / "checkpoints"))
         try:
-            assert ckpt.read_meta(3)["weight_version"] == PREVIOUS_RUN + 3
+            assert ckpt.read_meta(3)["weight_version"] == PREVIOUS_RUN + 5
         finally:
             ckpt.close()
     finally:
