@@ -70,9 +70,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
                              "pass --base DIR pointing to it")
         cfg = ModelConfig.from_hf(b)
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
-        # the layout the run trained in: scan_layers stacks the layers' parameters (save_hf writes either)
-        abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=bool(c.trainer.get("scan_layers", False))),
-                                    nnx.Param)[1]
+        abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=_scan_layers(c)), nnx.Param)[1]
         opt = build_optimizer(c.optim)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         abstract = jax.eval_shape(lambda p: init_state(p, opt, precision.loss_scale_for(policy), seed=0),
@@ -110,13 +108,19 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), state.params)
     # The written config.json names the stored dtype (save_hf reads it from the model's policy).
     out_policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype=dtype)
-    graphdef = nnx.split(abstract_model(cfg, out_policy), nnx.Param)[0]
+    graphdef = nnx.split(abstract_model(cfg, out_policy, scan_layers=_scan_layers(c)), nnx.Param)[0]
     with staged_dir("--out", out, "export", force=force) as tmp:
         save_hf(nnx.merge(graphdef, params), cfg, tmp)  # config.json records the stored dtype
         for name in COPIED:
             if os.path.isfile(os.path.join(base, name)):
                 shutil.copyfile(os.path.join(base, name), os.path.join(tmp, name))
     return step
+
+
+def _scan_layers(c) -> bool:
+    """Whether the run trained in the stacked-layers layout (`trainer.scan_layers`): its checkpoint is in it, and
+    save_hf writes either layout as HF's per-layer tensors."""
+    return bool(c.trainer.get("scan_layers", False))
 
 
 def _check_out(run_dir: str, out: str, force: bool) -> None:

@@ -91,3 +91,24 @@ def test_export_bf16_and_bad_inputs(trained_run, tmp_path):
         export(str(tmp_path), str(tmp_path / "x"))
     with pytest.raises(UsageError, match="--base"):
         export(str(root / "run"), str(tmp_path / "x"), base=str(tmp_path / "nowhere"))
+
+
+def test_a_scan_layers_run_exports_like_the_unrolled_one(trained_run, tmp_path):
+    """A run trained with `trainer.scan_layers` (layers stacked in one parameter tree) could not be exported: the
+    export built the unrolled layout and reported a mismatch with its --base."""
+    from safetensors.numpy import load_file
+
+    from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
+
+    _, base, _, _ = trained_run
+    c = base_config()
+    c.model.path, c.run_dir = str(base), str(tmp_path / "run")
+    c.trainer.scan_layers = True
+    learner = Learner(learner_config(c))  # the base model's weights, stacked
+    with Checkpointer(str(tmp_path / "run" / "checkpoints")) as ckpt:
+        ckpt.save(1, learner.state, {"step": 1, "config": c.to_dict()}, force=True)
+        ckpt.wait()
+    assert export(str(tmp_path / "run"), str(tmp_path / "out")) == 1
+    got, want = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
