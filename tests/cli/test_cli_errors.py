@@ -31,6 +31,17 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str, code:
         assert n in lines[0], (n, lines[0])
 
 
+def test_python_dash_m_runs_the_same_command_line():
+    """`python -m jaxrl_mismatch` (what cli.py's usage mentions) had no __main__ module."""
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    ok = subprocess.run([sys.executable, "-m", "jaxrl_mismatch", "--help"], capture_output=True, text=True, cwd=REPO,
+                        env=e, timeout=60)
+    assert ok.returncode == 0 and "usage: jaxrl-mismatch" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "jaxrl_mismatch", "nosuch"], capture_output=True, text=True, cwd=REPO,
+                         env=e, timeout=60)
+    assert_one_line_error(bad, "unknown command 'nosuch'")
+
+
 @pytest.mark.parametrize("command", ["train", "serve", "report", "export", "compare", "analyze", "warmstart",
                                      "perfectible"])
 def test_every_subcommand_has_a_working_help(command):
