@@ -3,7 +3,8 @@
 What it guarantees its caller (normally `rollout.session.RolloutSession`, which owns the recovery policy):
 
 - **Ready before use.** The constructor waits for the standard gRPC health check to report SERVING.
-- **Transient failures are retried** (UNAVAILABLE, DEADLINE_EXCEEDED) with exponential backoff; every
+- **Transient failures are retried** (UNAVAILABLE; DEADLINE_EXCEEDED except for Generate, whose abandoned work the
+  server stops, and which would only outrun its deadline again) with exponential backoff; every
   call has a deadline. Generate is safe to repeat: with a fixed seed it is deterministic.
 - **A server known to be gone is not waited for twice.** Once a call has spent its whole retry budget on
   UNAVAILABLE, later calls try once until one succeeds (or `wait_until_ready` sees the server again): the
@@ -206,11 +207,13 @@ class RolloutClient:
             raise RolloutError("this RPC needs the shared token; construct RolloutClient(..., token=...)")
         return (("authorization", f"Bearer {self._token}"),)
 
-    def _call(self, what: str, fn: Callable[[], object]) -> object:
+    def _call(self, what: str, fn: Callable[[], object], *, retry_deadline: bool = True) -> object:
         """Run fn with retries on transient codes; after a failure, resync with the (maybe new) server.
 
         A server that a previous call found unreachable through its whole budget, or whose launched process
-        has exited, gets one attempt: the caller (session, trainer) decides what to do, now.
+        has exited, gets one attempt: the caller (session, trainer) decides what to do, now. Without
+        `retry_deadline` a DEADLINE_EXCEEDED is final: a Generate that outran its deadline would only outrun it
+        again, and every retry used to start the whole generation over while the abandoned one still ran.
         """
         delays = self._retry.delays()
         attempts, give_up_at = 0, None
@@ -224,6 +227,11 @@ class RolloutClient:
                 code = e.code()
                 if code not in _RETRYABLE:
                     raise self._translate(what, e) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and not retry_deadline:
+                    raise RolloutError(f"{what} on {self.target}: DEADLINE_EXCEEDED after {attempts} attempt(s): "
+                                       f"{e.details()}; not retried (the server stops the abandoned work; raise the "
+                                       "timeout, e.g. rollout.generate_timeout_s, or send smaller requests)",
+                                       code=code) from None
                 if code == grpc.StatusCode.UNAVAILABLE:
                     if self._unreachable:
                         raise RolloutError(f"{what} on {self.target}: UNAVAILABLE, still unreachable (an earlier "
@@ -434,7 +442,8 @@ class RolloutClient:
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"prompts: the request is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
-        resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s))
+        resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s),
+                          retry_deadline=False)
         # Completions from a process that has not received our weights are thrown away.
         if self._observe_server(resp.server_id) or self.weights_lost:
             raise ServerRestartedError(f"Generate on {self.target}: the server restarted (new server_id "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -84,6 +85,10 @@ class TensorSpec:
     dtype: str  # numpy dtype name of the wire format, e.g. "float32"
 
 
+class GenerationCancelled(RuntimeError):
+    """`Engine.generate_cancellable` stopped because its caller went away; nothing is returned."""
+
+
 class Engine(abc.ABC):
     """A generation backend. Implementations must make `update_weights` atomic with respect to `generate`."""
 
@@ -93,6 +98,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
         """Sample `spec.n` completions for each prompt; result[i][j] is sample j of prompt i."""
+
+    def generate_cancellable(self, prompts: list[list[int]], spec: SamplingSpec,
+                             cancelled: threading.Event) -> list[list[Completion]]:
+        """`generate` for a caller that may go away (a timed-out or cancelled RPC, a server shutting down): an
+        engine that works in parts stops between them once `cancelled` is set and raises `GenerationCancelled`,
+        so abandoned work does not hold the server's threads. The default runs `generate` to the end."""
+        return self.generate(prompts, spec)
 
     @abc.abstractmethod
     def weight_specs(self) -> dict[str, TensorSpec]:

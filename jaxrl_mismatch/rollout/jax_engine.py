@@ -50,6 +50,7 @@ from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
     EngineInfo,
+    GenerationCancelled,
     NonFiniteLogprobsError,
     SamplingSpec,
     TensorSpec,
@@ -158,7 +159,13 @@ class JaxEngine(Engine):
             return params
         return quantized if strength >= 1.0 else _blend_program(params, quantized, np.float32(strength))
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+    def generate_cancellable(self, prompts: list[list[int]], spec: SamplingSpec,
+                             cancelled: threading.Event) -> list[list[Completion]]:
+        return self.generate(prompts, spec, cancelled=cancelled)
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, *,
+                 cancelled: threading.Event | None = None) -> list[list[Completion]]:
+        """`Engine.generate`; with `cancelled`, checked before each batch of `max_batch_rows` rows."""
         with self._lock:
             params, quantized, version = self._params, self._quantized, self._version
         params = self._pick(params, quantized, spec.quantize_strength)
@@ -173,6 +180,8 @@ class JaxEngine(Engine):
         if spec.return_routing and (spec.exact or not self.cfg.is_moe):
             raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
         for start in range(0, len(rows), self._max_batch_rows):
+            if cancelled is not None and cancelled.is_set():
+                raise GenerationCancelled(f"the caller went away after {start} of {len(rows)} rows")
             part = rows[start : start + self._max_batch_rows]
             sl = slice(start, start + len(part))
             if spec.exact:  # batch-invariant, trainer-identical log-probs (spec_exact.py, exact_sampler.py)

@@ -37,6 +37,7 @@ import errno
 import hmac
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -53,6 +54,7 @@ from jaxrl_mismatch.rollout.engine import (
     ENGINE_DTYPES,
     Engine,
     EngineUnusableError,
+    GenerationCancelled,
     NonFiniteLogprobsError,
     WeightReloadError,
     check_finite_logprobs,
@@ -100,9 +102,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.server_id = uuid.uuid4().hex
         self.shm_host_id = shm.host_id()  # "" where same-host shared memory is not offered
         self._shm_reader = shm.ShmReader()
+        self._generating = 0  # Generate handlers inside the engine, which `wait_generations` waits out
+        self._generating_cv = threading.Condition()
 
     def attach(self, engine: Engine) -> None:
         self._engine = engine
+
+    def wait_generations(self, timeout_s: float) -> bool:
+        """Wait until no Generate handler is inside the engine (cancelled ones stop at their next batch);
+        False if some still is after `timeout_s`."""
+        with self._generating_cv:
+            return self._generating_cv.wait_for(lambda: self._generating == 0, timeout=timeout_s)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _require_engine(self, context: grpc.ServicerContext) -> Engine:
@@ -141,16 +151,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             prompts, spec = parse_generate(request, engine.info(), self._limits)
         except RequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        cancelled = threading.Event()  # set when the RPC ends early: its deadline, a cancel, the server stopping
+        context.add_callback(cancelled.set)
+        with self._generating_cv:
+            self._generating += 1
         try:
-            completions = engine.generate(prompts, spec)
+            completions = engine.generate_cancellable(prompts, spec, cancelled)
             # Whatever the engine, a non-finite μ never leaves the server.
             check_finite_logprobs(completions)
+        except GenerationCancelled as e:  # nobody is waiting for the answer: the work stopped, nothing to send
+            context.abort(grpc.StatusCode.CANCELLED, f"Generate stopped: {e}")
         except NonFiniteLogprobsError as e:
             detail = f"{e.prompt},{e.sample},{e.position},{e.value},{e.weight_version}"
             context.set_trailing_metadata(((ERROR_KIND_KEY, NON_FINITE), (NON_FINITE_DETAIL_KEY, detail)))
             context.abort(grpc.StatusCode.INTERNAL, str(e))
         except Exception as e:  # an engine failure must not look like a transport error to the client
             self._abort_engine_failure(context, "Generate", e)
+        finally:
+            with self._generating_cv:
+                self._generating -= 1
+                self._generating_cv.notify_all()
         return completions_to_proto(completions, self.server_id, prompts)
 
     def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
@@ -244,13 +264,18 @@ class RolloutServer:
         self.servicer.attach(engine)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0) -> bool:
+        """Stop serving: calls in flight get `grace_s`, then are cancelled; a cancelled Generate stops at its next
+        batch, and the engine is closed only once no generation is inside it (or, if one never returns, after
+        `grace_s` more: the caller then ends the process)."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._grpc.stop(grace_s).wait()
+        finished = self.servicer.wait_generations(max(grace_s, 1.0))
         self.servicer._shm_reader.close()
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        if engine is not None and finished:
             engine.close()
+        return finished
 
 
 def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None, quantize: str = "none") -> Engine:
@@ -288,13 +313,37 @@ def read_token(token_file: str | None) -> str:
 
 
 def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
-    line = f"{prefix} {json.dumps(payload, sort_keys=True)}"
-    print(line, flush=True)
+    """The ready file first, then the line: whoever sees either finds the other written."""
     if ready_file and prefix == READY_PREFIX:
         tmp = f"{ready_file}.tmp"
         with open(tmp, "w") as f:
             json.dump(payload, f)
         os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
+    print(f"{prefix} {json.dumps(payload, sort_keys=True)}", flush=True)
+
+
+def _check_ready_file(path: str) -> None:
+    """UsageError naming --ready-file unless the file (and its .tmp sibling) can be written there."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--ready-file {path}: is a directory; expected a file path")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--ready-file {path}: its directory {parent} "
+                         f"{'does not exist' if not os.path.isdir(parent) else 'is not writable'}")
+
+
+def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
+    """UsageError naming --max-model-len when it exceeds the model's context (before the engine loads it)."""
+    if max_model_len is None:
+        return
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            limit = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return  # the engine's load names the broken config.json
+    if isinstance(limit, int) and max_model_len > limit:
+        raise UsageError(f"--max-model-len: {max_model_len} exceeds the model's context (max_position_embeddings "
+                         f"{limit} in {os.path.join(model_dir, 'config.json')})")
 
 
 def _check_host(host: str) -> None:
@@ -354,14 +403,18 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    if not (math.isfinite(args.grace_s) and args.grace_s >= 0):
+        raise UsageError(f"--grace-s: must be a number >= 0 (seconds), got {args.grace_s}")
+    if args.ready_file is not None:
+        _check_ready_file(args.ready_file)
+    _check_max_model_len(args.model, args.max_model_len)
     parent = os.getppid() if args.exit_with_parent else None
     token = read_token(args.token_file)
     limits = Limits(
         max_request_prompt_tokens=args.max_request_prompt_tokens,
         max_request_completion_tokens=args.max_request_completion_tokens,
     )
-    if args.port:
-        _check_port_free(args.host, args.port)
+    _check_port_free(args.host, args.port)  # port 0 too: binding it tests the address
     try:
         server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits)
     except (OSError, RuntimeError) as e:
@@ -389,7 +442,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"serve: parent process {parent} exited", flush=True)
             break
     print("serve: stopping", flush=True)
-    server.stop(args.grace_s)
+    if not server.stop(args.grace_s):
+        # A generation that did not stop at a batch boundary within the grace period: the process exits anyway
+        # (the executor would join its thread at exit, holding the process for as long as it runs).
+        print("serve: a generation was still running after the grace period; exiting without it", flush=True)
+        os._exit(0)
     return 0
 
 

@@ -102,6 +102,11 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["perfectible", "--model", "/tmp", "--max-tokens", "8", "--split", "nosuch", "--out", "/tmp/p.jsonl"],
      ["--split nosuch", "train, validation, test"]),
     (["serve", "--model", "/tmp", "--host", "256.1.1.1"], ["--host 256.1.1.1", "not an IP address"]),
+    # checked before the model loads (the ready file was written after READY was printed: rc 1, a traceback)
+    (["serve", "--model", "/tmp", "--grace-s", "nan"], ["--grace-s", "got nan"]),
+    (["serve", "--model", "/tmp", "--ready-file", "/nonexistent/dir/x"], ["--ready-file /nonexistent/dir/x",
+                                                                        "does not exist"]),
+    (["serve", "--model", "/tmp", "--ready-file", "/tmp"], ["--ready-file /tmp", "is a directory"]),
     (["train", "--config", CONFIG, "--config.rollout.address=10.0.0.5"], ["config.rollout.address", "host:port"]),
     (["report", "/etc/passwd"], ["/etc/passwd", "is a file"]),
     (["train", "--config", CONFIG, "--config.run_dir=/etc/passwd"], ["config.run_dir", "/etc/passwd is a file"]),
@@ -225,6 +230,19 @@ def test_report_names_skipped_lines_and_refuses_garbage_and_bad_outputs(tmp_path
     assert (tmp_path / "r.png").read_bytes().startswith(b"\x89PNG")
     assert cli("report", str(run), "--out", str(tmp_path / "r.png")).returncode == 0  # its own figure: replaced
     assert sorted(os.listdir(tmp_path)) == ["notes.png", "r.png", "run"]  # no temporary left
+
+
+def test_serve_checks_max_model_len_and_an_unbindable_host_before_loading(tmp_path):
+    """--max-model-len beyond the model's context named --model after the load began; --host 8.8.8.8 --port 0
+    printed gRPC's own C-level error line before ours."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 128}')
+    env = {"JAXRL_ROLLOUT_TOKEN": "t"}
+    assert_one_line_error(cli("serve", "--model", str(model), "--max-model-len", "100000", env=env),
+                          "--max-model-len: 100000 exceeds the model's context", "max_position_embeddings 128")
+    assert_one_line_error(cli("serve", "--model", str(model), "--host", "8.8.8.8", "--port", "0", env=env),
+                          "--host 8.8.8.8: cannot bind")
 
 
 def test_serve_port_in_use_is_one_line(tmp_path):
