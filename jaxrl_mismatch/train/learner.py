@@ -59,7 +59,7 @@ class Learner:
         kw = dict(chunk_size=cfg.chunk_size, temperature=cfg.temperature)
         self.exact_forward = cfg.exact_forward  # the update's π(θ) by the exact scorer's program
         self._update_fn = make_update_fn(graphdef, cfg.optimizer, self.objective, num_microbatches=cfg.microbatches,
-                                         max_grad_norm=cfg.max_grad_norm, **kw, exact_forward=(
+                                         max_grad_norm=cfg.max_grad_norm, **kw, mesh=self.mesh, exact_forward=(
                                              (self._exact_graphdef, cfg.max_tokens) if self.exact_forward else None))
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
         self._take_rows = jit_take_rows(self.mesh)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,3 +182,28 @@ def test_update_logs_gradient_noise_with_microbatches():
     assert np.isfinite(h[0]["mean:grad/noise_trace"]) and h[0]["mean:grad/noise_trace"] != 0.0
     _, h1, _ = _run({"data": 1}, jax.devices()[:1], num_microbatches=1)
     assert "mean:grad/noise_trace" not in h1[0]  # needs >= 2 microbatches
+
+
+@pytest.mark.slow
+def test_microbatches_are_spread_over_every_batch_shard():
+    """The microbatch split kept the batch's contiguous row blocks on their devices, so each microbatch sat on a
+    few devices and XLA gathered it inside the scan: every device computed every microbatch, and per-device
+    memory did not fall with more microbatches. Now each microbatch spans all the batch shards."""
+    from jaxrl_mismatch.metrics import metrics_config
+    from jaxrl_mismatch.objectives import objective_config
+    from jaxrl_mismatch.train.objective import PolicyLoss
+    from jaxrl_mismatch.train.step import make_update_fn
+
+    p1, h1, _ = _run({"data": 1}, jax.devices()[:1])
+    p4, h4, _ = _run({"data": 4}, jax.devices()[:4], num_microbatches=2)
+    assert _max_diff(p1, p4) <= 1e-5
+    for a, b in zip(h1, h4):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
+    mesh, graphdef, state, _, old_lp, opt = build({"data": 4}, jax.devices()[:4])
+    batch = full_batch(mesh, old_lp, state.params, synthetic_batch())
+    fn = make_update_fn(graphdef, opt, PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(
+        objective_config("grpo"))), num_microbatches=2, chunk_size=8, mesh=mesh)
+    hlo = jit_update(fn, state, batch, mesh).lower(state, batch).compile().as_text()
+    # data parallel only (weights replicated): nothing needs gathering; before, each microbatch's rows were
+    assert len(re.findall(r"all-gather(-start)?\(", hlo)) == 0

@@ -64,7 +64,7 @@ def build(mesh_axes=None, devices=None, *, policy_name="fp32", num_microbatches=
     state = place_state(init_state(params, opt, precision.loss_scale_for(pol), seed=seed), mesh)
     objective = objective or PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
     update_fn = make_update_fn(graphdef, opt, objective, num_microbatches=num_microbatches,
-                               max_grad_norm=max_grad_norm, chunk_size=8)
+                               max_grad_norm=max_grad_norm, chunk_size=8, mesh=mesh)
     return mesh, graphdef, state, update_fn, make_scorer(graphdef, mesh, chunk_size=8), opt
 
 
