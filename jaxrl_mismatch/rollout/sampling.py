@@ -62,6 +62,9 @@ def keep_mask(
     mass_before = jnp.cumsum(probs_desc, axis=-1) - probs_desc
     # top_p >= 1 must keep everything top-k kept, even where float rounding makes mass_before reach 1.
     kept_desc = kept_k_desc & ((mass_before < top_p) | (top_p >= 1.0))
+    # The arg-max always: a top_p that is a float32 subnormal (accepted as "in (0, 1]") flushes to 0 on XLA:CPU,
+    # and `0 < 0` kept nothing, so the row's log-probs were all -inf.
+    kept_desc = kept_desc | (jnp.arange(vocab) == 0)
     threshold = jnp.min(jnp.where(kept_desc, desc, jnp.inf), axis=-1, keepdims=True)
     return scaled >= threshold
 

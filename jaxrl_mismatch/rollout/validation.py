@@ -35,6 +35,7 @@ from jaxrl_mismatch.rollout.protocol import (
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_INDEX = 2**31 - 1  # prompt_offset + i keys a prompt's randomness; the engines hold it as int32
 GREEDY_TEMPERATURE = 1e-5  # below it sampling is greedy (same constant as rollout/sampling.py and vLLM)
+MAX_NOISE_OVER_T = 1e30  # logit_noise_std / temperature: far above any use, far below float32 overflow (3.4e38)
 # vLLM raises any temperature in (0, 0.01) to 0.01 (vllm.sampling_params._MAX_TEMP, with a warning): μ would be
 # sampled at another temperature than the one π is scored at, so the vllm engine refuses those.
 VLLM_MIN_TEMPERATURE = 0.01
@@ -139,6 +140,9 @@ def parse_generate(
     noise = spec.logit_noise_std
     if not (math.isfinite(noise) and noise >= 0.0):
         raise RequestError("logit_noise_std", f"must be finite and >= 0 (0 = off), got {noise}")
+    if noise / max(spec.temperature, GREEDY_TEMPERATURE) > MAX_NOISE_OVER_T:  # (σ/T)·ε would overflow float32
+        raise RequestError("logit_noise_std", f"σ/T must be <= {MAX_NOISE_OVER_T:g} (the noise is added to logits/T "
+                                              f"in float32), got {noise}/{spec.temperature}")
     for field, option, on in (("exact", "exact", spec.exact), ("logit_noise_std", "logit_noise_std", noise > 0),
                               ("return_routing", "routing", spec.return_routing)):
         if on and option not in info.options:

@@ -198,6 +198,8 @@ def _req(**kw):
         (dict(max_tokens=4, prompts=[[1, VOCAB]]), "prompts[0].token_ids"),
         (dict(max_tokens=4, prompts=[[1], []]), "prompts[1].token_ids"),
         (dict(max_tokens=4, top_p=2.0), "top_p"),
+        # (σ/T)·ε overflowed float32: INTERNAL "non-finite logprob" blamed the engine (a review's repro)
+        (dict(max_tokens=4, temperature=1.0, logit_noise_std=3e38), "logit_noise_std"),
         (dict(max_tokens=250, prompts=[[1] * 10]), "max_tokens"),  # 10 + 250 > max_model_len 256
         # the last prompt's index 2**31 overflows the engines' int32 prompt index (was INTERNAL: OverflowError)
         (dict(max_tokens=4, prompts=[[1], [2]], prompt_offset=2**31 - 1), "prompt_offset"),
@@ -227,3 +229,14 @@ def test_max_model_len_flows_to_both_engines(tiny_checkpoints, tmp_path):
     for engine in ("jax", "vllm"):
         with pytest.raises(ValueError, match="max_model_len 300 exceeds the model's max_position_embeddings 256"):
             load_engine(engine, tiny_checkpoints["untied"], "float32", 300)
+
+
+def test_a_subnormal_top_p_keeps_the_argmax(served):
+    """top_p = 1e-38 is in (0, 1], but a float32 subnormal: XLA:CPU flushed it to 0, the kept set was empty and
+    the server answered INTERNAL "non-finite logprob". At least the arg-max is kept: the greedy-like token."""
+    _, _, _, client = served
+    for exact in (False, True):
+        out = client.generate([[1, 2, 3]], SamplingSpec(n=2, max_tokens=6, temperature=1.0, top_p=1e-38, seed=3,
+                                                         exact=exact))
+        for c in out[0]:
+            assert len(c.token_ids) == 6 and all(lp == 0.0 for lp in c.logprobs) and set(c.kept_counts) == {1}
