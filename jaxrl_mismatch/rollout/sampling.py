@@ -64,7 +64,7 @@ def keep_mask(
     kept_desc = kept_k_desc & ((mass_before < top_p) | (top_p >= 1.0))
     # The arg-max always: a top_p that is a float32 subnormal (accepted as "in (0, 1]") flushes to 0 on XLA:CPU,
     # and `0 < 0` kept nothing, so the row's log-probs were all -inf.
-    kept_desc = kept_desc | (jnp.arange(vocab) == 0)
+    kept_desc = kept_desc | jnp.broadcast_to(jnp.arange(vocab) == 0, kept_desc.shape)
     threshold = jnp.min(jnp.where(kept_desc, desc, jnp.inf), axis=-1, keepdims=True)
     return scaled >= threshold
 

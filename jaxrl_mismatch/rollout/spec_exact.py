@@ -202,10 +202,10 @@ def _draft_program(graphdef, params, rest, ctx_ids: Int[Array, "prefill ctx"], c
     def pick(s, logits):
         logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
         step_keys = jax.vmap(jax.random.fold_in)(keys, t0 + s)
+        if filtering:  # truncate, then perturb: the kept set is the clean distribution's, as the normal sampler's
+            logp_all = truncate_logprobs(logp_all, top_k, top_p)[0]
         if inject:
             logp_all = perturb(logp_all, step_keys, sigma, temperature)
-        if filtering:
-            logp_all = truncate_logprobs(logp_all, top_k, top_p)[0]
         return jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32), {}
 
     toks, _, lengths, _ = kv_cache.decode_loop(model, logits, cache, pick, new_len=new_len, max_tokens=limit,
@@ -312,11 +312,13 @@ def _verify_program(graphdef, params, rest, ids: Int[Array, "rows length"], n_va
                 logp_all = chunk_logprobs(model, h, temperature)
                 t = jnp.maximum(start + jnp.arange(EXACT_CHUNK) + 1 - p0, 0)
                 step_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(row_key, t)
-                if inject:
-                    logp_all = jax.lax.map(lambda x: perturb(x[0], x[1], sigma, temperature), (logp_all, step_keys))
+                # Truncate, then perturb (as the draft and the normal sampler): the kept set, whose size the trainer
+                # rebuilds π's support from, is the clean distribution's; the noise only moves mass inside it.
                 kept = jnp.zeros((EXACT_CHUNK,), jnp.int32)
                 if filtering:
                     logp_all, kept = truncate_logprobs(logp_all, top_k, top_p)
+                if inject:
+                    logp_all = jax.lax.map(lambda x: perturb(x[0], x[1], sigma, temperature), (logp_all, step_keys))
                 tok = jax.vmap(jax.random.categorical)(step_keys, logp_all).astype(jnp.int32)
                 return tok, jnp.take_along_axis(logp_all, tok[:, None], axis=-1)[:, 0], kept
 

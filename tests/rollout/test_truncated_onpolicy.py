@@ -139,3 +139,19 @@ def test_kept_counts_cross_the_wire():
     bad.kept_counts.append(2)  # 4 sizes for 3 tokens: a malformed RPC
     with pytest.raises(MalformedMessageError, match="kept_counts"):
         completion_from_proto(bad)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_injected_noise_moves_mass_only_inside_the_clean_kept_set(tiny_checkpoints, exact):
+    """The exact sampler perturbed the logits before truncating, the normal one after: with noise and top-k, exact
+    mode sampled outside the clean top-k (70/120 tokens in a review) while reporting its size, and the trainer
+    rebuilds π's support as the clean top-k. Both now truncate first: with top_k = 1 the noise cannot change a
+    token, so the noisy tokens are the noiseless ones, each with log μ = 0."""
+    engine = JaxEngine(str(tiny_checkpoints["untied"]))
+    spec = SamplingSpec(n=3, max_tokens=10, temperature=1.0, seed=5, top_k=1, exact=exact)
+    clean = engine.generate(PROMPTS[:2], spec)
+    noisy = engine.generate(PROMPTS[:2], SamplingSpec(**{**spec.__dict__, "logit_noise_std": 5.0}))
+    for g_clean, g_noisy in zip(clean, noisy):
+        for a, b in zip(g_clean, g_noisy):
+            assert b.token_ids == a.token_ids and set(b.kept_counts) == {1}
+            np.testing.assert_array_equal(b.logprobs, np.zeros(len(b.token_ids), np.float32))
