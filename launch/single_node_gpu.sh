@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One GPU node, trainer and rollout server side by side:
 #   launch/single_node_gpu.sh CONFIG [--config.overrides ...]
-# e.g. on 8 GPUs (defaults): the rollout server (vLLM) on GPU 7, the trainer's mesh on GPUs 0-6:
-#   launch/single_node_gpu.sh configs/qwen3_4b_dapo_lr_decay.py --config.trainer.mesh.fsdp=-1 --config.trainer.mesh.data=1
+# e.g. on 8 GPUs (defaults): the rollout server (vLLM) on GPU 7, the trainer's mesh on GPUs 0-6. The step's rows
+# must split over the trainer's devices: the 4B config's 64 prompts x 16 samples = 1024 rows do not divide by 7,
+# so give it 56 prompts (896 rows), or 4 trainer GPUs (TRAINER_GPUS=0,1,2,3):
+#   launch/single_node_gpu.sh configs/qwen3_4b_dapo_lr_decay.py --config.trainer.mesh.fsdp=-1 \
+#       --config.trainer.mesh.data=1 --config.batch.prompts_per_step=56
 #
 # Environment (all optional):
 #   TRAINER_GPUS    comma list for the trainer's mesh (CUDA_VISIBLE_DEVICES); default: all but the last GPU

@@ -179,6 +179,14 @@ def _check_exact_and_replay(c: ml_collections.ConfigDict) -> None:
         if c.rollout.exact:
             raise ConfigError("config.trainer.routing_replay: 'R3' needs the normal sampler; exact mode returns no "
                               "routing (it already gives μ = π(θ_old))")
+        if c.rollout.max_staleness:
+            # π_prox replays the engine's experts, but the π_behav forward of stale rows routes freely: the
+            # routing mismatch moved from the precision part to the staleness part (measured: staleness/rho_std
+            # 0.1 with identical weights at every version, 0 for R2 and off).
+            raise ConfigError("config.trainer.routing_replay: 'R3' with asynchronous rollouts (rollout.max_staleness "
+                              f"= {c.rollout.max_staleness}) is not supported: the stale rows' behaviour forward does "
+                              "not replay the engine's routing, so the staleness/precision split would be wrong; use "
+                              "'R2', or max_staleness = 0")
     if c.rollout.exact:
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.trainer.precision]
         if c.rollout.dtype != dtype:
@@ -320,8 +328,20 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
 
 
 def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
-    """The options that need a mixture-of-experts policy are off for a dense one, and a response fits the model's
-    context; ConfigError naming the field."""
+    """The options that need a mixture-of-experts policy are off for a dense one, a response fits the model's
+    context, and `trainer.attention_impl = 'cudnn'` can run here; ConfigError naming the field."""
+    if c.trainer.attention_impl == "cudnn":  # else the first jitted forward fails, after the warm start and a rollout
+        import jax
+
+        why = ("it needs a GPU (this process's JAX backend is " + jax.default_backend() + ")"
+               if jax.default_backend() != "gpu" else
+               "it needs bf16/fp16 compute (trainer.precision)" if c.trainer.precision == "fp32" else
+               "it needs unpacked rows (trainer.packing = False)" if c.trainer.packing else
+               f"it needs head_dim a multiple of 8, <= 128 (the model's is {model_cfg.head_dim})"
+               if model_cfg.head_dim % 8 or model_cfg.head_dim > 128 else None)
+        if why:
+            raise ConfigError(f"config.trainer.attention_impl: 'cudnn' cannot run: {why}; use 'auto', 'xla' or "
+                              "'chunked'")
     if c.rollout.max_tokens >= model_cfg.max_position_embeddings:  # the rollout server would fail at step 0
         raise ConfigError(f"config.rollout.max_tokens: {c.rollout.max_tokens} response tokens do not fit with a "
                           f"prompt in the context of {c.model.path} (max_position_embeddings "

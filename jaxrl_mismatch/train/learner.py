@@ -65,7 +65,8 @@ class Learner:
         self._take_rows = jit_take_rows(self.mesh)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
         self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=cfg.routing_replay,
-                                                    moe_layers=moe_layers, **kw), self.mesh)
+                                                    moe_layers=moe_layers, row_blocks=cfg.microbatches,
+                                                    mesh=self.mesh, **kw), self.mesh)
         self.state: TrainState = place_state(
             init_state(params, cfg.optimizer, precision.loss_scale_for(policy), seed=cfg.seed), self.mesh)
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if self.objective.kl_coef else None

@@ -98,24 +98,25 @@ def _split_microbatches(batch: RolloutBatch, n: int, mesh: Mesh | None = None) -
     alone keeps the batch's contiguous row blocks where they were, so a microbatch sat on rows/n / (rows/shards)
     devices and XLA gathered it inside the scan: every device computed every microbatch in full (measured: 8
     fake devices, 8 microbatches, 7× the time of one microbatch) and no memory was saved."""
-    shards = int(np.prod([mesh.shape[a] for a in shd.batch_axes(mesh)])) if mesh is not None else 1
-
-    def split(x):
-        if x.shape[0] % n:
-            raise ValueError(f"batch size {x.shape[0]} is not divisible by num_microbatches={n}")
-        y = x.reshape((n, x.shape[0] // n) + x.shape[1:])
-        if mesh is None or n == 1 or y.shape[1] % shards:  # (a microbatch smaller than the shards: as before)
-            return y
-        return jax.lax.with_sharding_constraint(
-            y, NamedSharding(mesh, P(None, shd.batch_axes(mesh), *([None] * (y.ndim - 2)))))
-
     if batch.packed is not None:
         g = batch.packed.num_groups
         if g % n:
             raise ValueError(f"a batch packed in {g} groups does not split into num_microbatches={n} "
                              "(pack one group per microbatch: train.packing.pack_batch)")
         batch = batch.replace(packed=batch.packed.replace(num_groups=g // n))
-    return jax.tree.map(split, batch)
+    return jax.tree.map(lambda x: _split_rows(x, n, mesh), batch)
+
+
+def _split_rows(x: jax.Array, n: int, mesh: Mesh | None) -> jax.Array:
+    """`[rows, ...]` → `[n, rows / n, ...]`, each block spread over the mesh's batch shards when it divides."""
+    if x.shape[0] % n:
+        raise ValueError(f"batch size {x.shape[0]} is not divisible by num_microbatches={n}")
+    y = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+    shards = int(np.prod([mesh.shape[a] for a in shd.batch_axes(mesh)])) if mesh is not None else 1
+    if mesh is None or n == 1 or y.shape[1] % shards:  # (a block smaller than the shards: left as it is)
+        return y
+    return jax.lax.with_sharding_constraint(
+        y, NamedSharding(mesh, P(None, shd.batch_axes(mesh), *([None] * (y.ndim - 2)))))
 
 
 def _merge_microbatches(x: jax.Array) -> jax.Array:
@@ -274,7 +275,7 @@ def make_update_fn(
 
 def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: int = 256,
                     temperature: float = 1.0, routing_replay: str = "off",
-                    moe_layers: tuple[int, ...] = ()) -> Callable:
+                    moe_layers: tuple[int, ...] = (), row_blocks: int = 1, mesh: Mesh | None = None) -> Callable:
     """`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)`; see the module docstring.
 
     `ref_params` None means no reference policy (no KL term). `seed` (uint32 key data) drives the
@@ -283,6 +284,10 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
     runs the routed forward, for its metrics and R2). `moe_layers`: the model's sparse layer indices
     (`ModelConfig.sparse_layers`; empty for a dense model). `routing_replay`: "off" | "R2" | "R3".
     The returned batch has no `routing` (the update never reads it; R3 carries it on as `replay_routing`).
+    `row_blocks` (the update's microbatch count): a dense policy's unpacked θ_old and reference forwards run in
+    that many blocks of rows, one after another (`lax.map`, each spread over `mesh`'s batch shards), so their
+    peak is one block's `[rows / row_blocks, chunk, V]` logits, as the update's, not the whole step batch's (a
+    config's 1,024-row step at Qwen3's vocabulary needed 74 GiB per device in one forward).
     A batch with `packed` (`trainer.packing`: `train.packing.pack_batch`, one group per batch shard) has its
     θ_old and reference forwards run on the packed rows (dense policies); the returned batch drops the
     packing (the update packs each minibatch anew).
@@ -296,8 +301,14 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
         """log π of the batch's targets under `p`: on the packed rows when the batch carries a packing."""
         if batch.packed is not None:
             return forward_packed_logprobs(graphdef, p, batch.packed, chunk_size, temperature)[0]
-        return score_tokens(graphdef, p, batch.tokens, batch.attention_mask, chunk_size=chunk_size,
-                            temperature=temperature, kept=batch.kept_count).logp
+        if row_blocks == 1 or batch.tokens.shape[0] % row_blocks:
+            return score_tokens(graphdef, p, batch.tokens, batch.attention_mask, chunk_size=chunk_size,
+                                temperature=temperature, kept=batch.kept_count).logp
+        blocks = jax.tree.map(lambda x: _split_rows(x, row_blocks, mesh),
+                              (batch.tokens, batch.attention_mask, batch.kept_count))
+        logp = jax.lax.map(lambda b: score_tokens(graphdef, p, b[0], b[1], chunk_size=chunk_size,
+                                                  temperature=temperature, kept=b[2]).logp, blocks)
+        return _merge_microbatches(logp)
 
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask

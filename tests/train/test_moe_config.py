@@ -57,6 +57,12 @@ def test_r3_needs_an_engine_that_returns_routing():
     c = _valid()
     c.trainer.routing_replay, c.rollout.exact = "R3", True
     assert "exact mode returns no routing" in _error(c)
+    # stale rows' behaviour forward routes freely: the staleness/precision split would be wrong (a review's repro)
+    c = _valid()
+    c.trainer.routing_replay, c.rollout.max_staleness = "R3", 1
+    assert "'R3' with asynchronous rollouts" in _error(c)
+    c.trainer.routing_replay = "R2"
+    validate(c)
 
 
 def test_expert_mesh_axis_is_accepted_and_unknown_axes_are_not():
@@ -89,6 +95,20 @@ def test_replay_and_aux_coef_on_a_dense_model_are_refused():
     check_model(c, moe)
     with pytest.raises(ConfigError, match=r"^config\.objective\.router_aux_coef: 0\.001 weights the MoE"):
         check_model(c, dense)
+
+
+def test_cudnn_attention_that_cannot_run_is_refused_before_the_run():
+    """It passed every check and failed inside the first jitted forward, after the warm start and a rollout."""
+    import jax
+
+    c = _valid()
+    c.rollout.max_tokens = 16
+    c.trainer.attention_impl = "cudnn"
+    why = "needs a GPU" if jax.default_backend() != "gpu" else "needs bf16/fp16 compute"
+    with pytest.raises(ConfigError, match=rf"^config\.trainer\.attention_impl: 'cudnn' cannot run: it {why}"):
+        check_model(c, tiny_config())
+    c.trainer.attention_impl = "auto"
+    check_model(c, tiny_config())
 
 
 def test_qwen3_30b_a3b_config_mirrors_the_paper():

@@ -207,3 +207,37 @@ def test_microbatches_are_spread_over_every_batch_shard():
     hlo = jit_update(fn, state, batch, mesh).lower(state, batch).compile().as_text()
     # data parallel only (weights replicated): nothing needs gathering; before, each microbatch's rows were
     assert len(re.findall(r"all-gather(-start)?\(", hlo)) == 0
+
+
+def test_prepare_scores_in_row_blocks_with_the_same_result_and_a_blocks_memory():
+    """`prepare`'s θ_old forward ran the whole step batch at once: its peak grew with the step's rows while the
+    microbatched update's stayed flat (a 1,024-row config step needed ~74 GiB per device). With `row_blocks` it
+    scores the rows block by block: the same log-probs, the memory of one block."""
+    from flax import nnx
+
+    from jaxrl_mismatch import precision
+    from jaxrl_mismatch.metrics import metrics_config
+    from jaxrl_mismatch.models import Transformer
+    from jaxrl_mismatch.models.sharding import make_mesh
+    from jaxrl_mismatch.objectives import objective_config
+    from jaxrl_mismatch.train.batch import RolloutBatch
+    from jaxrl_mismatch.train.objective import PolicyLoss
+    from jaxrl_mismatch.train.state import split_model
+    from jaxrl_mismatch.train.step import jit_prepare, make_prepare_fn
+    from tests.train.tiny_policy import tiny_config
+
+    obj = PolicyLoss(cfg=objective_config("grpo"), metrics_cfg=metrics_config(objective_config("grpo")))
+    mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+    graphdef, params = split_model(Transformer(tiny_config(vocab_size=4096, max_position_embeddings=128),
+                                               precision.policy("fp32", param_dtype="float32"), rngs=nnx.Rngs(0)))
+    np_batch = synthetic_batch(batch=32, seq=96)
+    np_batch["tokens"] = np_batch["tokens"] % 4096
+    batch = place_batch(RolloutBatch(**np_batch, rollout_logp=np.zeros_like(np_batch["response_mask"])), mesh)
+    key = jax.random.key_data(jax.random.key(0))
+    out, temp = {}, {}
+    for blocks in (1, 4):
+        prep = jit_prepare(make_prepare_fn(graphdef, obj, chunk_size=32, row_blocks=blocks, mesh=mesh), mesh)
+        temp[blocks] = prep.lower(params, None, batch, key).compile().memory_analysis().temp_size_in_bytes
+        out[blocks] = np.asarray(prep(params, None, batch, key)[0].old_logp)
+    np.testing.assert_allclose(out[4], out[1], rtol=0, atol=2e-6)
+    assert temp[4] < 0.5 * temp[1], temp
