@@ -364,6 +364,10 @@ class Trainer:
         _, (state, meta) = self.ckpt.newest_good(self._read_checkpoint)
         self.learner.load_state(state)
         self.step, self._version = int(meta["step"]), int(meta["weight_version"])
+        if meta.get("pushed_step") == self.step and self._version > 0:
+            # The checkpoint's own weights were pushed (for the validation after its last step) as weight_version:
+            # the resume's push serves them again under that version, as the uninterrupted run's next push does.
+            self._version -= 1
         try:
             self.data.prompts.restore(meta["data"])
         except ValueError as e:  # another dataset size (task.num_train changed) or a damaged position
@@ -403,6 +407,7 @@ class Trainer:
             "data": data_state if data_state is not None else self._data_position(),
             "controller": self.controller.state_dict() if self.controller is not None else None,
             "weight_version": self.version,
+            "pushed_step": self._pushed_step,  # the step whose weights `weight_version` is (None: none pushed)
             "config": self.c.to_dict(),
         }
         self.ckpt.save(self.step, self.learner.state, meta, force=True)
