@@ -165,11 +165,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
         p = os.path.join(d, fname)
         if os.path.exists(p):
-            with open(p) as f:
-                try:
-                    cfg = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p} is not valid JSON ({e.msg}, line {e.lineno})") from None
+            cfg = _read_json(p)
             for key in ("pad_token", "bos_token", "eos_token"):
                 if key in cfg:
                     names[key] = _token_str(cfg[key])
@@ -194,17 +190,22 @@ def load_tokenizer(path: str) -> TextTokenizer:
                          extra_stop_ids=tuple(i for i in gen_eos if i != eos_id))
 
 
+def _read_json(path: str):
+    """The JSON value in `path`; ValueError naming the file and line when it is not JSON."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+
+
 def _generation_eos_ids(d: str, vocab_size: int) -> tuple[int, ...]:
     """``generation_config.json``'s ``eos_token_id`` (an id or a list of ids) as a tuple; () without the file or
     the key. A value that is not a token id of this tokenizer is refused, naming the file."""
     path = os.path.join(d, "generation_config.json")
     if not os.path.exists(path):
         return ()
-    with open(path) as f:
-        try:
-            e = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err.msg}, line {err.lineno})") from None
+    e = _read_json(path)
     e = e.get("eos_token_id") if isinstance(e, dict) else None
     ids = e if isinstance(e, list) else [] if e is None else [e]
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
