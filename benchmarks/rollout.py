@@ -10,7 +10,9 @@ Every number goes through a real `jaxrl-mismatch serve` subprocess on loopback, 
   validation, the engine's atomic swap) and same-host shared memory (rollout/shm.py: copy into a memfd,
   xxh3 hash on both sides, the same validation and swap); against two baselines with the same bytes: an
   in-process memcpy (`np.copyto`) and a raw TCP loopback transfer (one socket, no framing), which
-  separate gRPC's cost from the kernel's. The shared-memory target is >= 25% of memcpy.
+  separate gRPC's cost from the kernel's. The shared-memory target is >= 25% of memcpy. The server's
+  same-version check (`validation.weights_digest`, xxh3 of every pushed tensor) is timed on the same weights
+  and reported as its share of a shared-memory push (it is inside that push's time).
 
 Engines: `jax` always; `vllm` when both the `vllm` package and `jaxrl_mismatch.rollout.vllm_engine`
 import (the server runs it with ENGINE_ENV["vllm"]). Writes benchmarks/results/rollout.json.
@@ -40,6 +42,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.rollout.client import RolloutClient  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
+from jaxrl_mismatch.rollout.validation import weights_digest  # noqa: E402
 
 SIZES = {
     # ~0.2M params: the test model's scale (head_dim 32: vLLM's CPU attention has no kernel for 16).
@@ -154,6 +157,14 @@ def bench_weight_sync(target: str, token: str, repeats: int) -> dict:
         median = float(np.median(times[1:]))
         out[f"{transport}_median_push_s"] = median
         out[f"{transport}_MBps"] = nbytes / 1e6 / median
+    # The server's same-version check hashes every push (validation.weights_digest); its share of the push:
+    digest_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        weights_digest(tensors)
+        digest_s.append(time.perf_counter() - t0)
+    out["digest_median_s"] = float(np.median(digest_s))
+    out["digest_vs_shm_push"] = out["digest_median_s"] / out["shm_median_push_s"]
     return out
 
 
@@ -255,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             mbps = w[f"{path}_MBps"]
             print(f"{engine:<8} {label:<22} {mbps:>8.0f} {w[f'{path}_median_push_s']:>8.4f} "
                   f"{mbps / b['memcpy_MBps']:>9.1%}")
+    for engine, row in results["engines"].items():
+        w = row["weight_sync"]
+        print(f"{engine:<8} {'  of which digest':<22} {'':>8} {w['digest_median_s']:>8.4f} "
+              f"{w['digest_vs_shm_push']:>9.1%} of the shm push")
     print(f"{'-':<8} {'memcpy (np.copyto)':<22} {b['memcpy_MBps']:>8.0f} {nbytes / 1e6 / b['memcpy_MBps']:>8.4f} {1:>9.1%}")
     print(f"{'-':<8} {'raw TCP loopback':<22} {b['tcp_loopback_MBps']:>8.0f} "
           f"{nbytes / 1e6 / b['tcp_loopback_MBps']:>8.4f} {b['tcp_loopback_MBps'] / b['memcpy_MBps']:>9.1%}")

@@ -18,6 +18,8 @@ includes pushed weights with NaN/inf values: checked here once, so every engine 
 An engine's own failures are mapped so that the client knows what state the server is in:
 
 - ValueError (the engine refused a weight set) -> INVALID_ARGUMENT; the old weights stay in service.
+- A push of the version in service with other weights (`validation.weights_digest`) -> INVALID_ARGUMENT naming
+  `version`: a version names one set of weights. The same weights again (a retry) answer OK, not re-applied.
 - NonFiniteLogprobsError -> INTERNAL with `jaxrl-error: non-finite-logprobs` metadata; still serving.
 - WeightReloadError(restored=True) -> INTERNAL, `jaxrl-error: weight-reload-failed`; the previous
   weights and version stay in service and the server keeps serving.
@@ -41,6 +43,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -76,7 +79,13 @@ from jaxrl_mismatch.rollout.protocol import (
     info_to_proto,
 )
 from jaxrl_mismatch.rollout import shm
-from jaxrl_mismatch.rollout.validation import RequestError, TensorAssembler, parse_generate
+from jaxrl_mismatch.rollout.validation import (
+    RequestError,
+    TensorAssembler,
+    check_version_weights,
+    parse_generate,
+    weights_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +108,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._on_engine_unusable = on_engine_unusable
         self._engine: Engine | None = None
         self._update_lock = threading.Lock()  # one UpdateWeights at a time keeps versions monotone
+        self._served: tuple[int, int] | None = None  # (version, weights_digest) of the last push applied
         self.server_id = uuid.uuid4().hex
         self.shm_host_id = shm.host_id()  # "" where same-host shared memory is not offered
         self._shm_reader = shm.ShmReader()
@@ -173,6 +183,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 self._generating_cv.notify_all()
         return completions_to_proto(completions, self.server_id, prompts)
 
+    def _apply(self, engine: Engine, tensors: dict, version: int) -> None:
+        """Put validated `tensors` in service as `version` (under the update lock). A repeat of the push in service
+        (same version, same weights: a retry, or a resumed trainer re-serving its checkpoint) changes nothing and
+        is not applied again; other weights under the version in service are refused (`check_version_weights`)."""
+        digest = weights_digest(tensors)
+        if check_version_weights(version, self._served, digest):
+            return
+        engine.update_weights(tensors, version)
+        self._served = (version, digest)
+
     def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
         self._authenticate(context)
         engine = self._require_engine(context)
@@ -182,7 +202,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 for chunk in request_iterator:
                     assembler.add(chunk)
                 tensors, version = assembler.finish()
-                engine.update_weights(tensors, version)
+                self._apply(engine, tensors, version)
             except ValueError as e:  # RequestError, or the engine's own rejection
                 # The engine contract: a rejected update leaves the old weights and version in service.
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -208,7 +228,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the trainer's shared memory "
                               f"(pid {request.pid}, fd {request.fd}): {e.strerror}; push over UpdateWeights")
             try:
-                engine.update_weights(tensors, request.version)  # copies: the views die with this call
+                self._apply(engine, tensors, request.version)  # the engine copies: the views die with this call
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:
@@ -312,24 +332,42 @@ def read_token(token_file: str | None) -> str:
     return token
 
 
+READY_FILE_MARK = {"written_by": "jaxrl-mismatch serve"}  # in every ready file: what a later serve may replace
+
+
 def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
     """The ready file first, then the line: whoever sees either finds the other written."""
     if ready_file and prefix == READY_PREFIX:
-        tmp = f"{ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(ready_file)}.", dir=os.path.dirname(
+            os.path.abspath(ready_file)))
+        with os.fdopen(fd, "w") as f:
+            json.dump({**payload, **READY_FILE_MARK}, f)
         os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
     print(f"{prefix} {json.dumps(payload, sort_keys=True)}", flush=True)
 
 
+def _is_ready_file(path: str) -> bool:
+    """Whether `path` holds a ready file an earlier `serve` wrote (the only file --ready-file may replace)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and all(data.get(k) == v for k, v in READY_FILE_MARK.items())
+
+
 def _check_ready_file(path: str) -> None:
-    """UsageError naming --ready-file unless the file (and its .tmp sibling) can be written there."""
+    """UsageError naming --ready-file unless the file can be written there: its directory exists and is writable,
+    and nothing but an earlier server's ready file is at the path (a user's file is never replaced)."""
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"--ready-file {path}: is a directory; expected a file path")
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"--ready-file {path}: its directory {parent} "
                          f"{'does not exist' if not os.path.isdir(parent) else 'is not writable'}")
+    if os.path.lexists(path) and not _is_ready_file(path):
+        raise UsageError(f"--ready-file {path}: already exists and is not a ready file of an earlier serve; "
+                         "name a new path (it is never replaced)")
 
 
 def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:

@@ -256,3 +256,26 @@ def test_serve_port_in_use_is_one_line(tmp_path):
         port = s.getsockname()[1]
         out = cli("serve", "--model", "/tmp", "--token-file", str(token), "--port", str(port))
     assert_one_line_error(out, f"--port {port}", "cannot bind")
+
+
+def test_serve_never_replaces_a_file_it_did_not_write_at_its_ready_file(tmp_path):
+    """--ready-file replaced whatever was at the path (a user's notes too); now only an earlier server's ready file."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 128}')
+    env = {"JAXRL_ROLLOUT_TOKEN": "t"}
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"port": 1, "my": "notes"}')
+    assert_one_line_error(cli("serve", "--model", str(model), "--ready-file", str(mine), env=env),
+                          f"--ready-file {mine}: already exists and is not a ready file of an earlier serve")
+    assert mine.read_text() == '{"port": 1, "my": "notes"}'
+    earlier = tmp_path / "ready.json"  # an earlier server's: passes, and the next check speaks
+    earlier.write_text('{"port": 1, "written_by": "jaxrl-mismatch serve"}')
+    assert_one_line_error(cli("serve", "--model", str(model), "--ready-file", str(earlier), "--max-model-len",
+                              "100000", env=env), "--max-model-len: 100000 exceeds the model's context")
+    from jaxrl_mismatch.rollout.server import READY_PREFIX, _announce, _check_ready_file
+
+    _announce(READY_PREFIX, {"port": 5}, str(mine.with_name("written.json")))  # what serve writes, it may replace
+    _check_ready_file(str(mine.with_name("written.json")))
+    # no temporary file left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes.json", "ready.json", "written.json"]

@@ -150,3 +150,22 @@ def test_a_moe_batch_is_split_by_its_routing_bytes_and_the_server_refuses_it_who
     parse_generate(protocol.request_to_proto(prompts, plain), info, protocol.Limits())
     for c in chunks:  # each piece the client sends is accepted
         parse_generate(protocol.request_to_proto(prompts[c], spec), info, protocol.Limits())
+
+
+def test_weights_digest_is_of_the_tensors_names_dtypes_shapes_and_bytes():
+    from jaxrl_mismatch.rollout.validation import RequestError, check_version_weights, weights_digest
+
+    rng = np.random.default_rng(0)
+    w = {"b": rng.normal(size=(2, 3)).astype(np.float32), "a": rng.normal(size=(4,)).astype(np.float16)}
+    d = weights_digest(w)
+    assert weights_digest(dict(reversed(list(w.items())))) == d  # not the order they came in
+    assert weights_digest({"a": w["a"], "b": np.asfortranarray(w["b"])}) == d  # not their memory layout
+    changed = {"a": w["a"], "b": w["b"].copy()}
+    changed["b"][1, 2] = np.nextafter(changed["b"][1, 2], np.float32(1))  # one ulp
+    for other in (changed, {"a": w["a"], "b": w["b"].reshape(3, 2)}, {"a": w["a"], "c": w["b"]},
+                  {"a": w["a"].view(np.int16), "b": w["b"]}):
+        assert weights_digest(other) != d
+    assert check_version_weights(3, None, d) is False and check_version_weights(3, (2, 0), d) is False
+    assert check_version_weights(3, (3, d), d) is True
+    with pytest.raises(RequestError, match="version 3 is in service with other weights"):
+        check_version_weights(3, (3, d ^ 1), d)

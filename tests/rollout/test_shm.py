@@ -234,3 +234,32 @@ def test_session_passes_the_configured_transport(served, tiny_checkpoints):
     c.rollout.weight_transport = "rdma"
     with pytest.raises(ConfigError, match="rollout.weight_transport"):
         validate(c)
+
+
+@pytest.mark.slow
+def test_a_version_names_one_set_of_weights_whichever_transport_brings_it(served, tiny_checkpoints, monkeypatch):
+    """A re-push of the version in service is a retry when its weights are the same (answered, not applied again)
+    and refused when they are not, over either transport: the digest is of the tensors, not of their layout."""
+    a, b = _perturbed(tiny_checkpoints, 0.5), _perturbed(tiny_checkpoints, 2.0)
+    applied = []
+    real = served.engine.update_weights
+    monkeypatch.setattr(served.engine, "update_weights", lambda t, v: (applied.append(v), real(t, v)))
+    with _client(served, weight_transport="grpc") as by_grpc, _client(served, weight_transport="shm") as by_shm:
+        version = served.engine.info().weight_version + 1
+        by_grpc.push_weights(a, version=version)
+        ref = by_grpc.generate(PROMPTS, SPEC)
+        by_shm.push_weights(a, version=version)  # the same weights again, the other transport: a retry
+        by_grpc.push_weights(a, version=version)
+        assert applied == [version]
+        for client in (by_grpc, by_shm):
+            with pytest.raises(RolloutError) as err:
+                client.push_weights(b, version=version)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "version" in str(err.value) and "other weights" in str(err.value)
+        got = by_shm.generate(PROMPTS, SPEC)  # still `a`, still `version`
+        assert [c.token_ids for s in got for c in s] == [c.token_ids for s in ref for c in s]
+        assert {c.weight_version for s in got for c in s} == {version}
+        by_grpc.push_weights(b, version=version + 1)  # under a new version they go in
+        assert applied == [version, version + 1]
+        other = by_grpc.generate(PROMPTS, SPEC)
+        assert [c.token_ids for s in other for c in s] != [c.token_ids for s in ref for c in s]
