@@ -123,6 +123,15 @@ def _merge_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
+def _merge_router_blocks(r: RouterOutput) -> RouterOutput:
+    """Row blocks' router outputs (a leading block axis) → the whole batch's: per-token arrays joined by rows, the
+    sums over tokens (load, prob_sum, num_tokens) added. Routing is dropless (`models/moe.py`): each token's experts
+    do not depend on the other rows, so the blocks route as the whole batch would."""
+    return RouterOutput(expert_ids=_merge_microbatches(r.expert_ids), router_ids=_merge_microbatches(r.router_ids),
+                        entropy=_merge_microbatches(r.entropy), load=jnp.sum(r.load, axis=0),
+                        prob_sum=jnp.sum(r.prob_sum, axis=0), num_tokens=jnp.sum(r.num_tokens, axis=0))
+
+
 def gradient_noise(sum_sq_micro: jax.Array, norm_big: jax.Array, num_micro: int, rows: int) -> dict[str, jax.Array]:
     """Gradient noise from the microbatch gradients the step computes anyway (LR-schedule paper §3).
 
@@ -284,7 +293,7 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
     runs the routed forward, for its metrics and R2). `moe_layers`: the model's sparse layer indices
     (`ModelConfig.sparse_layers`; empty for a dense model). `routing_replay`: "off" | "R2" | "R3".
     The returned batch has no `routing` (the update never reads it; R3 carries it on as `replay_routing`).
-    `row_blocks` (the update's microbatch count): a dense policy's unpacked θ_old and reference forwards run in
+    `row_blocks` (the update's microbatch count): the unpacked θ_old and reference forwards (dense or MoE) run in
     that many blocks of rows, one after another (`lax.map`, each spread over `mesh`'s batch shards), so their
     peak is one block's `[rows / row_blocks, chunk, V]` logits, as the update's, not the whole step batch's (a
     config's 1,024-row step at Qwen3's vocabulary needed 74 GiB per device in one forward).
@@ -297,18 +306,22 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
     if routing_replay != "off" and not moe_layers:
         raise ValueError(f"routing_replay={routing_replay!r} needs a mixture-of-experts model")
 
-    def score(p, batch: RolloutBatch) -> Float[Array, "b t"]:
-        """log π of the batch's targets under `p`: on the packed rows when the batch carries a packing."""
+    def score(p, batch: RolloutBatch, routing=None) -> tuple[Float[Array, "b t"], RouterOutput | None]:
+        """log π of the batch's targets under `p` (on the packed rows when the batch carries a packing), and what
+        a MoE policy's routers did (None for a dense one); `routing` is replayed (R3)."""
         if batch.packed is not None:
-            return forward_packed_logprobs(graphdef, p, batch.packed, chunk_size, temperature)[0]
+            return forward_packed_logprobs(graphdef, p, batch.packed, chunk_size, temperature)[0], None
+
+        def one(tokens, mask, kept, forced):
+            s = score_tokens(graphdef, p, tokens, mask, chunk_size=chunk_size, temperature=temperature,
+                             routing=forced, kept=kept)
+            return s.logp, s.router
+
+        rows = (batch.tokens, batch.attention_mask, batch.kept_count, routing)
         if row_blocks == 1 or batch.tokens.shape[0] % row_blocks:
-            return score_tokens(graphdef, p, batch.tokens, batch.attention_mask, chunk_size=chunk_size,
-                                temperature=temperature, kept=batch.kept_count).logp
-        blocks = jax.tree.map(lambda x: _split_rows(x, row_blocks, mesh),
-                              (batch.tokens, batch.attention_mask, batch.kept_count))
-        logp = jax.lax.map(lambda b: score_tokens(graphdef, p, b[0], b[1], chunk_size=chunk_size,
-                                                  temperature=temperature, kept=b[2]).logp, blocks)
-        return _merge_microbatches(logp)
+            return one(*rows)
+        logp, router = jax.lax.map(lambda b: one(*b), jax.tree.map(lambda x: _split_rows(x, row_blocks, mesh), rows))
+        return _merge_microbatches(logp), None if router is None else _merge_router_blocks(router)
 
     def prepare(params, ref_params, batch: RolloutBatch, seed: jax.Array):
         mask = batch.response_mask
@@ -318,18 +331,15 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
                 raise ValueError("sequence packing does not carry MoE routing; MoE policies run unpacked")
             if routing_replay == "R3" and batch.routing is None:
                 raise ValueError("routing_replay='R3' needs the engine's routing in the batch (batch.routing)")
-            forced = batch.routing if routing_replay == "R3" else None
-            old_logp, _, router = score_tokens(graphdef, params, batch.tokens, batch.attention_mask,
-                                               chunk_size=chunk_size, temperature=temperature, routing=forced,
-                                               kept=batch.kept_count)
+            old_logp, router = score(params, batch, batch.routing if routing_replay == "R3" else None)
             if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
                 batch = batch.replace(old_logp=old_logp * mask)
             if routing_replay != "off":  # R3: the engine's ids (as forced); R2: θ_old's own choice
                 batch = batch.replace(replay_routing=_align_with_tokens(router.expert_ids))
         elif batch.old_logp is None:
-            batch = batch.replace(old_logp=score(params, batch) * mask)
+            batch = batch.replace(old_logp=score(params, batch)[0] * mask)
         if ref_params is not None:
-            batch = batch.replace(ref_logp=score(ref_params, batch) * mask)
+            batch = batch.replace(ref_logp=score(ref_params, batch)[0] * mask)
         batch = batch.replace(token_weight=objective.token_weight(batch, seed))
         metrics = objective.step_metrics(batch)
         if batch.version_lag is not None:  # staleness/* next to mismatch/* (metrics/staleness.py)

@@ -300,3 +300,34 @@ def test_moe_metrics_empty_sets_are_zero_not_nan():
     with pytest.raises(ValueError, match="layer_ids has 2 entries for 3 sparse layers"):
         _metrics(jnp.asarray(ids), jnp.asarray(entropy), jnp.asarray(load), jnp.asarray(old),
                  jnp.asarray(roll), jnp.asarray(mask), layer_ids=(0, 1))
+
+
+@pytest.mark.parametrize("replay", ["R2", "R3"])
+def test_moe_prepare_scores_in_row_blocks_with_the_same_routing_metrics_and_a_blocks_memory(
+        policy, engine_routing, replay):
+    """A MoE policy's θ_old forward in `prepare` ran the whole step batch at once (the 30B config's step too).
+    Routing is dropless, each token's experts independent of the other rows, so it runs in the update's row blocks:
+    the same log-probs, replayed routing and `moe/*` metrics (loads are summed over the blocks), one block's
+    memory."""
+    graphdef, params = policy
+    host = synthetic_batch(batch=32, seq=16, seed=3)
+    host["rollout_logp"] = (-np.random.default_rng(7).uniform(0.5, 3.0, size=host["response_mask"].shape)
+                            * host["response_mask"]).astype(np.float32)
+    routing = np.concatenate([engine_routing] * 4)  # the fixture's 8 rows of engine ids, for 32 rows
+    mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+    batch = place_batch(RolloutBatch(**host, routing=routing), mesh)
+    key = jax.random.key_data(jax.random.key(0))
+    out, metrics, temp = {}, {}, {}
+    for blocks in (1, 4):
+        prep = jit_prepare(make_prepare_fn(graphdef, _loss(), chunk_size=8, routing_replay=replay,
+                                           moe_layers=LAYERS, row_blocks=blocks, mesh=mesh), mesh)
+        temp[blocks] = prep.lower(params, None, batch, key).compile().memory_analysis().temp_size_in_bytes
+        b, m = prep(params, None, batch, key)
+        out[blocks], metrics[blocks] = jax.tree.map(np.asarray, b), {k: float(v) for k, v in m.items()}
+    np.testing.assert_allclose(out[4].old_logp, out[1].old_logp, rtol=0, atol=2e-6)
+    valid = host["attention_mask"].astype(bool)
+    np.testing.assert_array_equal(out[4].replay_routing[valid], out[1].replay_routing[valid])
+    assert set(moe_metric_names(LAYERS, with_rollout=True)) <= set(metrics[1]) and metrics[4].keys() == metrics[1].keys()
+    for k, v in metrics[1].items():
+        assert metrics[4][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert temp[4] < 0.5 * temp[1], temp
