@@ -46,7 +46,7 @@ class Learner:
     def __init__(self, cfg: LearnerConfig) -> None:
         self.cfg = cfg
         self.mesh = cfg.mesh
-        policy = precision.policy(cfg.precision, fp32_lm_head=cfg.fp32_lm_head, param_dtype="float32")
+        self.policy = policy = precision.policy(cfg.precision, fp32_lm_head=cfg.fp32_lm_head, param_dtype="float32")
         self.model_cfg, model = load_hf(cfg.model_path, policy=policy, mesh=self.mesh,
                                         scan_layers=cfg.scan_layers, attention_impl=cfg.attention_impl)
         model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
@@ -200,6 +200,14 @@ class Learner:
 
     def set_lr_scale(self, scale: float) -> None:
         self.state = self.state.replace(opt_state=set_lr_scale(self.state.opt_state, scale, self.mesh))
+
+    def reset_loss_scale(self) -> None:
+        """This precision's initial loss scale (S = 2^15 for fp16, the no-op S = 1 otherwise), in place of the
+        restored one: a checkpoint of another precision carries its S, which is not this run's (fp32's S = 1 would
+        leave fp16 gradients unscaled until S had doubled 15 times, 200 steps apart)."""
+        fresh = precision.loss_scale_for(self.policy)
+        self.state = self.state.replace(loss_scale=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                                                                fresh, self.state.loss_scale))
 
     def hf_weights(self) -> dict[str, np.ndarray]:
         """HF-named host tensors of the current policy (every process joins the gather on multi-host)."""

@@ -373,7 +373,12 @@ class Trainer:
         except ValueError as e:  # another dataset size (task.num_train changed) or a damaged position
             raise ConfigError(f"config.task: cannot continue the checkpoint's prompt order: {e} (use a new run_dir "
                               "to train on another prompt set)") from None
-        if any(ch.startswith("controller.") for ch in config_changes(meta["config"], self.c.to_dict())):  # accepted
+        changes = config_changes(meta["config"], self.c.to_dict())  # accepted (`_read_checkpoint` refused others)
+        if any(ch.startswith("trainer.precision:") for ch in changes):
+            self.learner.reset_loss_scale()
+            log.warning("config.trainer.precision changed since the checkpoint: the loss scale starts afresh at %g",
+                        float(self.learner.state.loss_scale.scale))
+        if any(ch.startswith("controller.") for ch in changes):
             # Another controller's state cannot continue this one, and the multiplier the old one left in the
             # optimizer state is not the new one's: the configured controller starts afresh at scale 1.0.
             self.learner.set_lr_scale(1.0)

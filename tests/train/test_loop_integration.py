@@ -397,14 +397,18 @@ def test_resume_with_changed_config_is_refused_unless_accepted(base_model, tmp_p
     assert "--accept-config-changes" in errors[0]
     assert "field(s): steps:" not in errors[0] and "; steps:" not in errors[0]  # steps may change on resume
     # A field that does not change the run (steps, logging) resumes without a word.
+    # Accepted, with another precision too: fp32's loss scale (S = 1) is not carried into fp16 (it was: fp16
+    # gradients unscaled until S had doubled 15 times, 200 steps apart).
     out = subprocess.run([*cmd[:6], "--config.steps=2", "--accept-config-changes", "--config.optim.lr=0.005",
-                          "--config.objective.preset=dapo"], capture_output=True, text=True, timeout=600, cwd=REPO,
-                         env=env)
+                          "--config.objective.preset=dapo", "--config.trainer.precision=fp16"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "finished steps 1 → 2" in out.stdout
     assert "validation after step 1" in out.stdout + out.stderr  # validation numbers in the progress output
+    assert "config.trainer.precision changed since the checkpoint: the loss scale starts afresh at 32768" in out.stderr
     steps = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1] and steps[1]["lr"] == pytest.approx(0.005, rel=1e-6)
+    assert steps[0]["loss_scale/scale"] == 1.0 and steps[1]["loss_scale/scale"] >= 2.0**14  # one overflow at most
 
 
 @pytest.mark.slow
