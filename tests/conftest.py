@@ -50,7 +50,7 @@ if not (os.environ.get("VLLM_CACHE_ROOT") and os.environ.get("TORCHINDUCTOR_CACH
 # Compilation is half the suite's CPU time on 2 cores, and most tests compile many small programs that run once or
 # twice. JAX's `jax_disable_most_optimizations` (LLVM backend optimization level 0, no expensive LLVM passes; the
 # HLO passes are the same) compiles them about 35 % faster: the whole suite at that level took 1,312 CPU-s against
-# 1,635 (paired runs); as set here, 1,356 against 1,711 (paired fresh clones, README). The programs' floats can change in the last bits (the demo's fp32 KL differs at 1e-9) and the speculative
+# 1,635 (paired runs); as set here, 1,356 against 1,711 (paired fresh clones, docs/testing.md). The programs' floats can change in the last bits (the demo's fp32 KL differs at 1e-9) and the speculative
 # sampler's fp16 bitwise test fails at that level, so a test whose claim is the bits users get (exact mode: engine
 # and trainer agree bit for bit) is marked `xla_full_opt` and runs with XLA's default optimization, as do tests
 # whose run time outweighs their compile time, and the session's warm starts (the same policy whoever builds it).
