@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._args import ArgumentParser, positive_int, nonneg_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative, write_json  # noqa: E402
 
 # (module, attribute path, phase name): the functions timed.
@@ -188,13 +189,13 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="modes to profile (0: synchronous)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--staleness", type=nonneg_int, nargs="+", default=[0, 1], help="modes to profile (0: synchronous)")
+    ap.add_argument("--steps", type=positive_int, default=20)
+    ap.add_argument("--warmup", type=nonneg_int, default=3)
     ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"), help="the demo's warm-started policy")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "async_profile.json"))
-    ap.add_argument("--mode", type=int, default=None, help=argparse.SUPPRESS)  # one mode, in a pinned child
+    ap.add_argument("--mode", type=nonneg_int, default=None, help=argparse.SUPPRESS)  # one mode, in a pinned child
     a = ap.parse_args()
     check_out("--out", a.out, __file__)
     if not (Path(a.model) / "config.json").exists():

@@ -36,7 +36,6 @@ synchronous step rate at staleness 1 on 2 cores. Timings are only meaningful on 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -51,6 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._args import ArgumentParser, positive_int, nonneg_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative, write_json, write_text  # noqa: E402
 
 MODES = {"sync": 0, "staleness_1": 1, "staleness_2": 2}
@@ -231,12 +231,12 @@ def table(loop: dict, bypass: dict | None, behaviour: dict | None = None) -> str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="steps per mode (the first --warmup are not timed)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=positive_int, default=20, help="steps per mode (the first --warmup are not timed)")
+    ap.add_argument("--warmup", type=nonneg_int, default=3)
     ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"), help="the demo's warm-started policy")
     ap.add_argument("--part", choices=("all", "loop", "bypass", "behaviour"), default="all")
-    ap.add_argument("--bypass-repeats", type=int, default=10)
+    ap.add_argument("--bypass-repeats", type=positive_int, default=10)
     ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine's load)")
     ap.add_argument("--out", default=None, help="results stem (default docs/results/async_rollouts, or "
                     "async_rollouts_<part> for --part bypass/behaviour alone: the loop's results stay)")

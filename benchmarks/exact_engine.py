@@ -20,7 +20,6 @@ load average. Writes benchmarks/results/exact_engine.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
@@ -50,14 +50,14 @@ DEMO_SHAPE = dict(architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=12
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=30)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=positive_int, default=32)
+    ap.add_argument("--n", type=positive_int, default=8)
+    ap.add_argument("--prompt-len", type=positive_int, default=30)
+    ap.add_argument("--max-tokens", type=positive_int, default=48)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--reference-repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--reference-repeats", type=positive_int, default=2)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exact_engine.json"))
     a = ap.parse_args()
     check_out("--out", a.out, __file__)

@@ -13,7 +13,6 @@ by default. Writes benchmarks/results/exact_head_barrier.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int, positive_float  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch.models.exact import EXACT_CHUNK  # noqa: E402
 
@@ -46,11 +46,11 @@ def barrier_division(h, w, t):  # as models.exact.chunk_logprobs does it
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--temperature", type=float, default=0.7)
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=positive_int, default=151936)
+    ap.add_argument("--hidden", type=positive_int, default=1024)
+    ap.add_argument("--rounds", type=positive_int, default=30)
+    ap.add_argument("--temperature", type=positive_float, default=0.7)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exact_head_barrier.json"))
     args = ap.parse_args()
     check_out("--out", args.out, __file__)

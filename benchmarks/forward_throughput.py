@@ -16,7 +16,6 @@ load average at start is recorded. Writes benchmarks/results/forward_throughput.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.models import load_hf, positions_from_mask, token_logprobs  # noqa: E402
 from jaxrl_mismatch.precision import policy  # noqa: E402
@@ -58,11 +58,11 @@ def _time(fn, iters: int) -> tuple[float, list[float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--chunk-size", type=int, default=128)
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=positive_int, default=2)
+    ap.add_argument("--seq", type=positive_int, default=512)
+    ap.add_argument("--iters", type=positive_int, default=5)
+    ap.add_argument("--chunk-size", type=positive_int, default=128)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/forward_throughput.json"))
     args = ap.parse_args()
     check_out("--out", args.out, __file__)

@@ -14,7 +14,6 @@ Writes benchmarks/results/learner_transfers.json.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -37,6 +36,7 @@ from jaxrl_mismatch.train import distributed  # noqa: E402
 from jaxrl_mismatch.train.minibatches import minibatch_order  # noqa: E402
 from jaxrl_mismatch.train.packing import pack_batch  # noqa: E402
 from jaxrl_mismatch.train.step import jit_update, place_batch  # noqa: E402
+from _args import ArgumentParser, positive_int  # noqa: E402
 from _paths import check_out, write_json  # noqa: E402
 from packing import DEMO_MODEL, SHAPES, learner_for, make_batch  # noqa: E402
 
@@ -95,8 +95,8 @@ def run(packing: bool, repeats: int, work: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=10, help="timed steps per path after one compiling step")
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=positive_int, default=10, help="timed steps per path after one compiling step")
     ap.add_argument("--packing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "learner_transfers.json"))
     a = ap.parse_args()

@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config, step_metrics, update_stats  # noqa: E402
 from jaxrl_mismatch.objectives import batch_constants, objective_config, policy_loss  # noqa: E402
@@ -107,13 +108,13 @@ def timed(fn, *args) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=60)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--seq", type=positive_int, default=256)
+    ap.add_argument("--vocab", type=positive_int, default=512)
+    ap.add_argument("--dim", type=positive_int, default=128)
+    ap.add_argument("--hidden", type=positive_int, default=512)
+    ap.add_argument("--repeats", type=positive_int, default=60)
     ap.add_argument("--preset", default="grpo_token_tis")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = ap.parse_args()

@@ -18,7 +18,6 @@ Writes docs/results/mismatch_sources.json and .md (through temporary siblings re
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shlex
@@ -33,6 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative, repo_relative_args, write_json, write_text  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
@@ -76,11 +76,11 @@ def _warmstart(c) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(REPO / "configs" / "arith_length_cpu.py"))
     ap.add_argument("--model", default=None, help="HF checkpoint (default: the config's model.path, under the repo)")
-    ap.add_argument("--prompts", type=int, default=32, help="training prompts per seed (× the config's group_size)")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--prompts", type=positive_int, default=32, help="training prompts per seed (× the config's group_size)")
+    ap.add_argument("--seeds", type=positive_int, default=3)
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "mismatch_sources.json"))
     a = ap.parse_args(argv)
     check_out("--out", a.out, __file__, table=True)

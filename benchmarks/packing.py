@@ -27,7 +27,6 @@ Reports the padding share before and after packing, the median step time, the to
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import platform
 import statistics
@@ -38,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 
 import jax  # noqa: E402
@@ -170,9 +170,9 @@ def print_table(results: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=(*SHAPES, "all"), default="all")
-    ap.add_argument("--repeats", type=int, default=None,
+    ap.add_argument("--repeats", type=positive_int, default=None,
                     help=f"timed steps per learner after one compiling step (default {REPEATS})")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "packing.json"))
     a = ap.parse_args()

@@ -10,9 +10,9 @@ Every number goes through a real `jaxrl-mismatch serve` subprocess on loopback, 
   validation, the engine's atomic swap) and same-host shared memory (rollout/shm.py: copy into a memfd,
   xxh3 hash on both sides, the same validation and swap); against two baselines with the same bytes: an
   in-process memcpy (`np.copyto`) and a raw TCP loopback transfer (one socket, no framing), which
-  separate gRPC's cost from the kernel's. The shared-memory target is >= 25% of memcpy. The server's
-  same-version check (`validation.weights_digest`, xxh3 of every pushed tensor) is timed on the same weights
-  and reported as its share of a shared-memory push (it is inside that push's time).
+  separate gRPC's cost from the kernel's. The shared-memory target is >= 25% of memcpy;
+- the server's same-version check (`validation.weights_digest`, xxh3 of every pushed tensor) on vs off, paired
+  rounds of pushes to an in-process server on the JAX engine (`bench_digest`), over both transports.
 
 Engines: `jax` always; `vllm` when both the `vllm` package and `jaxrl_mismatch.rollout.vllm_engine`
 import (the server runs it with ENGINE_ENV["vllm"]). Writes benchmarks/results/rollout.json.
@@ -20,7 +20,6 @@ import (the server runs it with ENGINE_ENV["vllm"]). Writes benchmarks/results/r
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -39,10 +38,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.rollout.client import RolloutClient  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
-from jaxrl_mismatch.rollout.validation import weights_digest  # noqa: E402
 
 SIZES = {
     # ~0.2M params: the test model's scale (head_dim 32: vLLM's CPU attention has no kernel for 16).
@@ -157,14 +156,49 @@ def bench_weight_sync(target: str, token: str, repeats: int) -> dict:
         median = float(np.median(times[1:]))
         out[f"{transport}_median_push_s"] = median
         out[f"{transport}_MBps"] = nbytes / 1e6 / median
-    # The server's same-version check hashes every push (validation.weights_digest); its share of the push:
-    digest_s = []
-    for _ in range(repeats):
+    return out
+
+
+def bench_digest(model_dir: Path, token: str, repeats: int) -> dict:
+    """The server's same-version check (`validation.weights_digest` over every pushed tensor) on vs off, paired.
+
+    An in-process server on the JAX engine (the same servicer `serve` runs) takes pushes of fresh versions over
+    each transport; in every round one push runs with the digest and one with it replaced by a constant (the
+    check then passes every new version, as the code before it did), in alternating order. Medians per side and
+    the median of the per-round ratios."""
+    from jaxrl_mismatch.rollout import server as server_mod
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+
+    srv = server_mod.RolloutServer(port=0, token=token)
+    srv.attach(JaxEngine(str(model_dir), dtype="float32"))
+    real = server_mod.weights_digest
+    out: dict = {}
+    try:
+        for transport in ("grpc", "shm"):
+            client = RolloutClient(f"127.0.0.1:{srv.port}", token=token, wait_ready_s=60, weight_transport=transport)
+            specs = client.weight_specs()
+            tensors = {k: np.random.default_rng(4).normal(0, 0.02, s.shape).astype(s.dtype) for k, s in specs.items()}
+            times: dict[str, list[float]] = {"on": [], "off": []}
+            for r in range(repeats + 1):  # round 0 is a warm-up
+                for side in (("on", "off") if r % 2 else ("off", "on")):
+                    server_mod.weights_digest = real if side == "on" else (lambda t: 0)
+                    version = srv.engine.info().weight_version + 1
+                    t0 = time.perf_counter()
+                    client.push_weights(tensors, version=version)
+                    if r:
+                        times[side].append(time.perf_counter() - t0)
+            client.close()
+            ratios = [a / b for a, b in zip(times["on"], times["off"])]
+            out[transport] = {"on_median_s": float(np.median(times["on"])),
+                              "off_median_s": float(np.median(times["off"])),
+                              "paired_ratio_median": float(np.median(ratios)), "rounds": repeats}
         t0 = time.perf_counter()
-        weights_digest(tensors)
-        digest_s.append(time.perf_counter() - t0)
-    out["digest_median_s"] = float(np.median(digest_s))
-    out["digest_vs_shm_push"] = out["digest_median_s"] / out["shm_median_push_s"]
+        for _ in range(repeats):
+            real(tensors)
+        out["digest_alone_s"] = (time.perf_counter() - t0) / repeats
+    finally:
+        server_mod.weights_digest = real
+        srv.stop(0)
     return out
 
 
@@ -210,16 +244,21 @@ def bench_tcp_loopback(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--engines", default=",".join(available_engines()), help="comma-separated; default: all importable")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", type=positive_int, default=8)
+    p.add_argument("--n", type=positive_int, default=4)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "rollout.json"))
     args = p.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    missing = sorted(set(engines) - set(available_engines()))
+    if not engines or missing:
+        p.error(f"argument --engines: {', '.join(missing) or 'none given'}: not an engine here; choose from "
+                f"{', '.join(available_engines())}")
     check_out("--out", args.out, __file__)
 
     results: dict = {"size": args.size, "model": SIZES[args.size], "machine": platform.machine(),
@@ -230,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         token = secrets.token_hex(16)
         token_file = run_dir / "token"
         token_file.write_text(token)
-        for engine in args.engines.split(","):
+        for engine in engines:
             server = Server(engine, model_dir, token_file, run_dir)
             try:
                 client = RolloutClient(f"127.0.0.1:{server.port}", token=token, wait_ready_s=300)
@@ -242,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
             results["engines"][engine] = row
+        results["digest"] = bench_digest(model_dir, token, max(args.repeats, 15))  # a few % of a push: many rounds
     nbytes = next(iter(results["engines"].values()))["weight_sync"]["bytes"]
     results["baselines"] = {"bytes": nbytes, "memcpy_MBps": bench_memcpy(nbytes, 5),
                             "tcp_loopback_MBps": bench_tcp_loopback(nbytes, 5)}
@@ -266,13 +306,16 @@ def main(argv: list[str] | None = None) -> int:
             mbps = w[f"{path}_MBps"]
             print(f"{engine:<8} {label:<22} {mbps:>8.0f} {w[f'{path}_median_push_s']:>8.4f} "
                   f"{mbps / b['memcpy_MBps']:>9.1%}")
-    for engine, row in results["engines"].items():
-        w = row["weight_sync"]
-        print(f"{engine:<8} {'  of which digest':<22} {'':>8} {w['digest_median_s']:>8.4f} "
-              f"{w['digest_vs_shm_push']:>9.1%} of the shm push")
     print(f"{'-':<8} {'memcpy (np.copyto)':<22} {b['memcpy_MBps']:>8.0f} {nbytes / 1e6 / b['memcpy_MBps']:>8.4f} {1:>9.1%}")
     print(f"{'-':<8} {'raw TCP loopback':<22} {b['tcp_loopback_MBps']:>8.0f} "
           f"{nbytes / 1e6 / b['tcp_loopback_MBps']:>8.4f} {b['tcp_loopback_MBps'] / b['memcpy_MBps']:>9.1%}")
+    d = results["digest"]
+    print(f"\nthe server's weights digest on vs off (in-process jax server, {d['grpc']['rounds']} paired rounds; "
+          f"the digest alone {d['digest_alone_s'] * 1e3:.1f} ms):")
+    print(f"{'path':<22} {'on s':>8} {'off s':>8} {'paired on/off':>14}")
+    for path, label in (("grpc", "gRPC stream"), ("shm", "shared memory")):
+        print(f"{label:<22} {d[path]['on_median_s']:>8.4f} {d[path]['off_median_s']:>8.4f} "
+              f"{d[path]['paired_ratio_median']:>13.3f}x")
     out = Path(args.out)
     write_json(out, results, __file__)
     print(f"wrote {out}")

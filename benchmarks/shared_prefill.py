@@ -14,7 +14,6 @@ average. Writes benchmarks/results/shared_prefill.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int, nonneg_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.jobs.warmstart import tiny_config  # noqa: E402
@@ -67,10 +67,10 @@ def measure(model_dir: str, shape: str, repeats: int, seed: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="demo,long")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "shared_prefill.json"))
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]

@@ -32,7 +32,6 @@ less load-sensitive of the two). Writes benchmarks/results/update_step.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -52,6 +51,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
+from benchmarks._args import ArgumentParser, positive_int, positive_float  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
@@ -120,13 +120,13 @@ def torch_ppo_clip_loss(logp, old_logp, adv, mask):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=40, help="timed steps per side (after 2 warm-up steps)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--chunk-size", type=int, default=128, help="LM-head chunk of our update's log-prob pass")
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=positive_int, default=4)
+    ap.add_argument("--seq", type=positive_int, default=256)
+    ap.add_argument("--prompt-len", type=positive_int, default=32)
+    ap.add_argument("--repeats", type=positive_int, default=40, help="timed steps per side (after 2 warm-up steps)")
+    ap.add_argument("--lr", type=positive_float, default=1e-3)
+    ap.add_argument("--chunk-size", type=positive_int, default=128, help="LM-head chunk of our update's log-prob pass")
     ap.add_argument("--exact-forward", action="store_true", help="also time the update with trainer.exact_forward")
     ap.add_argument("--out", default=None, help="default benchmarks/results/update_step.json "
                                                 "(update_step_exact.json with --exact-forward)")

@@ -51,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._args import ArgumentParser, positive_int, nonneg_int, positive_float  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json, write_text  # noqa: E402
 
 SHAPES = {
@@ -104,9 +105,9 @@ def device_specs(name: str, args) -> tuple[float | None, float | None]:
 def parse_batch_seq(text: str) -> list[tuple[int, int]]:
     out = []
     for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
+        m = re.fullmatch(r"\s*([1-9]\d*)x([1-9]\d*)\s*", item)
         if not m:
-            raise SystemExit(f"--batch-seq: expected BxS[,BxS...], got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected BxS[,BxS...] with B, S >= 1, got {item!r}")
         out.append((int(m.group(1)), int(m.group(2))))
     return out
 
@@ -482,6 +483,21 @@ def child_env(args) -> dict:
     return env
 
 
+def default_out(args) -> Path:
+    """`benchmarks/results/update_step_gpu_<device>_<shape>.json`, the device named as the parts name it; asked of
+    a short child with the parts' environment (the parent never initialises the GPU), so that the path is known
+    and checked before anything is measured."""
+    code = f"import jax, sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); " \
+           "from update_step_gpu import _device_name; print(_device_name(jax))"
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(args), cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: --device {args.device}: jax cannot start on it: "
+                         f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    device = proc.stdout.strip().splitlines()[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return REPO / f"benchmarks/results/update_step_gpu_{slug}_{args.shape}.json"
+
+
 def run_part(name: str, args, work: Path) -> dict:
     out = work / f"{name}.json"
     cmd = [sys.executable, __file__, "--_part", name, "--_work", str(work), *sys.argv[1:]]
@@ -571,7 +587,7 @@ def print_table(args, summary: dict, results: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--batch-seq", default=None, help="e.g. 8x2048,4x8192 (default depends on --shape)")
@@ -580,27 +596,36 @@ def main() -> None:
     ap.add_argument("--remat", choices=("auto", "none", "full", "save_dots", "offload"), default="auto")
     ap.add_argument("--attention-impl", choices=("auto", "xla", "cudnn", "chunked"), default="auto")
     ap.add_argument("--unrolled", action="store_true", help="layers as a Python loop instead of nnx scan")
-    ap.add_argument("--chunk-size", type=int, default=512, help="LM-head sequence chunk of the log-prob pass")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--chunk-size", type=positive_int, default=512, help="LM-head sequence chunk of the log-prob pass")
+    ap.add_argument("--warmup", type=nonneg_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=10)
     ap.add_argument("--engine-dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="default bfloat16 on gpu, float32 on cpu")
-    ap.add_argument("--gen-batch", type=int, default=None)
-    ap.add_argument("--gen-prompt", type=int, default=128)
-    ap.add_argument("--gen-tokens", type=int, default=None)
-    ap.add_argument("--gen-repeats", type=int, default=3)
-    ap.add_argument("--decode-alloc", type=int, default=None, help="allocated cache slots of the decode sweep")
-    ap.add_argument("--decode-batch", type=int, default=None, help="rows of the decode sweep (default 16 gpu, 32 cpu)")
-    ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--decode-repeats", type=int, default=5, help="timed runs per point (the fastest is kept)")
-    ap.add_argument("--peak-tflops", type=float, default=None)
-    ap.add_argument("--hbm-tbps", type=float, default=None)
+    ap.add_argument("--gen-batch", type=positive_int, default=None)
+    ap.add_argument("--gen-prompt", type=positive_int, default=128)
+    ap.add_argument("--gen-tokens", type=positive_int, default=None)
+    ap.add_argument("--gen-repeats", type=positive_int, default=3)
+    ap.add_argument("--decode-alloc", type=positive_int, default=None, help="allocated cache slots of the decode sweep")
+    ap.add_argument("--decode-batch", type=positive_int, default=None, help="rows of the decode sweep (default 16 gpu, 32 cpu)")
+    ap.add_argument("--decode-steps", type=positive_int, default=16)
+    ap.add_argument("--decode-repeats", type=positive_int, default=5, help="timed runs per point (the fastest is kept)")
+    ap.add_argument("--peak-tflops", type=positive_float, default=None)
+    ap.add_argument("--hbm-tbps", type=positive_float, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--_part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     gpu = args.device == "gpu"
     args.batch_seq = args.batch_seq or DEFAULT_BATCH_SEQ[args.shape]
+    if not args._part:  # the parent checks every flag before any part runs (a child gets them checked)
+        try:
+            parse_batch_seq(args.batch_seq)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"argument --batch-seq: {e}")
+        unknown = sorted({p.strip() for p in args.parts.split(",") if p.strip()} - set(PARTS))
+        if unknown or not args.parts.strip(", "):
+            ap.error(f"argument --parts: {', '.join(unknown) or 'none given'}: not a part; choose from "
+                     f"{', '.join(PARTS)}")
     args.engine_dtype = args.engine_dtype or ("bfloat16" if gpu else "float32")
     args.gen_batch = args.gen_batch or (64 if gpu else 8)
     args.gen_tokens = args.gen_tokens or (512 if gpu else 64)
@@ -612,13 +637,10 @@ def main() -> None:
         result = PARTS[args._part](args, Path(args._work))
         write_text(Path(args._work) / f"{args._part}.json", json.dumps(result))  # for the parent, not a result
         return
-    if args.out is not None:
-        check_out("--out", args.out, __file__)
+    out = Path(args.out) if args.out is not None else default_out(args)
+    check_out("--out", out, __file__)  # before anything is measured
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
     if parts and parts[0] != "jax":
         parts = ["jax", *[p for p in parts if p != "jax"]]  # writes the checkpoint and batches the others use
     results = {}
@@ -627,9 +649,6 @@ def main() -> None:
             results[name] = run_part(name, args, Path(tmp))
     summary = summarise(args, results)
     print_table(args, summary, results)
-    slug = re.sub(r"[^a-z0-9]+", "-", summary["device"].lower()).strip("-")
-    out = Path(args.out or REPO / f"benchmarks/results/update_step_gpu_{slug}_{args.shape}.json")
-    check_out("--out", out, __file__)  # the default names the device, known only now
     config = repo_relative_args({k: v for k, v in vars(args).items() if not k.startswith("_")})
     write_json(out, {"config": config, "summary": summary, "parts": results,
                      "machine": platform.machine(), "cpus": os.cpu_count()}, __file__)

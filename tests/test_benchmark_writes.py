@@ -126,3 +126,31 @@ def test_every_benchmark_checks_its_out_before_writing():
     writers = [p for p in sorted(BENCHMARKS.glob("*.py")) if p.name != "_paths.py" and "write_json(" in p.read_text()]
     assert len(writers) >= 11
     assert [p.name for p in writers if 'check_out("--out", ' not in p.read_text()] == []
+
+
+# -- every other flag: one line, exit 2, before anything is built -----------------------------------------------------
+
+
+def test_every_benchmark_parses_with_the_one_line_parser_and_typed_counts():
+    """No script builds a plain argparse parser (its errors print the usage block) or takes a bare int/float (a count
+    of 0 measured nothing, then failed on an empty median or wrote NaN rates as a result)."""
+    scripts = [p for p in sorted(BENCHMARKS.glob("*.py")) if "add_argument(" in p.read_text()]
+    assert len(scripts) >= 13
+    for p in scripts:
+        text = p.read_text()
+        assert "argparse.ArgumentParser(" not in text and " ArgumentParser(" in text, p.name
+        assert re.search(r"type=(int|float)\b", text) is None, p.name
+
+
+@pytest.mark.parametrize("script, args, needle", [
+    ("async_rollouts.py", ["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    ("async_profile.py", ["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    ("rollout.py", ["--engines", "foo"], "argument --engines: foo: not an engine here"),
+    ("update_step_gpu.py", ["--device", "cpu", "--batch-seq", "4y256"], "argument --batch-seq: expected BxS"),
+    ("update_step_gpu.py", ["--device", "cpu", "--parts", "foo"], "argument --parts: foo: not a part"),
+])
+def test_a_bad_flag_is_one_line_before_anything_runs(script, args, needle, tmp_path):
+    r = _run(script, *args, "--out", str(tmp_path / "r.json"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert list(tmp_path.iterdir()) == []
