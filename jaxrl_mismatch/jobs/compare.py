@@ -211,6 +211,9 @@ def load_spec(path: str) -> Spec:
     if not isinstance(controls, dict):
         raise _error(path, "controls", f"must be a dict variant -> control variant, got {controls!r}")
     for v, c in controls.items():
+        if not isinstance(v, str) or not isinstance(c, str):  # a list is unhashable: `in variants` would raise
+            raise _error(path, f"controls.{v}", f"{v!r} -> {c!r} must pair two variant names (strings); "
+                         f"variants: {', '.join(map(str, variants))}")
         if v not in variants or c not in variants or v == c:
             raise _error(path, f"controls.{v}", f"{v!r} -> {c!r} must pair two different variants; variants: "
                          f"{', '.join(map(str, variants))}")
@@ -475,14 +478,82 @@ def _warm_start(spec: Spec) -> None:
             raise UsageError(f"config.model.warmstart_args: the warm start of {model} failed (exit {rc}); see {log_path}")
 
 
-COMPARE_FILES = ("table.md", "table.json", "compare.png", "warmstart.log")  # what compare writes in OUT itself
 OUT_MARKER = ".jaxrl-mismatch-compare"
+
+
+_SEED_DIR = re.compile(r"^seed_(0|[1-9]\d*)$")
+_TABLE_MD_HEAD = "| variant | runs ok | collapsed |"  # report.summary.table_markdown's first line and its definitions
+_TABLE_MD_TEXT = "Mean ± sample std over the finished seeds of each variant"
+_TABLE_JSON_KEYS = {"name", "spec", "config", "variants_overrides", "seeds", "collapse", "variants"}  # write_outputs's
+_MAX_READ = 64 << 20  # larger than any table or log compare writes: not read
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > _MAX_READ:
+            return None
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _is_compare_run(seed_dir: str, variant: str) -> bool:
+    """Whether `seed_dir` (OUT/VARIANT/seed_N) is a run compare started: a real folder whose compare.json records
+    compare's attempts, each a train command with `--config.run_dir=.../VARIANT/seed_N` (compare writes it before
+    the trainer starts, and has since its first version). A training run of the user's (`train.runlock.is_run_dir`
+    without compare.json) is not: compare would resume it with its own command."""
+    if os.path.islink(seed_dir) or not os.path.isdir(seed_dir):
+        return False
+    attempts = read_attempts(seed_dir)
+    tail = (variant, os.path.basename(seed_dir))
+
+    def ours(a: Any) -> bool:
+        command = a.get("command") if isinstance(a, dict) else None
+        if not isinstance(command, list) or "train" not in command:
+            return False
+        dirs = [c.removeprefix("--config.run_dir=") for c in command
+                if isinstance(c, str) and c.startswith("--config.run_dir=")]
+        return len(dirs) == 1 and tuple(os.path.normpath(dirs[0]).split(os.sep)[-2:]) == tail
+
+    return bool(attempts) and all(ours(a) for a in attempts)
+
+
+def _not_compares(out: str, entry: str, variants: Sequence[str]) -> str | None:
+    """None when `out/entry` is provably compare's own output (a folder written before the marker existed), else
+    the path under `out` that is not."""
+    from jaxrl_mismatch.report.plot import _is_our_figure
+
+    path = os.path.join(out, entry)
+    if entry in variants:
+        if os.path.islink(path) or not os.path.isdir(path) or not os.listdir(path):
+            return entry
+        for seed in sorted(os.listdir(path)):
+            if not _SEED_DIR.match(seed) or not _is_compare_run(os.path.join(path, seed), entry):
+                return os.path.join(entry, seed)
+        return None
+    if entry == "table.md":
+        text = _read_text(path)
+        return None if text is not None and text.startswith(_TABLE_MD_HEAD) and _TABLE_MD_TEXT in text else entry
+    if entry == "table.json":
+        try:
+            content = json.loads(_read_text(path) or "")
+        except ValueError:
+            return entry
+        return None if isinstance(content, dict) and _TABLE_JSON_KEYS <= set(content) else entry
+    if entry == "compare.png":  # report.plot.save_figure marks its figures
+        return None if not os.path.islink(path) and _is_our_figure(path) else entry
+    if entry == "warmstart.log":  # _warm_start's: "\n=== COMMAND\n" before each warm start's output
+        first = (_read_text(path) or "").removeprefix("\n").split("\n", 1)[0]
+        return None if first.startswith("=== ") and " jaxrl_mismatch.cli warmstart --out " in first else entry
+    return entry
 
 
 def check_out(spec: Spec) -> None:
     """UsageError unless `spec.out` may hold this grid: new, empty, or a compare output — its marker, or (one
-    written before the marker) nothing but this spec's variant folders and compare's own files. A user's
-    folder is never written into (its table.md would be overwritten)."""
+    written before the marker) nothing but what is provably compare's: this spec's variant folders holding only
+    runs compare started (`_is_compare_run`), and its table.md / table.json / compare.png / warmstart.log (their
+    content is compare's). A user's folder is never written into (its table.md would be overwritten). Reads only."""
     out = spec.out
     if os.path.islink(out):
         raise _error(spec.path, "out", f"{out} is a symbolic link; give the directory it points to")
@@ -490,14 +561,15 @@ def check_out(spec: Spec) -> None:
         raise _error(spec.path, "out", f"{out} is a file; give a directory")
     if not os.path.isdir(out):
         return
-    entries = set(os.listdir(out))
+    entries = sorted(os.listdir(out))
     if not entries or OUT_MARKER in entries:
         return
-    ours = set(spec.variants) | set(COMPARE_FILES)
-    if entries <= ours and entries & set(spec.variants):
+    foreign = next((f for e in entries if (f := _not_compares(out, e, list(spec.variants))) is not None), None)
+    if foreign is None:
         return
     raise _error(spec.path, "out", f"{out} is a non-empty directory not written by `jaxrl-mismatch compare` "
-                 f"(holds {listing(sorted(entries))}); choose a new or empty directory (nothing was changed)")
+                 f"(holds {listing(entries)}; {foreign} is not compare's); choose a new or empty directory as "
+                 "`out` (nothing was changed)")
 
 
 def write_outputs(spec: Spec) -> tuple[str, bool]:
@@ -531,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UsageError(f"--jobs: must be >= 1, got {args.jobs}")
     spec = validate_spec(load_spec(args.spec))
+    check_out(spec)  # read-only: a dry run refuses the `out` the real run would refuse
     parallel = args.jobs or default_jobs()
     results = {j: run_result(j) for j in spec.jobs}
     busy = [j for j in spec.jobs if results[j].status.startswith("running")]
@@ -546,7 +619,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(note + shlex.join(j.argv))
         print(f"# {len(todo)} of {len(spec.jobs)} runs to do, {parallel} at a time; outputs in {spec.out}")
         return 0
-    check_out(spec)
     os.makedirs(spec.out, exist_ok=True)
     if not os.path.exists(os.path.join(spec.out, OUT_MARKER)):
         with open(os.path.join(spec.out, OUT_MARKER), "w") as f:

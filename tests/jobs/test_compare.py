@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -100,6 +101,7 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"controls": {"a": "c"}}, ["controls.a: 'a' -> 'c' must pair two different variants; variants: a, b"]),
     ({"controls": {"a": "a"}}, ["controls.a: 'a' -> 'a' must pair two different variants"]),
     ({"controls": ["a", "b"]}, ["controls: must be a dict variant -> control variant"]),
+    ({"controls": {"a": ["b"]}}, ["controls.a: 'a' -> ['b'] must pair two variant names (strings)"]),  # was a TypeError
     ({"metrics": ["reward/mean", {"metric": "lr", "scale": "cubic"}]}, ["metrics[1].scale"]),
 ])
 def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, needles):
@@ -289,13 +291,102 @@ def test_compare_never_writes_into_a_folder_of_the_users(tmp_path, fake_model):
     (out / "table.md").write_text("mine\n")
     spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model))
     with pytest.raises(UsageError, match=r"out: .*out is a non-empty directory not written by `jaxrl-mismatch "
-                                         r"compare` \(holds table.md\)"):
+                                         r"compare` \(holds table.md; table.md is not compare's\)"):
         compare.main([str(spec_path), "--table-only"])
     assert sorted(p.name for p in out.iterdir()) == ["table.md"] and (out / "table.md").read_text() == "mine\n"
     (out / "table.md").unlink()  # an empty folder is taken, and marked as compare's
     assert compare.main([str(spec_path), "--table-only"]) == 0
     assert (out / compare.OUT_MARKER).is_file() and (out / "table.md").read_text() != "mine\n"
     assert compare.main([str(spec_path), "--table-only"]) == 0  # its own output again
+
+
+def _legacy_out(tmp_path, fake_model) -> tuple[Path, Path]:
+    """A compare output written before OUT carried the marker: compare's runs (compare.json records their
+    train commands) and its table and figure."""
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model, seeds=[0, 1]))
+    spec = compare.validate_spec(compare.load_spec(str(spec_path)))
+    for job in spec.jobs:
+        _write_run(Path(job.run_dir), _records([0.5] * 2))
+        compare.write_attempts(job.run_dir, [{"command": list(job.argv), "returncode": 0, "wall_s": 1.0}])
+    assert compare.main([str(spec_path), "--table-only"]) == 0
+    out = tmp_path / "out"
+    (out / compare.OUT_MARKER).unlink()
+    (out / "warmstart.log").write_text(f"\n=== {shlex.join(compare._warmstart_argv('m', '--layers 1'))}\nok\n")
+    return spec_path, out
+
+
+def test_an_unmarked_compare_output_is_resumed(tmp_path, fake_model):
+    spec_path, out = _legacy_out(tmp_path, fake_model)
+    assert sorted(p.name for p in out.iterdir()) == ["a", "b", "compare.png", "table.json", "table.md", "warmstart.log"]
+    assert compare.main([str(spec_path), "--table-only"]) == 0
+    assert (out / compare.OUT_MARKER).is_file()
+
+
+def _user_table(out: Path) -> None:
+    (out / "table.md").write_text("my own notes\n")
+
+
+def _user_file_in_variant(out: Path) -> None:
+    (out / "a" / "mydata.txt").write_text("user data\n")
+
+
+def _user_run(out: Path) -> None:  # a training run of the user's (train's lock, no compare.json) as a seed folder
+    (out / "a" / "seed_0" / compare.STATUS_FILE).unlink()
+    (out / "a" / "seed_0" / "train.lock").write_text("pid 1 on host\n")
+
+
+def _run_of_another_folder(out: Path) -> None:  # compare.json of a run made for another run_dir
+    attempts = compare.read_attempts(str(out / "b" / "seed_1"))
+    compare.write_attempts(str(out / "a" / "seed_1"), attempts)
+
+
+def _unmarked_figure(out: Path) -> None:
+    (out / "compare.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+
+
+def _user_table_json(out: Path) -> None:
+    (out / "table.json").write_text('{"results": [1, 2]}')
+
+
+@pytest.mark.parametrize("change, foreign", [
+    (_user_table, "table.md"), (_user_file_in_variant, "a/mydata.txt"), (_user_run, "a/seed_0"),
+    (_run_of_another_folder, "a/seed_1"), (_unmarked_figure, "compare.png"), (_user_table_json, "table.json"),
+])
+def test_an_unmarked_folder_is_taken_only_when_all_of_it_is_compares(tmp_path, fake_model, change, foreign):
+    """Without the marker, a folder is compare's only where every entry proves it: its runs' compare.json, its
+    tables' content, its figure's mark. A variant-named folder or a table.md of the user's was overwritten."""
+    spec_path, out = _legacy_out(tmp_path, fake_model)
+    change(out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for flags in (["--table-only"], ["--dry-run"], []):
+        with pytest.raises(UsageError, match=rf"out: {out} is a non-empty directory not written by `jaxrl-mismatch "
+                                             rf"compare` \(holds .*; {foreign} is not compare's\); choose a new"):
+            compare.main([str(spec_path), *flags])
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing changed, no marker
+
+
+def test_the_reviewers_user_folder_is_refused(tmp_path, fake_model):
+    """A user's folder with a subfolder named like a variant and its own table.md: was taken, table.md replaced."""
+    out = tmp_path / "out"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "mydata.txt").write_text("user data\n")
+    (out / "table.md").write_text("my own notes\n")
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model))
+    with pytest.raises(UsageError, match=r"is not compare's\); choose a new or empty directory as `out`"):
+        compare.main([str(spec_path), "--table-only"])
+    assert sorted(p.name for p in out.iterdir()) == ["a", "table.md"] and (out / "table.md").read_text() == "my own notes\n"
+
+
+def test_dry_run_refuses_the_out_a_real_run_refuses(tmp_path, fake_model, capsys):
+    """`--dry-run` with `out` an existing file printed the commands and exited 0; the real run refused it."""
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("mine\n")
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model, out=str(user_file)))
+    for flags in (["--dry-run"], []):
+        with pytest.raises(UsageError, match=rf"^spec {spec_path}: out: {user_file} is a file; give a directory$"):
+            compare.main([str(spec_path), *flags])
+    assert capsys.readouterr().out == "" and user_file.read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes.txt", "spec.py", "tiny_config.py"]
 
 
 def test_table_only_aggregates_over_seeds_and_reports_failed_runs(tmp_path, fake_model, capsys):
