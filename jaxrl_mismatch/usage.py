@@ -92,6 +92,17 @@ def int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+SEED_LIMIT = 2**31  # seeds key numpy generators, nnx.Rngs and the engines' int32 sampling streams
+
+
+def check_seed(flag: str, value: int) -> int:
+    """`value` if it is a seed in [0, 2^31), else a UsageError naming the flag (a huge seed failed deep inside a
+    job with numpy's or C's own overflow, a negative one was taken by some and refused by others)."""
+    if not 0 <= value < SEED_LIMIT:
+        raise UsageError(f"{flag} must be in [0, 2^31), got {value}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type of a TCP port: 0 (pick a free one) to 65535."""
     try:

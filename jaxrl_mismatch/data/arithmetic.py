@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 import re
 
 import numpy as np
@@ -69,6 +71,18 @@ class ArithmeticSpec:
             raise ValueError(f"ArithmeticSpec.mul_prob must be in [0, 1], got {self.mul_prob}")
         if self.validation_permille < 0 or self.test_permille < 0 or self.validation_permille + self.test_permille >= 1000:
             raise ValueError("ArithmeticSpec: validation_permille + test_permille must be in [0, 1000)")
+
+    @property
+    def num_problems(self) -> int:
+        """How many distinct problems the spec can draw, all splits together: Σ_k (max_value + 1)^k · m^(k − 1)
+        over the operand counts k, m the operators that can occur (`*` only when mul_prob > 0 or alone; the others
+        only when mul_prob < 1 or `*` is absent). A rendered prompt names its operands and operators, so distinct
+        draws are distinct prompts."""
+        others = [o for o in self.ops if o != "*"]
+        star = "*" in self.ops and (self.mul_prob > 0 or not others)
+        other = bool(others) and not ("*" in self.ops and self.mul_prob >= 1.0)
+        m = int(star) + (len(others) if other else 0)
+        return sum((self.max_value + 1) ** k * m ** (k - 1) for k in range(self.min_operands, self.max_operands + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +155,35 @@ def _sample(rng: np.random.Generator, spec: ArithmeticSpec) -> Problem:
     return make_problem(values, ops)
 
 
+TASK_FILE = "task.json"  # what a warm start writes beside its checkpoint: the spec it was trained on
+
+
+def read_task_json(model_dir: str | os.PathLike) -> tuple[dict, int | None]:
+    """(ArithmeticSpec fields, max_new_tokens or None) from a warm-started checkpoint's `task.json`; ({}, None)
+    when there is none. Training, `analyze` and `perfectible` draw their prompts from that spec, so a damaged
+    file is a ValueError naming it (not valid JSON, not an object, an unknown or invalid spec field)."""
+    path = os.path.join(os.fspath(model_dir), TASK_FILE)
+    if not os.path.exists(path):
+        return {}, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e})") from None
+    spec = record.get("spec", {}) if isinstance(record, dict) else None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: expected a JSON object with a 'spec' object")
+    fields = {f.name for f in dataclasses.fields(ArithmeticSpec)}
+    if unknown := sorted(set(spec) - fields):
+        raise ValueError(f"{path}: unknown spec field(s) {unknown}; valid: {sorted(fields)}")
+    try:
+        ArithmeticSpec(**spec)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    max_new = record.get("max_new_tokens")
+    return spec, max_new if isinstance(max_new, int) and not isinstance(max_new, bool) and max_new > 0 else None
+
+
 def check_split(split: str) -> None:
     """ValueError naming the valid splits unless `split` is one (before any work: `perfectible`, `analyze`)."""
     if split not in SPLITS:
@@ -154,6 +197,9 @@ def generate(spec: ArithmeticSpec, split: str, n: int, seed: int = 0) -> list[Pr
     hashes into ``split``; a prefix of the result for a smaller ``n`` is the same problems.
     """
     check_split(split)
+    if n > spec.num_problems:  # found at once: drawing would take 200 n tries to give up (hours for millions)
+        raise ValueError(f"asked for {n} unique {split!r} problems, but {spec} has only {spec.num_problems} distinct "
+                         "problems in all splits together; widen the spec (operands, max_value) or ask for fewer")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     seen: set[str] = set()
     out: list[Problem] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -33,7 +32,8 @@ from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
 from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
-from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file, int_list
+from jaxrl_mismatch.jobs._inputs import model_config, task_json
+from jaxrl_mismatch.usage import UsageError, check_seed, existing_file, int_list
 
 TRAINER_PRECISIONS = precision.PRESETS  # fp32, bf16, fp16
 
@@ -199,10 +199,7 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"--model {a.model}: {e} (a checkpoint without a tokenizer takes --prompt-ids)") from None
     if a.task == "arithmetic":
-        spec = {}
-        if os.path.exists(os.path.join(a.model, "task.json")):
-            with open(os.path.join(a.model, "task.json")) as f:
-                spec = json.load(f).get("spec", {})
+        spec = task_json("--model", a.model)[0]
         texts = [r["prompt_text"] for r in task.load(a.split, n=a.num_prompts, seed=a.seed, **spec)]
     else:
         from jaxrl_mismatch.data.jsonl import read_task_file
@@ -216,14 +213,22 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
     return tokenize_prompts(tok, texts, template=template), generation_stop_ids(tok, template), tok.vocab_size
 
 
-def _default_max_tokens(model_dir: str) -> int:
-    path = os.path.join(model_dir, "task.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            value = json.load(f).get("max_new_tokens")
-        if isinstance(value, int) and value > 0:
-            return value
-    return 128
+DEFAULT_MAX_TOKENS = 128  # without --max-tokens and without a warm start's task.json naming its own
+
+
+def prompt_source_args(a: argparse.Namespace) -> None:
+    """--prompt-ids or a task's prompts (--task, default arithmetic; --split, default train; --file; --template),
+    never both: a task flag given with --prompt-ids was ignored and recorded in the summary as if used."""
+    task_flags = [f for f, v in (("--task", a.task), ("--split", a.split), ("--file", a.file),
+                                 ("--template", a.template)) if v is not None]
+    if a.prompt_ids is not None:
+        existing_file("--prompt-ids", a.prompt_ids)
+        if task_flags:
+            raise UsageError(f"{task_flags[0]} goes with a task's prompts; --prompt-ids gives the prompts itself "
+                             "(give one or the other)")
+        return
+    a.task = a.task or "arithmetic"
+    a.split = a.split or "train"
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -342,9 +347,10 @@ def add_parser(sub) -> None:
     r = sub.add_parser("rollouts",
                        help="score engine rollouts with the trainer at chosen precisions (FP16 paper Fig. 2)")
     r.add_argument("--model", required=True, help="local HF checkpoint (config.json + safetensors [+ tokenizer])")
-    r.add_argument("--task", default="arithmetic", help="prompt source (data.TASKS) read with the model's tokenizer")
+    r.add_argument("--task", default=None,
+                   help="prompt source (data.TASKS) read with the model's tokenizer (default arithmetic)")
     r.add_argument("--file", default=None, help="JSONL of a file-backed task")
-    r.add_argument("--split", default="train", help="split of --task (default train)")
+    r.add_argument("--split", default=None, help="split of --task (default train)")
     r.add_argument("--template", default=None, help="prompt template (default: the task's)")
     r.add_argument("--prompt-ids", default=None,
                    help="JSONL of token-id prompts (one JSON list a line) instead of --task: no tokenizer needed")
@@ -379,16 +385,15 @@ def _check_args(a: argparse.Namespace) -> None:
         if engine not in precision.DTYPES:
             raise UsageError(f"--engine-dtype {engine}: valid: {', '.join(precision.DTYPES)}")
         a.pairs = [(trainer, engine)]
-    existing_dir("--model", a.model)
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        raise UsageError(f"--model {a.model}: no config.json; expected a Hugging Face checkpoint directory")
-    if a.prompt_ids is not None:
-        existing_file("--prompt-ids", a.prompt_ids)
-    elif a.stop_ids:
+    cfg = model_config("--model", a.model)
+    prompt_source_args(a)
+    if a.prompt_ids is None and a.stop_ids:
         raise UsageError("--stop-ids goes with --prompt-ids (a --task stops at its tokenizer's EOS)")
     a.stop_ids = int_list("--stop-ids", a.stop_ids) if a.stop_ids else []
+    if bad := [i for i in a.stop_ids if not 0 <= i < cfg.vocab_size]:
+        raise UsageError(f"--stop-ids: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
     if a.max_tokens is None:
-        a.max_tokens = _default_max_tokens(a.model)
+        a.max_tokens = task_json("--model", a.model)[1] or DEFAULT_MAX_TOKENS
     for flag, value in (("--num-prompts", a.num_prompts), ("--n", a.n), ("--max-tokens", a.max_tokens),
                         ("--chunk-size", a.chunk_size)):
         if value < 1:
@@ -396,6 +401,7 @@ def _check_args(a: argparse.Namespace) -> None:
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         raise UsageError(f"--temperature must be > 0 (π and μ are compared as sampled distributions), got "
                          f"{a.temperature}")
+    check_seed("--seed", a.seed)
     if why := vllm_temperature_problem(a.engine, a.temperature):  # μ at 0.01, π scored at --temperature
         raise UsageError(f"--temperature: {why}")
 

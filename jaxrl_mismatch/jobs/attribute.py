@@ -38,13 +38,14 @@ from jaxtyping import Array, Float
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.jobs import analyze_rollouts
-from jaxrl_mismatch.models import ModelConfig, kv_cache, load_hf, make_scorer
+from jaxrl_mismatch.models import kv_cache, load_hf, make_scorer
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
 from jaxrl_mismatch.models.sharding import tree_path
 from jaxrl_mismatch.outputs import staged_dir
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
-from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file
+from jaxrl_mismatch.jobs._inputs import model_config
+from jaxrl_mismatch.usage import UsageError, check_seed
 
 KIND = "analyze attribute"  # --out's writer as typed; its marker: outputs.marker_name
 METRICS = ("mismatch/log_ppl_abs_diff", "mismatch/rho_std")
@@ -59,7 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--task", default=None, help="instead of --prompt-ids: prompts of this task (data.TASKS), "
                                                 "rendered with the checkpoint's tokenizer")
     p.add_argument("--file", default=None, help="JSONL of a file-backed --task")
-    p.add_argument("--split", default="train", help="split of --task (default train)")
+    p.add_argument("--split", default=None, help="split of --task (default train)")
     p.add_argument("--template", default=None, help="prompt template of --task (default: the task's)")
     p.add_argument("--pairs", default="fp32:bfloat16",
                    help="TRAINER:ENGINE pairs, e.g. fp32:bfloat16,fp16:float16 (default fp32:bfloat16)")
@@ -78,24 +79,16 @@ def add_parser(sub) -> None:
 def check_args(a: argparse.Namespace) -> None:
     """Validate every flag before any work; UsageError (one line, exit 2) naming the flag."""
     a.pairs = analyze_rollouts.parse_pairs(a.pairs)
-    existing_dir("--model", a.model)
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        raise UsageError(f"--model {a.model}: no config.json; expected a Hugging Face checkpoint directory")
+    cfg = model_config("--model", a.model)
     if (a.prompt_ids is None) == (a.task is None):
         raise UsageError("--prompt-ids or --task: give exactly one of them")
-    if a.prompt_ids is not None:
-        existing_file("--prompt-ids", a.prompt_ids)
+    analyze_rollouts.prompt_source_args(a)
     for flag, value in (("--num-prompts", a.num_prompts), ("--n", a.n), ("--max-tokens", a.max_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         raise UsageError(f"--temperature must be > 0, got {a.temperature}")
-    if not 0 <= a.seed < 2**31:
-        raise UsageError(f"--seed must be in [0, 2^31), got {a.seed}")
-    try:
-        cfg = ModelConfig.from_hf(a.model)
-    except Exception as e:  # noqa: BLE001 - any unreadable config is the user's --model
-        raise UsageError(f"--model {a.model}: cannot read config.json ({type(e).__name__}: {e})") from None
+    check_seed("--seed", a.seed)
     a.is_moe = bool(cfg.is_moe)
     default = [c for c in precision.COMPONENTS if c != "router" or a.is_moe]
     if a.components is None:
@@ -287,8 +280,18 @@ def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list
         row["removed_frac"] = float(1.0 - left / base) if base > 0 else 0.0
     result["ablations"] = ablations
     fixes = {k: v for k, v in ablations.items() if k != BASELINE}
-    result["most_removed"] = min(fixes, key=lambda k: fixes[k]["mismatch/log_ppl_abs_diff"]) if fixes else None
+    result["most_removed"] = most_removed(base, fixes)
     return result
+
+
+def most_removed(base: float, fixes: dict[str, dict]) -> str | None:
+    """The fp32 component that left the least mismatch, when it left less than the baseline `base`; None when no
+    ablation lowered it (every one raised it, or the pair has none to remove): naming the least bad of them as
+    the one that "removes most" would credit a component that removed nothing."""
+    if not fixes:
+        return None
+    best = min(fixes, key=lambda k: fixes[k]["mismatch/log_ppl_abs_diff"])
+    return best if fixes[best]["mismatch/log_ppl_abs_diff"] < base else None
 
 
 def _embed_pair(eng_model, tr_model, tokens):
@@ -317,6 +320,8 @@ def tables(results: list[dict]) -> str:
                          f"{100 * row['removed_frac']:.1f} % |")
         if res["most_removed"]:
             lines += ["", f"Most mismatch removed by fp32 **{res['most_removed']}**."]
+        elif len(res["ablations"]) > 1:
+            lines += ["", "No fp32 component lowered the mismatch."]
         lines.append("")
     return "\n".join(lines)
 
@@ -359,8 +364,10 @@ def run(a: argparse.Namespace) -> int:
                                  max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
             res["seconds"] = round(time.perf_counter() - t0, 1)
             base = res["ablations"][BASELINE]["mismatch/log_ppl_abs_diff"]
-            print(f"attribute: {trainer}:{engine}: log_ppl_abs_diff {base:.3e}; fp32 {res['most_removed']} leaves "
-                  f"{res['ablations'][res['most_removed']]['mismatch/log_ppl_abs_diff']:.3e}", flush=True)
+            best = res["most_removed"]
+            print(f"attribute: {trainer}:{engine}: log_ppl_abs_diff {base:.3e}; " + (
+                f"fp32 {best} leaves {res['ablations'][best]['mismatch/log_ppl_abs_diff']:.3e}" if best
+                else "no fp32 component lowers it"), flush=True)
             results.append(res)
         md = tables(results)
         print(md, flush=True)

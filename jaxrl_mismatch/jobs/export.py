@@ -51,7 +51,8 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
     from flax import nnx
 
     from jaxrl_mismatch import precision
-    from jaxrl_mismatch.models import ModelConfig, save_hf
+    from jaxrl_mismatch.jobs._inputs import model_config
+    from jaxrl_mismatch.models import save_hf
     from jaxrl_mismatch.models.hf_io import abstract_model
     from jaxrl_mismatch.train.checkpoint import (Checkpointer, CheckpointDamagedError, CheckpointMismatchError,
                                                  require_meta)
@@ -68,7 +69,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
         if not os.path.isfile(os.path.join(b, "config.json")):
             raise UsageError(f"--base {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
                              "pass --base DIR pointing to it")
-        cfg = ModelConfig.from_hf(b)
+        cfg = model_config("--base", b, weights=False)  # its config and tokenizer are exported, not its weights
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
         abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=_scan_layers(c)), nnx.Param)[1]
         opt = build_optimizer(c.optim)

@@ -29,7 +29,8 @@ from jaxrl_mismatch.rollout.engine import ENGINE_DTYPES
 from jaxrl_mismatch.rollout.client import RolloutError
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.outputs import check_out_file
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, host_port
+from jaxrl_mismatch.jobs._inputs import model_config, task_json
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, check_seed, existing_dir, existing_file, host_port
 
 PROG = "jaxrl-mismatch perfectible"
 
@@ -59,6 +60,7 @@ def parse_args(argv: Sequence[str]):
                    help="replace an existing --out file that an earlier perfectible run wrote (nothing else)")
     a = p.parse_args(argv)
     file_flag = a.file
+    a.asked = {"--engine": a.engine, "--dtype": a.dtype}  # given on the command line: checked against --address
     c = None
     if a.config:
         from jaxrl_mismatch.train.config_overrides import load_config
@@ -86,8 +88,7 @@ def parse_args(argv: Sequence[str]):
         raise UsageError(f"{PROG}: need 0 <= --lo <= --hi <= 1, got {a.lo}, {a.hi}")
     if not (math.isfinite(a.temperature) and a.temperature >= 0):
         raise UsageError(f"--temperature must be a number >= 0, got {a.temperature}")
-    if a.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {a.seed}")
+    check_seed("--seed", a.seed)
     if a.task not in _tasks():
         raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")
     if a.task == "arithmetic":
@@ -115,6 +116,8 @@ def parse_args(argv: Sequence[str]):
                          f"object with {OUTPUT_FIELDS[0]!r} and {OUTPUT_FIELDS[1]!r}); this file is not one, "
                          "choose a new path")
     check_out_file("--out", a.out, ours=lambda _: False, what="", force=a.force)
+    if not a.address:  # its own server loads --model: a damaged checkpoint is refused before it starts
+        model_config("--model", a.model)
     return a
 
 
@@ -142,10 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if task is None:
         raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")
     if a.task == "arithmetic":
-        spec: dict[str, Any] = {}
-        if os.path.exists(os.path.join(a.model, "task.json")):
-            with open(os.path.join(a.model, "task.json")) as f:
-                spec = json.load(f).get("spec", {})
+        spec: dict[str, Any] = task_json("--model", a.model)[0]
         records = task.load(a.split, n=a.num or 512, seed=a.seed, **spec)
         originals = [{"prompt_text": r["prompt_text"], "answer": r["answer"]} for r in records]
     else:
@@ -167,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RolloutError as e:
             raise UsageError(f"--address {a.address}: no rollout server ready there within "
                              f"{a.ready_timeout:.0f} s ({e})") from None
+        info = session.info()
+        for flag, served in (("--engine", info.engine), ("--dtype", info.dtype)):
+            if a.asked[flag] is not None and a.asked[flag] != served:
+                session.close()
+                raise UsageError(f"{flag} {a.asked[flag]}: the server at {a.address} runs {served}; the prompts "
+                                 f"would be filtered with another engine than asked (drop {flag} or start that server)")
     else:  # its own server's token, log and ready file: a folder of ours, removed once the output is written
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         work = tempfile.mkdtemp(prefix=".perfectible-server-", dir=os.path.dirname(os.path.abspath(a.out)))

@@ -41,7 +41,7 @@ from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokeni
 from jaxrl_mismatch.models import (ModelConfig, Transformer, decode_loop, hf_io, init_cache, left_pad, prefill,
                                    token_logprobs)
 from jaxrl_mismatch.outputs import check_out_dir, staged_dir
-from jaxrl_mismatch.usage import ArgumentParser, UsageError
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, check_seed
 
 
 def tiny_config(vocab_size: int, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int) -> ModelConfig:
@@ -203,8 +203,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--shortcut-steps must be in [0, --steps], got {args.shortcut_steps}")
     if not 0.0 <= args.shortcut_prob <= 1.0:
         raise UsageError(f"--shortcut-prob must be in [0, 1], got {args.shortcut_prob}")
-    if args.seed < 0:  # numpy's generators take only non-negative seeds
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    check_seed("--seed", args.seed)
     if args.num_eval < 0:
         raise UsageError(f"--num-eval must be >= 0, got {args.num_eval}")
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_io.save_hf(nnx.merge(graphdef, params), cfg, tmp)
         save_tokenizer(tok, tmp, model_max_length=args.max_len)
         write_generation_config(tok, tmp, max_new)
-        with open(os.path.join(tmp, "task.json"), "w") as f:
+        with open(os.path.join(tmp, arithmetic.TASK_FILE), "w") as f:
             json.dump({"task": "arithmetic", "spec": dataclasses.asdict(spec), "max_new_tokens": max_new,
                        "seed": args.seed, "shortcut_prob": args.shortcut_prob, "shortcut_steps": args.shortcut_steps},
                       f, indent=2)

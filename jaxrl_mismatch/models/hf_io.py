@@ -268,6 +268,20 @@ class _LazyCheckpoint(Mapping):
         return name in self._weight_map
 
 
+def check_model_files(directory: str | os.PathLike) -> None:
+    """ModelFilesError naming the file unless every safetensors file of `directory` (or its index) opens: a header
+    that parses and data that covers it, so a truncated or garbled copy is found before any work, not after a
+    server started. The tensors' names and shapes are checked by `load_hf` (against config.json)."""
+    directory = os.fspath(directory)
+    try:
+        with contextlib.ExitStack() as stack:
+            _LazyCheckpoint(directory, stack)
+    except ModelFilesError:
+        raise
+    except (ValueError, OSError, KeyError) as e:  # no weights, a listed file missing, a bad index
+        raise ModelFilesError(f"{directory}: {_first_line(e)}") from None
+
+
 def abstract_model(cfg: ModelConfig, policy: DTypePolicy, **options) -> Transformer:
     """The model with `ShapeDtypeStruct`s in place of arrays (nothing allocated); `options` are
     `Transformer`'s keyword options (`scan_layers`, `attention_impl`, `attention_block`, `remat`)."""

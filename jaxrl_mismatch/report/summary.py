@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxrl_mismatch.outputs import staged_file
 from jaxrl_mismatch.usage import UsageError
 
 # How many steps "start" and "end" of a run average over (response length), fewer in a shorter run.
@@ -260,12 +260,10 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str |
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write `path` through a temporary sibling renamed into place: a reader or a crash sees the old file
-    or the new one, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    """Write `path` through a temporary sibling renamed into place (`outputs.staged_file`): a reader or a crash
+    sees the old file or the new one, never half of one, and a failed write leaves no temporary behind."""
+    with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def write_table(table: Mapping[str, Any], rule: CollapseRule, md_path: str, json_path: str,

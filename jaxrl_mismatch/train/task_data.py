@@ -7,13 +7,13 @@ first step, not at step 900.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import ml_collections
 
 from jaxrl_mismatch.data import get_task
+from jaxrl_mismatch.data.arithmetic import read_task_json
 from jaxrl_mismatch.data.batching import (PromptIterator, PromptTooLongError, generation_stop_ids, response_text,
                                          tokenize_prompts)
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
@@ -25,11 +25,10 @@ def task_options(c: ml_collections.ConfigDict, split: str, n: int) -> dict[str, 
     generates its problems from `task.data_seed`, not the run's `seed`: every seed of a grid then trains on the
     same problem set (in its own order) and is scored on the same held-out prompts."""
     if c.task.name == "arithmetic":
-        spec: dict[str, Any] = {}
-        path = os.path.join(c.model.path, "task.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                spec = json.load(f).get("spec", {})
+        try:
+            spec = read_task_json(c.model.path)[0]
+        except ValueError as e:  # a damaged task.json: one line naming the field and the file
+            raise ConfigError(f"config.model.path: {e}") from None
         return {"n": n, "seed": c.task.data_seed, **spec}
     return {"files": c.task.files.to_dict(), "data_dir": c.task.data_dir or os.path.join(c.run_dir, "tfds")}
 

@@ -83,7 +83,7 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["serve", "--model", "/tmp", "--engine", "sglang"], ["--engine", "sglang"]),
     (["perfectible", "--out", "x.jsonl"], ["--model"]),
     (["warmstart", "--out", "/tmp/ws", "--steps", "0"], ["--steps"]),
-    (["warmstart", "--out", "/tmp/ws", "--seed", "-1"], ["--seed must be >= 0"]),
+    (["warmstart", "--out", "/tmp/ws", "--seed", "-1"], ["--seed must be in [0, 2^31), got -1"]),
     (["train", "--config", CONFIG, "--config.seed=-1"], ["config.seed"]),
     (["warmstart", "--out", "/tmp/ws", "--lr", "-1"], ["--lr must be a number > 0"]),
     (["warmstart", "--out", "/tmp/ws", "--weight-decay", "nan"], ["--weight-decay"]),
@@ -166,9 +166,10 @@ def test_perfectible_with_no_server_at_address_says_so_after_its_ready_timeout(t
     assert "waiting up to 2 s" in out.stdout and not list(tmp_path.iterdir())
 
 
-def test_perfectible_with_a_damaged_tokenizer_is_one_line(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
+def test_perfectible_with_a_damaged_tokenizer_is_one_line(tiny_base_model, tmp_path):
+    import shutil
+
+    model = shutil.copytree(tiny_base_model, tmp_path / "model")  # config and weights fine, the tokenizer damaged
     (model / "tokenizer.json").write_text('{"version": ')
     out = cli("perfectible", "--model", str(model), "--max-tokens", "8", "--num", "4", "--out", str(tmp_path / "p.jsonl"))
     assert_one_line_error(out, f"--model {model}", "is not a readable tokenizer")

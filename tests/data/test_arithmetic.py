@@ -50,8 +50,10 @@ def test_splits_never_overlap_and_are_unique():
 
 def test_too_small_problem_space_raises():
     spec = A.ArithmeticSpec(min_operands=2, max_operands=2, max_value=1, ops="+")
-    with pytest.raises(ValueError, match="could only generate"):
+    with pytest.raises(ValueError, match="only 4 distinct problems in all splits"):  # more than exist: at once
         A.generate(spec, "train", 10)
+    with pytest.raises(ValueError, match="could only generate"):  # within the count, beyond the split's 5 %
+        A.generate(spec, "validation", 4)
 
 
 @pytest.mark.parametrize(
@@ -86,3 +88,30 @@ def test_bad_spec_and_gold_raise():
         A.ArithmeticSpec(min_operands=1)
     with pytest.raises(ValueError, match="not an integer"):
         A.reward("#1", "one")
+
+
+def test_a_spec_too_small_for_n_is_refused_at_once_with_its_count():
+    """`warmstart --num-train 10000000 --max-value 1 --min-operands 2 --max-operands 2` drew for hours before giving
+    up (200 n tries); the spec's count of distinct problems refuses it at once. The count equals brute-force
+    enumeration of what the sampler draws."""
+    import itertools
+
+    import numpy as np
+
+    for spec in (A.ArithmeticSpec(max_value=1, min_operands=2, max_operands=2),
+                 A.ArithmeticSpec(ops="+-*", mul_prob=0.0, min_operands=2, max_operands=3, max_value=2),
+                 A.ArithmeticSpec(ops="*", min_operands=2, max_operands=2, max_value=2),
+                 A.ArithmeticSpec(ops="+*", mul_prob=1.0, min_operands=2, max_operands=3, max_value=1)):
+        rng, seen = np.random.default_rng(0), set()
+        for _ in itertools.repeat(None, 20_000):
+            seen.add(A._sample(rng, spec).prompt)
+        assert spec.num_problems == len(seen), spec
+    spec = A.ArithmeticSpec(max_value=1, min_operands=2, max_operands=2)
+    with pytest.raises(ValueError, match="only 12 distinct problems in all splits"):
+        A.generate(spec, "train", 10_000_000)
+    rng, train = np.random.default_rng(1), set()
+    for _ in range(2_000):
+        p = A._sample(rng, spec).prompt
+        if A.split_of(p, spec) == "train":
+            train.add(p)
+    assert {p.prompt for p in A.generate(spec, "train", len(train))} == train  # within the count: all of them

@@ -90,4 +90,5 @@ def test_force_replaces_only_an_earlier_perfectible_output(tmp_path):
     assert notes.read_text() == '{"mine": 1}\n' and json.loads(data.read_text())["answer"] == "2"
     earlier = tmp_path / "kept.jsonl"
     earlier.write_text(json.dumps({"prompt_text": "1+1=", "answer": "2", "initial_accuracy": 0.5, "num_samples": 8}) + "\n")
-    assert parse_args([*base, "--out", str(earlier), "--force"]).force
+    # (--address: no server of its own, so the empty --model folder is not checked for config and weights)
+    assert parse_args([*base, "--out", str(earlier), "--force", "--address", "127.0.0.1:1"]).force

@@ -189,3 +189,16 @@ def test_moe_router_and_experts_ablations(tmp_path):
     (tmp_path / "p").write_text("[1, 2, 3]\n")
     attribute.check_args(ns)
     assert ns.components == list(precision.COMPONENTS)
+
+
+def test_most_removed_names_a_component_only_when_it_lowered_the_mismatch():
+    """Every ablation raising the mismatch (or a zero baseline) named the least bad one as "most removed"."""
+    from jaxrl_mismatch.jobs.attribute import most_removed
+
+    def rows(**left):
+        return {k: {"mismatch/log_ppl_abs_diff": v} for k, v in left.items()}
+
+    assert most_removed(1.0, rows(attention=0.5, mlp=0.8)) == "attention"
+    assert most_removed(1.0, rows(attention=1.2, mlp=1.1)) is None
+    assert most_removed(0.0, rows(attention=0.0, mlp=0.0)) is None
+    assert most_removed(1.0, {}) is None
