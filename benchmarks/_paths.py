@@ -13,12 +13,14 @@ such a result: the two are written together. Anything else is refused with one l
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "benchmark"  # the key of a result JSON naming the script that wrote it
+RECORDED = "recorded"  # the key of when it was written and the machine's load then
 
 
 def repo_relative(path: str | os.PathLike | None) -> str | None:
@@ -74,5 +76,11 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json(path: str | os.PathLike, obj: dict, script: str | os.PathLike) -> None:
-    """Write `script`'s result JSON (indented, ending in a newline; `MARKER` first) atomically, as `write_text`."""
-    write_text(path, json.dumps({MARKER: script_name(script), **obj}, indent=2) + "\n")
+    """Write `script`'s result JSON (indented, ending in a newline; `MARKER` first) atomically, as `write_text`.
+
+    Every result also records when it was written and the machine's load then (`RECORDED`: the UTC time and
+    the 1/5/15-minute load averages), so a number quoted from it can be told from a loaded machine's; a result
+    that records its own is kept as it is."""
+    recorded = {"utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "loadavg_at_write": [round(x, 2) for x in os.getloadavg()]}
+    write_text(path, json.dumps({MARKER: script_name(script), RECORDED: recorded, **obj}, indent=2) + "\n")

@@ -22,7 +22,11 @@ BENCHMARKS = REPO / "benchmarks"
 def test_write_json_creates_the_folder_and_leaves_only_the_result(tmp_path):
     out = tmp_path / "new" / "result.json"
     write_json(out, {"tokens_per_s": 1.5}, BENCHMARKS / "packing.py")
-    assert json.loads(out.read_text()) == {"benchmark": "benchmarks/packing.py", "tokens_per_s": 1.5}
+    result = json.loads(out.read_text())
+    recorded = result.pop("recorded")  # when, and the load then: every result says how quiet its machine was
+    assert result == {"benchmark": "benchmarks/packing.py", "tokens_per_s": 1.5}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", recorded["utc"])
+    assert len(recorded["loadavg_at_write"]) == 3 and all(x >= 0 for x in recorded["loadavg_at_write"])
     assert out.read_text().endswith("\n")
     write_text(out.with_suffix(".md"), "| a |\n")
     assert sorted(p.name for p in out.parent.iterdir()) == ["result.json", "result.md"]
