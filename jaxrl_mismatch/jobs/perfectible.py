@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.asked[flag] is not None and a.asked[flag] != served:
                 session.close()
                 raise UsageError(f"{flag} {a.asked[flag]}: the server at {a.address} runs {served}; the prompts "
-                                 f"would be filtered with another engine than asked (drop {flag} or start that server)")
+                                 f"would be filtered with another {flag[2:]} than asked (drop {flag} or start that server)")
     else:  # its own server's token, log and ready file: a folder of ours, removed once the output is written
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         work = tempfile.mkdtemp(prefix=".perfectible-server-", dir=os.path.dirname(os.path.abspath(a.out)))
