@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
+
+from jaxrl_mismatch import usage
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are one line `error: ...` naming the flag, exit 2 (as `--out`'s check and the
-    project's CLI), instead of the usage block."""
+class ArgumentParser(usage.ArgumentParser):
+    """The project's parser (an error is `UsageError("PROG: message (see --help)")`), ending a standalone script
+    as `--out`'s check does: one line `error: ...` naming the flag, exit 2, instead of argparse's usage block."""
 
     def error(self, message: str):
-        sys.stderr.write(f"error: {self.prog}: {message} (see --help)\n")
-        sys.exit(2)
+        usage.exit_on_usage_error(super().error, message)
 
 
 def positive_int(text: str) -> int:

@@ -44,13 +44,10 @@ class Task:
         return self.loader(split, **options)
 
 
-_SPEC_FIELDS = {f.name for f in dataclasses.fields(arithmetic.ArithmeticSpec)}
-
-
 def _load_arithmetic(split: str, *, n: int, seed: int = 0, **spec_fields) -> list[dict]:
-    unknown = set(spec_fields) - _SPEC_FIELDS
+    unknown = set(spec_fields) - arithmetic.SPEC_FIELDS
     if unknown:
-        raise ValueError(f"arithmetic task: unknown options {sorted(unknown)}; valid: n, seed, {sorted(_SPEC_FIELDS)}")
+        raise ValueError(f"arithmetic task: unknown options {sorted(unknown)}; valid: n, seed, {sorted(arithmetic.SPEC_FIELDS)}")
     return arithmetic.records(arithmetic.ArithmeticSpec(**spec_fields), split, n, seed)
 
 

@@ -155,6 +155,7 @@ def _sample(rng: np.random.Generator, spec: ArithmeticSpec) -> Problem:
     return make_problem(values, ops)
 
 
+SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(ArithmeticSpec))  # the options a spec takes
 TASK_FILE = "task.json"  # what a warm start writes beside its checkpoint: the spec it was trained on
 
 
@@ -173,9 +174,8 @@ def read_task_json(model_dir: str | os.PathLike) -> tuple[dict, int | None]:
     spec = record.get("spec", {}) if isinstance(record, dict) else None
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: expected a JSON object with a 'spec' object")
-    fields = {f.name for f in dataclasses.fields(ArithmeticSpec)}
-    if unknown := sorted(set(spec) - fields):
-        raise ValueError(f"{path}: unknown spec field(s) {unknown}; valid: {sorted(fields)}")
+    if unknown := sorted(set(spec) - SPEC_FIELDS):
+        raise ValueError(f"{path}: unknown spec field(s) {unknown}; valid: {sorted(SPEC_FIELDS)}")
     try:
         ArithmeticSpec(**spec)
     except (TypeError, ValueError) as e:
