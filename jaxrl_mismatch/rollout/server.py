@@ -298,17 +298,23 @@ class RolloutServer:
         return finished
 
 
-def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None, quantize: str = "none") -> Engine:
-    """Import the engine lazily: vLLM (torch, ~GBs) must not load unless asked for."""
+def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None, quantize: str = "none",
+                gpu_memory_utilization: float | None = None) -> Engine:
+    """Import the engine lazily: vLLM (torch, ~GBs) must not load unless asked for. `gpu_memory_utilization`
+    is vLLM's (None: its default); the JAX engine's share is XLA_PYTHON_CLIENT_MEM_FRACTION, so it refuses one."""
     if name == "jax":
         from jaxrl_mismatch.rollout.jax_engine import JaxEngine
 
+        if gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization is vLLM's; the JAX engine's share is "
+                             "XLA_PYTHON_CLIENT_MEM_FRACTION")
         return JaxEngine(model_dir, dtype=dtype, max_model_len=max_model_len, quantize=quantize)
     if name == "vllm":
         from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine, check_quantize
 
         check_quantize(quantize)  # before vLLM starts: a refused method is a usage error, not a bad model
-        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len, quantize=quantize)
+        memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+        return VLLMEngine(model_dir, dtype, max_model_len=max_model_len, quantize=quantize, **memory)
     raise ValueError(f"unknown engine {name!r}")
 
 
@@ -419,6 +425,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--quantize", choices=("none", "int8", "fp8"), default="none",
                    help="serve weight-quantized linear layers (models/quantize.py; vllm: fp8 only); pushes are "
                         "quantized on arrival")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="vllm only: the share of the GPU's memory vLLM may take, in (0, 1] (vLLM's "
+                        "gpu_memory_utilization, default 0.9; on the CPU backend a share of RAM); lower it when "
+                        "a trainer shares the GPU")
     p.add_argument("--host", default="127.0.0.1", help="bind address; loopback unless told otherwise")
     p.add_argument("--port", type=port, default=50051, help="0-65535; 0 picks a free port (printed in the ready line)")
     p.add_argument("--token-file", default=None, help=f"file holding the shared token (else ${TOKEN_ENV})")
@@ -441,6 +451,13 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    memory = args.gpu_memory_utilization
+    if memory is not None:
+        if not (math.isfinite(memory) and 0 < memory <= 1):
+            raise UsageError(f"--gpu-memory-utilization: must be a fraction in (0, 1], got {memory}")
+        if args.engine != "vllm":
+            raise UsageError("--gpu-memory-utilization: applies to --engine vllm only; the jax engine's memory "
+                             "share is XLA_PYTHON_CLIENT_MEM_FRACTION")
     if not (math.isfinite(args.grace_s) and args.grace_s >= 0):
         raise UsageError(f"--grace-s: must be a number >= 0 (seconds), got {args.grace_s}")
     if args.ready_file is not None:
@@ -463,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {"host": args.host, "port": server.port, "pid": os.getpid(), "engine": args.engine}
     _announce(LISTENING_PREFIX, base, None)
     try:
-        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len, args.quantize)
+        engine = load_engine(args.engine, args.model, args.dtype, args.max_model_len, args.quantize, memory)
     except UsageError:
         server.stop(0)
         raise

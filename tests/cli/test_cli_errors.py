@@ -104,6 +104,11 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     (["serve", "--model", "/tmp", "--host", "256.1.1.1"], ["--host 256.1.1.1", "not an IP address"]),
     # checked before the model loads (the ready file was written after READY was printed: rc 1, a traceback)
     (["serve", "--model", "/tmp", "--grace-s", "nan"], ["--grace-s", "got nan"]),
+    (["serve", "--model", "/tmp", "--engine", "vllm", "--gpu-memory-utilization", "1.5"],
+     ["--gpu-memory-utilization", "(0, 1]", "got 1.5"]),
+    (["serve", "--model", "/tmp", "--engine", "vllm", "--gpu-memory-utilization", "0"],
+     ["--gpu-memory-utilization", "got 0.0"]),
+    (["serve", "--model", "/tmp", "--gpu-memory-utilization", "0.5"], ["--gpu-memory-utilization", "vllm only"]),
     (["serve", "--model", "/tmp", "--ready-file", "/nonexistent/dir/x"], ["--ready-file /nonexistent/dir/x",
                                                                         "does not exist"]),
     (["serve", "--model", "/tmp", "--ready-file", "/tmp"], ["--ready-file /tmp", "is a directory"]),

@@ -229,6 +229,8 @@ def test_max_model_len_flows_to_both_engines(tiny_checkpoints, tmp_path):
     for engine in ("jax", "vllm"):
         with pytest.raises(ValueError, match="max_model_len 300 exceeds the model's max_position_embeddings 256"):
             load_engine(engine, tiny_checkpoints["untied"], "float32", 300)
+    with pytest.raises(ValueError, match="gpu_memory_utilization is vLLM's"):  # never silently ignored
+        load_engine("jax", tiny_checkpoints["untied"], "float32", None, gpu_memory_utilization=0.5)
 
 
 def test_a_subnormal_top_p_keeps_the_argmax(served):

@@ -367,17 +367,19 @@ def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path):
     """bfloat16 serving (the common case) has the same stale tied-head hazard as float32 (notes). Reference:
     the float32 recompute on the bf16-rounded weights; the gap is then bf16 arithmetic only. Bounds: the notes
     measured max 0.124 / mean 0.025 nats over 1,024 tokens, this model max 0.099 / mean 0.019; without the
-    re-tie this test measured max 1.7 / mean 0.62 after the push, so max < 0.3 and mean < 0.05 separate them."""
+    re-tie this test measured max 1.7 / mean 0.62 after the push, so max < 0.3 and mean < 0.05 separate them.
+    Built as `serve --engine vllm --gpu-memory-utilization 0.35` builds it: the share reaches vLLM's config."""
     import ml_dtypes
     import torch
     from safetensors.numpy import load_file
 
-    from jaxrl_mismatch.rollout.vllm_engine import VLLMEngine
+    from jaxrl_mismatch.rollout.server import load_engine
 
     ckpt = make_tiny_qwen3(tmp_path / "ckpt", tied=True, seed=1)
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-    engine = VLLMEngine(ckpt, "bfloat16", max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20)
+    engine = load_engine("vllm", str(ckpt), "bfloat16", MAX_MODEL_LEN, gpu_memory_utilization=0.35)
     try:
+        assert engine._llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization == 0.35
         assert all(s.dtype == "bfloat16" for s in engine.weight_specs().values())
         ref = Reference(ckpt)
         weights = dict(load_file(str(ckpt / "model.safetensors")))
