@@ -145,6 +145,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
     c.optim.weight_decay = 0.01
+    c.optim.momentum = None  # sgd only: None is plain SGD; a fraction in [0, 1) is heavy-ball momentum
     c.optim.max_grad_norm = 1.0
     c.optim.schedule = "constant"  # schedules.SCHEDULES (in-graph); the controller multiplies it
     c.optim.schedule_kwargs = ml_collections.ConfigDict()  # e.g. decay_steps for cosine (counted in optimizer steps)

@@ -74,6 +74,10 @@ def _parse_as(text: str, old: Any, field: str) -> Any:
         if not isinstance(value, dict):
             raise bad("a dict such as {'key': 1}")
         return ml_collections.ConfigDict(value)
+    if isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
+        # None-valued fields: a bare true/false word is a bool (a string 'false' would be truthy, and a resume
+        # would see 'false' and False as two configs); numbers stay numbers (literal_eval took '1' as 1).
+        return value.lower() in TRUE_WORDS
     return value  # None-valued fields: any literal
 
 

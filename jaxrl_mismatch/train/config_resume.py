@@ -7,7 +7,7 @@ unless `--accept-config-changes` says so. Fields that only change length, loggin
 
 from __future__ import annotations
 
-from jaxrl_mismatch.train.config import base_config, flatten
+from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, base_config, flatten
 
 # Fields a resumed run may change without changing what it trains (length, logging, plumbing, memory knobs).
 RESUME_MAY_CHANGE = (
@@ -23,6 +23,10 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """`field: old → new` for every field that differs and changes what a resumed run trains. A field the saved
     config lacks (added to the schema after the run started) counts only when it is not at its default."""
     old, new, base = flatten(saved), flatten(current), flatten(base_config())
+    for flat in (old, new):  # a None-valued field given as text true/false (runs before the parse took words)
+        for path, value in flat.items():
+            if base.get(path, 0) is None and isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
+                flat[path] = value.lower() in TRUE_WORDS
     if "task.data_seed" not in old and "seed" in old:
         old["task.data_seed"] = old["seed"]  # a run from before the field drew its problems from `seed`
     out = []

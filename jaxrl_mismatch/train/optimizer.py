@@ -42,9 +42,21 @@ def build_schedule(optim: ml_collections.ConfigDict):
 
 
 def build_optimizer(optim: ml_collections.ConfigDict):
-    """The Optax chain of `config.optim`, passing each optimizer only the hyperparameters it takes."""
+    """The Optax chain of `config.optim`, passing each optimizer only the hyperparameters it takes.
+
+    `config.optim` holds every optimizer's hyperparameters (b1/b2/eps/weight_decay for adamw, momentum for
+    sgd), so one the chosen optimizer does not take would silently do nothing: set away from its default, it
+    is refused by name (`--config.optim.name=adam --config.optim.weight_decay=0.1` trained without decay)."""
     from jaxrl_mismatch.schedules import OPTIMIZERS, make_optimizer
 
+    if optim.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optim.name!r}; valid optimizers: {sorted(OPTIMIZERS)}")
     accepted = OPTIMIZERS[optim.name][1]
+    defaults = {k: v for _, d in OPTIMIZERS.values() for k, v in d.items()}
+    for key, default in sorted(defaults.items()):
+        if key in optim and key not in accepted and optim[key] != default:
+            raise ValueError(f"{key} = {optim[key]!r} does nothing for optimizer {optim.name!r}, which takes "
+                             f"{', '.join(sorted(accepted))}; leave {key} at {default!r} or pick an optimizer "
+                             f"that takes it ({', '.join(n for n, (_, d) in OPTIMIZERS.items() if key in d)})")
     hparams = {k: optim[k] for k in accepted if k in optim}
     return make_optimizer(optim.name, learning_rate=build_schedule(optim), max_grad_norm=optim.max_grad_norm, **hparams)

@@ -76,3 +76,52 @@ def test_resume_changes_list_only_fields_that_change_the_run():
     changes = config_changes(a.to_dict(), b.to_dict())
     assert changes == ["controller.kwargs: {} → {'surge_ratio': 2.0}", "objective.preset: 'grpo' → 'dapo'",
                        "optim.lr: 1e-06 → 0.0001"]
+
+
+def test_optimizer_hyperparameters_reach_the_update_or_are_refused_by_name():
+    """`config.optim` holds every optimizer's hyperparameters; the chosen one takes only its own. One it does
+    not take (adam's weight decay, sgd's betas) trained as if unset: now it is refused naming it, and sgd's
+    `momentum` is a field whose value reaches the update."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxrl_mismatch.train.config_checks import validate
+    from jaxrl_mismatch.train.optimizer import build_optimizer
+
+    def two_steps(optim):
+        opt, params = build_optimizer(optim), {"w": jnp.ones(3)}
+        state = opt.init(params)
+        for _ in range(2):
+            updates, state = opt.update({"w": jnp.array([1.0, -2.0, 0.5])}, state, params)
+            params = optax.apply_updates(params, updates)
+        return params["w"]
+
+    c = load_config(CONFIG, [("optim.name", "sgd"), ("optim.lr", "0.1")])
+    plain = two_steps(c.optim)
+    apply_override(c, "optim.momentum", "0.9")
+    assert c.optim.momentum == 0.9
+    assert not jnp.allclose(two_steps(c.optim), plain)  # heavy-ball momentum moves the second step
+    for name, field, value in [("adam", "weight_decay", "0.5"), ("sgd", "b1", "0.5"), ("adamw", "momentum", "0.9")]:
+        c = load_config(CONFIG, [("optim.name", name), (f"optim.{field}", value)])
+        with pytest.raises(ConfigError, match=rf"^config\.optim: {field} = .* does nothing for optimizer '{name}'"):
+            validate(c)
+    validate(load_config(CONFIG, [("optim.name", "adam")]))  # adamw's default weight decay, left alone: fine
+
+
+def test_a_none_valued_field_takes_true_false_words_as_booleans_and_a_resume_sees_one_value():
+    """`trainer.exact_forward` defaults to None, so its command-line text was kept as the string 'false': a run
+    started with `=false` and resumed with `=False` was refused as a config change ('false' → False)."""
+    c = base_config()
+    apply_override(c, "trainer.exact_forward", "false")
+    assert c.trainer.exact_forward is False
+    apply_override(c, "trainer.exact_forward", "True")
+    assert c.trainer.exact_forward is True
+    apply_override(c, "optim.momentum", "0.5")
+    assert c.optim.momentum == 0.5  # numbers stay numbers
+    saved = base_config().to_dict()
+    saved["trainer"]["exact_forward"] = "false"  # as a run before this fix saved it
+    current = base_config()
+    current.trainer.exact_forward = False
+    assert config_changes(saved, current.to_dict()) == []
+    current.trainer.exact_forward = True
+    assert config_changes(saved, current.to_dict()) == ["trainer.exact_forward: False → True"]
