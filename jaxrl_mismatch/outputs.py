@@ -15,7 +15,8 @@ attribute} --out`, a train's warm start into `model.path`):
   `save_pretrained`), so a checkpoint is readable by the serving user, not only its writer.
 
 Output files (`perfectible --out`, `report --out`) are written the same way (temporary sibling, rename);
-an existing file is replaced only if it is what the command itself writes (see `check_out_file`).
+an existing file is replaced only if it is what the command itself writes, and never through a symbolic link
+(see `check_out_file`).
 """
 
 from __future__ import annotations
@@ -161,9 +162,13 @@ def staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]
 def check_out_file(flag: str, path: str, *, ours: Callable[[str], bool], what: str, force: bool | None = None) -> None:
     """UsageError unless `path` may receive an output file: new, or an existing file `ours(path)` accepts
     (the kind of file the command writes, e.g. a PNG), or any file with `force` (None: the command has no
-    --force flag)."""
+    --force flag). A symbolic link is refused, even to such a file and with `force`: the rename into place
+    would replace the user's link with a file and leave its target as it was."""
     if not path:
         raise UsageError(f"{flag}: empty path")
+    if os.path.islink(path):
+        raise UsageError(f"{flag} {path}: is a symbolic link; give the file it points to "
+                         f"({os.path.realpath(path)}) or a new path (nothing was changed)")
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a directory; expected a file path")
     _parent_writable(flag, path)

@@ -82,9 +82,19 @@ def read_jsonl(path: str) -> list[dict]:
     return read_jsonl_checked(path, require_step=False)[0]
 
 
+# The steps `RunWriter` can write (an int64 step counter); a larger "step" is not a step record (it would
+# overflow a float in every statistic taken over it).
+MAX_STEP = 2**63
+
+
+def _is_step(step: Any) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and -MAX_STEP < step < MAX_STEP
+
+
 def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[dict], list[int]]:
     """(the records of a metrics.jsonl, the line numbers skipped). A record is a JSON object, with an integer
-    "step" if `require_step`; anything else (a torn line, non-UTF-8 bytes, another JSON value) is skipped."""
+    "step" (|step| < 2**63) if `require_step`; anything else (a torn line, non-UTF-8 bytes, another JSON value,
+    a number too long for Python to parse, nesting too deep to parse) is skipped."""
     records, skipped = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -92,10 +102,10 @@ def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[di
                 continue
             try:
                 obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+            except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, int digits limit
                 obj = None
             step = obj.get("step") if isinstance(obj, dict) else None
-            if isinstance(obj, dict) and (not require_step or (isinstance(step, int) and not isinstance(step, bool))):
+            if isinstance(obj, dict) and (not require_step or _is_step(step)):
                 records.append(obj)
             else:
                 skipped.append(lineno)
@@ -126,6 +136,11 @@ def read_run(run_dir: str, *, warn: bool = True) -> list[dict]:
                              f"'step' ({_lines(skipped)})")
         raise UsageError(f"{path}: no records yet")
     if skipped and warn:
-        print(f"warning: {path}: skipped {len(skipped)} line(s) that are not step records ({_lines(skipped)})",
-              file=sys.stderr, flush=True)
+        warn_skipped(path, skipped)
     return records
+
+
+def warn_skipped(path: str, skipped: list[int]) -> None:
+    """The one warning line on stderr for the `skipped` lines of `path`, the same from `report` and `compare`."""
+    print(f"warning: {path}: skipped {len(skipped)} line(s) that are not step records ({_lines(skipped)})",
+          file=sys.stderr, flush=True)

@@ -55,3 +55,23 @@ def test_a_symlink_target_is_refused_and_kept(tmp_path):
     with pytest.raises(UsageError, match=r"--out .*link: is a symbolic link; give the directory it points to"):
         _write(link)
     assert link.is_symlink() and real.is_dir() and not list(real.iterdir())
+
+
+@pytest.mark.parametrize("force", [None, False, True])
+def test_an_output_file_that_is_a_symlink_is_refused_and_kept(tmp_path, force):
+    """A link to a file the command would replace (its own figure) is refused too: renaming the new file into
+    place replaced the link with a regular file and left its target as it was."""
+    from jaxrl_mismatch.outputs import check_out_file
+
+    target = tmp_path / "ours.png"
+    target.write_bytes(b"ours")
+    link = tmp_path / "link.png"
+    link.symlink_to(target)
+    with pytest.raises(UsageError, match=rf"^--out {link}: is a symbolic link; give the file it points to "
+                                         rf"\({target}\)"):
+        check_out_file("--out", str(link), ours=lambda _: True, what="", force=force)
+    dangling = tmp_path / "dangling.png"
+    dangling.symlink_to(tmp_path / "missing.png")
+    with pytest.raises(UsageError, match="is a symbolic link"):
+        check_out_file("--out", str(dangling), ours=lambda _: True, what="", force=force)
+    assert link.is_symlink() and target.read_bytes() == b"ours" and dangling.is_symlink()

@@ -139,8 +139,75 @@ def test_the_surge_marker_finds_a_combined_controllers_surge_and_a_run_given_twi
                 {"step": 30, "controller/0_length_triggered_decay/surge_step": 20.0,
                  "controller/0_length_triggered_decay/trigger_step": 27.0}]
     assert plot._surge(combined) == (20.0, 27.0)
-    assert plot._surge([{"controller/surge_step": 5.0, "controller/trigger_step": -1.0}]) == (5.0, None)
-    assert plot._surge([{"controller/surge_step": -1.0}, {"lr": 1.0}]) == (None, None)
+    assert plot._surge([{"step": 9, "controller/surge_step": 5.0, "controller/trigger_step": -1.0}]) == (5.0, None)
+    assert plot._surge([{"step": 0, "controller/surge_step": -1.0}, {"step": 1, "lr": 1.0}]) == (None, None)
+    # The newest by step, not by line; a surge step that is no number a figure can mark (runlog's "inf", an
+    # integer past a float: an OverflowError drawing it) is no surge.
+    newest = [{"step": 30, "controller/surge_step": 20.0}, {"step": 10, "controller/surge_step": 5.0}]
+    assert plot._surge(newest) == (20.0, None)
+    unmarkable = [{"step": 1, "controller/surge_step": "inf"}, {"step": 2, "controller/surge_step": 10**400}]
+    assert plot._surge(unmarkable) == (None, None)
     a = _run(tmp_path / "a", 0.3, steps=3)
     with pytest.raises(UsageError, match=f"RUN_DIR {a}: given twice"):
         plot.main([str(a), str(a)])
+
+
+def test_out_that_is_a_symlink_is_refused_and_kept(tmp_path):
+    """A symbolic link at `--out` or at the default RUN_DIR/report.png — even one to a figure report wrote — is
+    refused in one line; it was replaced by a regular file (README: a symbolic link is refused)."""
+    a = _run(tmp_path / "a", 0.3, steps=3)
+    ours = tmp_path / "ours.png"
+    assert plot.main([str(a), "--out", str(ours)]) == 0
+    before = ours.read_bytes()
+    for link, argv, flag in ((tmp_path / "link.png", [str(a), "--out", str(tmp_path / "link.png")], "--out"),
+                             (a / "report.png", [str(a)], r"--out \(default\)")):
+        link.symlink_to(ours)
+        with pytest.raises(UsageError, match=rf"^{flag} .*{link.name}: is a symbolic link; give the file it points to"):
+            plot.main(argv)
+        assert link.is_symlink() and ours.read_bytes() == before
+
+
+def test_a_groups_runs_are_all_smoothed_or_all_raw():
+    """A 25-point and a 15-point seed of alternating 0/1 rewards: the group's line is the mean of both seeds'
+    10-step means (0.5 from the 10th step on), not of one smoothed seed and one raw (0.25 / 0.75 zigzag), and
+    a short group in a panel whose title says "(10-step mean)" is smoothed too."""
+    long = [{"step": s, "reward/mean": float(s % 2)} for s in range(25)]
+    short = [{"step": s, "reward/mean": float(s % 2)} for s in range(15)]
+    fig, ax = plt.subplots()
+    line, _, smoothed, _ = plot._draw_group(ax, "reward/mean", [long, short], "C0")
+    assert smoothed and np.allclose(line.get_ydata()[9:15], 0.5)
+    figs = []
+    import unittest.mock
+    with unittest.mock.patch.object(plot, "save_figure", lambda f, out, **kw: figs.append(f)), \
+            unittest.mock.patch.object(plot.plt, "close"):
+        plot.plot_overlay({"long": [long], "short": [short]}, "x.png", panels=(("reward", ("reward/mean",), "linear"),))
+    ax = figs[0].axes[0]
+    assert ax.get_title() == "reward (10-step mean)"
+    short_line = ax.get_lines()[1]
+    assert np.allclose(short_line.get_ydata()[9:], 0.5)  # smoothed like the long group's line
+    plt.close("all")
+
+
+def test_report_text_and_bad_steps(tmp_path, capsys):
+    """The report's summary says the last step's values (not the last line's), a NaN last value as nan, and a
+    400-digit step or value is a skipped line / an inf value, not `error: report: OverflowError` (exit 1)."""
+    import unittest.mock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "reward/mean": 0.5, "val/accuracy": 0.2} for s in range(5)]
+    lines[4]["val/accuracy"] = "nan"
+    text = "\n".join(__import__("json").dumps(r) for r in lines)
+    text += '\n{"step": 2, "reward/mean": 0.1}\n{"step": ' + "9" * 400 + ', "reward/mean": 1}\n'
+    text += '{"step": 5, "reward/mean": ' + "9" * 400 + '}\n{"step": 6, "lr": ' + "9" * 5000 + '}\n'
+    (run / "metrics.jsonl").write_text(text)
+    figs = []
+    with unittest.mock.patch.object(plot, "save_figure", lambda f, out, **kw: figs.append(f)), \
+            unittest.mock.patch.object(plot.plt, "close"):
+        assert plot.main([str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 2 line(s) that are not step records (lines 7, 9)" in err
+    summary = figs[0].axes[-1].texts[0].get_text()
+    assert "steps: 6" in summary and "val/accuracy: first 0.2 → last nan" in summary
+    assert "reward/mean: first 0.5 → last inf" in summary and "reward/mean: 1 step" in summary
+    plt.close("all")

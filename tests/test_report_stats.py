@@ -141,3 +141,54 @@ def test_controls_are_paired_with_the_variant_they_could_explain(tmp_path):
     assert c["per_seed"] == pytest.approx({"0": -0.01, "1": 0.01, "2": -0.01}) and (c["wins"], c["n"]) == (1, 3)
     assert saved["paired"]["better"]["val_final"]["wins"] == 3
     assert "| variant vs its control |" in text and "| better vs lower_lr | 3 | -0.003 [" in text
+
+
+def test_one_record_per_step_the_last_written_in_step_order():
+    """A step written twice counts once (its last record), and "final" is the last step, not the last line: a
+    duplicated step doubled Σ step time, and an earlier step written last became the final validation."""
+    recs = [{"step": -1, "val/accuracy": 0.1}]
+    recs += [{"step": s, "reward/mean": 0.5, "time/step_s": 1.0, **({"val/accuracy": 0.3} if s == 9 else {})}
+             for s in range(10)]
+    recs += [{"step": s, "reward/mean": 0.5, "time/step_s": 1.0} for s in range(5, 9)]  # steps 5-8 again
+    recs.append({"step": 4, "reward/mean": 0.5, "time/step_s": 1.0, "val/accuracy": 0.9})  # step 4, written last
+    s = run_stats(recs, CollapseRule())
+    assert s["step_time_s"] == 10.0 and s["steps_done"] == 10.0
+    assert (s["val_final"], s["val_peak"]) == (0.3, 0.9)
+    from jaxrl_mismatch.report.summary import series
+    assert series(recs, "val/accuracy") == ([-1, 4, 9], [0.1, 0.9, 0.3])
+
+
+def test_non_finite_values_are_kept_not_skipped():
+    """A NaN last validation is a NaN final (an earlier value was taken), an inf step makes the max inf (it was
+    left out), whether logged as runlog's strings, JSON's NaN / Infinity or an integer too large for a float
+    (OverflowError); the table lists the run and its JSON stays strict JSON."""
+    import math
+
+    recs = [{"step": s, "reward/mean": 0.5, "mismatch/log_ppl_abs_diff": 0.01} for s in range(10)]
+    recs[4]["val/accuracy"], recs[9]["val/accuracy"] = 0.4, float("nan")
+    recs[6]["mismatch/log_ppl_abs_diff"] = "inf"
+    s = run_stats(recs, CollapseRule())
+    assert math.isnan(s["val_final"]) and math.isnan(s["val_peak"]) and math.isnan(s["val_final_over_peak"])
+    assert s["log_ppl_abs_diff_max"] == math.inf and s["log_ppl_abs_diff_mean"] == math.inf
+    recs[6]["mismatch/log_ppl_abs_diff"], recs[9]["val/accuracy"] = 10**400, "nan"
+    s = run_stats(recs, CollapseRule())
+    assert s["log_ppl_abs_diff_max"] == math.inf and math.isnan(s["val_final"])
+    assert s["collapsed"] == 0.0  # the collapse rule is on the finite values
+    table = summarize({"v": [RunResult(seed=3, run_dir="r3", status="ok", ok=True, records=recs)]}, CollapseRule())
+    md = table_markdown(table, CollapseRule())
+    assert "Runs that logged NaN or inf" in md and "- v seed 3: val_final = nan" in md
+    assert "log_ppl_abs_diff_max = inf" in md
+    assert "| nan |" in md and "| inf |" in md
+
+
+def test_table_json_is_strict_json_with_non_finite_values(tmp_path):
+    recs = [{"step": 0, "reward/mean": 0.5, "val/accuracy": "nan", "mismatch/log_ppl_abs_diff": "inf"}]
+    table = summarize({"v": [RunResult(seed=0, run_dir="r", status="ok", ok=True, records=recs)]}, CollapseRule())
+    write_table(table, CollapseRule(), str(tmp_path / "t.md"), str(tmp_path / "t.json"))
+
+    def refuse(token):
+        raise AssertionError(f"{token} is not JSON")
+
+    content = json.loads((tmp_path / "t.json").read_text(), parse_constant=refuse)
+    stats = content["variants"]["v"]["runs"][0]["stats"]
+    assert stats["val_final"] == "nan" and stats["log_ppl_abs_diff_max"] == "inf"  # as runlog writes them

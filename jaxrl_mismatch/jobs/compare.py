@@ -84,7 +84,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
-from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl
+from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl_checked, warn_skipped
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
 from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function, listing
 
@@ -329,11 +329,29 @@ def _alive(pid: Any, job: Job) -> bool:
     return f"--config.run_dir={job.run_dir}".encode() in args
 
 
+_warned: set[tuple[str, tuple[int, ...]]] = set()  # (metrics file, skipped lines) already warned about
+
+
+def _read_records(metrics: str) -> list[dict]:
+    """The step records of a run's metrics.jsonl, read as `report` reads them (`runlog.read_jsonl_checked`):
+    a line that is not a JSON object with an integer step is skipped, with `report`'s one warning line —
+    once per file and set of lines, though the table is made from the runs more than once."""
+    if not os.path.isfile(metrics):
+        return []
+    try:
+        records, skipped = read_jsonl_checked(metrics)
+    except OSError as e:
+        raise UsageError(f"{metrics}: cannot read it ({e.strerror})") from None
+    if skipped and (metrics, tuple(skipped)) not in _warned:
+        _warned.add((metrics, tuple(skipped)))
+        warn_skipped(metrics, skipped)
+    return records
+
+
 def run_result(job: Job) -> RunResult:
     """What the table knows about a run: finished (`ok`), failed, interrupted, stale or not run."""
-    metrics = os.path.join(job.run_dir, METRICS_FILE)
-    records = read_jsonl(metrics) if os.path.isfile(metrics) else []
-    done = max((int(r.get("step", -1)) for r in records), default=-1) + 1
+    records = _read_records(os.path.join(job.run_dir, METRICS_FILE))
+    done = max((r["step"] for r in records), default=-1) + 1
     attempts = read_attempts(job.run_dir)
     walls = [a["wall_s"] for a in attempts if isinstance(a.get("wall_s"), (int, float))]
     last = attempts[-1] if attempts else None

@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from jaxrl_mismatch.report.summary import moving_average, series  # noqa: E402
+from jaxrl_mismatch.report.summary import by_step, moving_average, series, value  # noqa: E402
 from jaxrl_mismatch.runlog import read_run  # noqa: E402
 from jaxrl_mismatch.outputs import check_out_file, staged_file  # noqa: E402
 from jaxrl_mismatch.usage import ArgumentParser, UsageError  # noqa: E402
@@ -105,12 +105,14 @@ def _finish_axis(ax, scale: str, ys: Sequence[float]) -> None:
 def _surge(records: Sequence[Mapping[str, Any]]) -> tuple[float | None, float | None]:
     """(onset, detection step) of the newest length surge a controller logged: `controller/surge_step` and
     `controller/trigger_step`, or a combined controller's `controller/<i>_<name>/surge_step` and its sibling."""
-    for r in reversed(records):
-        for key, value in r.items():
-            if (key.startswith("controller/") and key.endswith("surge_step") and isinstance(value, (int, float))
-                    and value >= 0):
-                trigger = r.get(key[: -len("surge_step")] + "trigger_step")
-                return value, trigger if isinstance(trigger, (int, float)) and trigger >= 0 else None
+    def step(v: Any) -> float | None:  # a step to mark: a finite number >= 0 (-1: none)
+        v = value(v)
+        return v if v is not None and math.isfinite(v) and v >= 0 else None
+
+    for r in reversed(by_step(records)):
+        for key, v in r.items():
+            if key.startswith("controller/") and key.endswith("surge_step") and step(v) is not None:
+                return step(v), step(r.get(key[: -len("surge_step")] + "trigger_step"))
     return None, None
 
 
@@ -149,12 +151,17 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     # Last panel: a text summary of the run.
     ax = axes.flat[-1]
     ax.axis("off")
-    last = records[-1]
+    last = by_step(records)[-1]  # the last step, not the last line
     lines = [f"run: {os.path.basename(os.path.abspath(run_dir))}", f"steps: {last['step'] + 1}"]
     for key in ("reward/mean", "val/accuracy", "mismatch/log_ppl_abs_diff", "lr"):
-        xs, ys = series(records, key)
+        xs, ys = series(records, key, finite=False)  # as the table has them: a NaN last value is shown as nan
         if ys:
             lines.append(f"{key}: first {ys[0]:.4g} → last {ys[-1]:.4g}")
+    skipped = {key: len(series(records, key, finite=False)[0]) - len(series(records, key)[0])
+               for _, names, _ in PANELS for key in names}
+    if any(skipped.values()):  # the panels cannot draw them: say so rather than let a gap pass unnoticed
+        lines += ["not drawn (NaN/inf):",
+                  *(f"  {key}: {n} step{'s' if n > 1 else ''}" for key, n in skipped.items() if n)]
     ax.text(0.0, 1.0, "\n".join(lines), va="top", family="monospace", fontsize=9)
     fig.tight_layout()
     save_figure(fig, out, dpi=90)
@@ -191,12 +198,20 @@ def panels_from_spec(entries: Any, field: str = "metrics") -> tuple[Panel, ...]:
     return tuple(panels)
 
 
-def _curve(records: Sequence[Mapping[str, Any]], name: str) -> tuple[list[int], list[float], bool]:
-    """(steps, values drawn, smoothed?) of one run's metric."""
+def _curve(records: Sequence[Mapping[str, Any]], name: str, smooth: bool) -> tuple[list[int], list[float], bool]:
+    """(steps, values drawn, smoothed?) of one run's metric; `smooth` is decided for the whole panel
+    (`_smooth_panel`), so the runs averaged into one line are all smoothed or all raw."""
     xs, ys = series(records, name)
-    if _smoothed(name, ys, _SMOOTHED_IN_OVERLAYS):
+    if smooth:
         return xs, moving_average(ys, SMOOTH_WINDOW), True
     return xs, ys, False
+
+
+def _smooth_panel(name: str, runs: Sequence[Sequence[Mapping[str, Any]]]) -> bool:
+    """Whether a panel's runs are drawn as moving averages: a noisy metric that some run logged at
+    `SMOOTH_MIN_POINTS` steps or more. Every run of the panel then is, shorter ones too (a mean of smoothed and
+    raw seeds is neither, and the title says "10-step mean")."""
+    return any(_smoothed(name, series(r, name)[1], _SMOOTHED_IN_OVERLAYS) for r in runs)
 
 
 def _across(curves: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int], list[float], list[float], list[float]]:
@@ -210,11 +225,14 @@ def _across(curves: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int],
     return (steps, [sum(at[s]) / len(at[s]) for s in steps], [min(at[s]) for s in steps], [max(at[s]) for s in steps])
 
 
-def _draw_group(ax, name: str, runs: Sequence[Sequence[Mapping[str, Any]]], color) -> tuple[Any, list[float], bool, bool]:
-    """One group's mean line (and min–max band over its runs) of metric `name`; (line or None, the values
-    drawn, smoothed?, greedy drawn?). In the validation panel, greedy accuracy is a dashed mean line, as in
-    the single-run report."""
-    curves = [c for c in (_curve(r, name) for r in runs) if c[0]]
+def _draw_group(ax, name: str, runs: Sequence[Sequence[Mapping[str, Any]]], color,
+                smooth: bool | None = None) -> tuple[Any, list[float], bool, bool]:
+    """One group's mean line (and min–max band over its runs) of metric `name`, its runs all smoothed or all
+    raw (`smooth`; None: as `_smooth_panel` decides for these runs); (line or None, the values drawn,
+    smoothed?, greedy drawn?). In the validation panel, greedy accuracy is a dashed mean line, as in the
+    single-run report."""
+    smooth = _smooth_panel(name, runs) if smooth is None else smooth
+    curves = [c for c in (_curve(r, name, smooth) for r in runs) if c[0]]
     if not curves:
         return None, [], False, False
     steps, mean, lo, hi = _across([(c[0], c[1]) for c in curves])
@@ -247,8 +265,9 @@ def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], ou
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
         drawn, smoothed = [], False
+        smooth_all = _smooth_panel(name, all_runs)  # one choice for every line of the panel: the title says it
         for i, (label, runs) in enumerate(groups.items()):
-            line, values, smooth, greedy = _draw_group(ax, name, runs, colors[i % len(colors)])
+            line, values, smooth, greedy = _draw_group(ax, name, runs, colors[i % len(colors)], smooth_all)
             if line is not None:
                 handles.setdefault(label, (line, len(runs)))
             drawn, smoothed, dashed = drawn + values, smoothed or smooth, dashed or greedy

@@ -4,8 +4,10 @@ paired differences against a baseline variant (`report.paired`), and the Markdow
 
 Why a module of its own: `compare --table-only` and any notebook summarise finished run directories
 without running or plotting anything, and the definitions (what "collapse" and "final accuracy" mean)
-must be the same everywhere they are quoted. Per-run statistics are taken over all of that run's steps;
-the statistics of a variant are taken over its seeds (one number per seed, then mean and sample std).
+must be the same everywhere they are quoted. Per-run statistics are taken over all of that run's steps —
+one record per step, the last written for it, in step order (`by_step`) — and keep non-finite values (a
+NaN final validation is a NaN final, an inf step makes the max inf); the statistics of a variant are taken
+over its seeds (one number per seed, then mean and sample std).
 """
 
 from __future__ import annotations
@@ -24,15 +26,46 @@ from jaxrl_mismatch.usage import UsageError
 EDGE_STEPS = 10
 
 
-def series(records: Sequence[Mapping[str, Any]], name: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of metric `name`, skipping records without it and non-finite values (runlog writes
-    those as strings)."""
-    xs, ys = [], []
+_NONFINITE = ("nan", "inf", "-inf")  # how runlog writes non-finite values (JSON has none)
+
+
+def value(v: Any) -> float | None:
+    """A logged metric value as a float (None: not a number). Non-finite values count: runlog's "nan" / "inf"
+    / "-inf" strings, JSON's NaN / Infinity, and an integer too large for a float (±inf) — a statistic must
+    not pass over them as if the step had not logged the metric."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        try:
+            return float(v)
+        except OverflowError:
+            return math.inf if v > 0 else -math.inf
+    if isinstance(v, float):
+        return v
+    return float(v) if isinstance(v, str) and v in _NONFINITE else None
+
+
+def by_step(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One record per integer step, the last written for it, in step order: "final" means the last step, not
+    the last line, and a step written twice (a log appended to by hand or a copied run) counts once."""
+    at: dict[int, Mapping[str, Any]] = {}
     for r in records:
-        v = r.get(name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            xs.append(int(r["step"]))
-            ys.append(float(v))
+        step = r.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            at[step] = r
+    return [at[s] for s in sorted(at)]
+
+
+def series(records: Sequence[Mapping[str, Any]], name: str, *, finite: bool = True) -> tuple[list[int], list[float]]:
+    """(steps, values) of metric `name`, one per step in step order (`by_step`), skipping steps without it;
+    with `finite` (what figures and the collapse rule use: a NaN cannot be drawn or smoothed) also the steps
+    whose value is NaN or ±inf, which the table's statistics keep (`finite=False`)."""
+    xs, ys = [], []
+    for r in by_step(records):
+        v = value(r.get(name))
+        if v is not None and (not finite or math.isfinite(v)):
+            xs.append(r["step"])
+            ys.append(v)
     return xs, ys
 
 
@@ -114,7 +147,10 @@ class CollapseRule:
 
 
 def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[str, float | None]:
-    """Statistics of one run over all of its steps (None where the run did not log the metric).
+    """Statistics of one run over all of its steps, one record per step (`by_step`); None where the run did
+    not log the metric. Non-finite values are kept, as arithmetic has them (a NaN anywhere in a metric makes
+    its mean / max / peak NaN, an inf step its max inf; a NaN last validation is a NaN final, never an earlier
+    value), so the table shows them rather than a number that passed over them.
 
     - `val_initial`: the pre-training `val/accuracy` (step -1); `val_final` / `val_peak`: the last and the
       highest `val/accuracy` of the training steps (the initial validation is not a peak the run reached);
@@ -128,34 +164,39 @@ def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[
     - `steps_done`: the last training step logged + 1.
     """
     def values(name: str) -> list[float]:
-        return series(records, name)[1]
+        return series(records, name, finite=False)[1]
+
+    def mean(v: Sequence[float]) -> float | None:
+        with np.errstate(all="ignore"):  # inf - inf is NaN, a sum past 1.8e308 inf: what the cell should say
+            return float(np.mean(v)) if len(v) else None
 
     out: dict[str, float | None] = {}
     for key, name in (("val", "val/accuracy"), ("greedy", "val/greedy_accuracy")):
-        steps, v = series(records, name)
+        steps, v = series(records, name, finite=False)
         initial = [y for x, y in zip(steps, v) if x < 0]
         trained = [y for x, y in zip(steps, v) if x >= 0]
         out[f"{key}_initial"] = initial[-1] if initial else None
         out[f"{key}_final"] = trained[-1] if trained else None
-        out[f"{key}_peak"] = max(trained) if trained else None
-        peak = out[f"{key}_peak"]
-        out[f"{key}_final_over_peak"] = out[f"{key}_final"] / peak if peak else None
+        out[f"{key}_peak"] = float(np.max(trained)) if trained else None  # NaN if any is (Python's max is not)
+        final, peak = out[f"{key}_final"], out[f"{key}_peak"]
+        with np.errstate(all="ignore"):
+            out[f"{key}_final_over_peak"] = float(np.float64(final) / peak) if peak else None
     collapse = rule.step(records)
     out["collapse_step"] = None if collapse is None else float(collapse)
-    out["collapsed"] = float(collapse is not None) if values(rule.metric) else None
+    out["collapsed"] = float(collapse is not None) if series(records, rule.metric)[0] else None
     diff, rho = values("mismatch/log_ppl_abs_diff"), values("mismatch/rho_std")
-    out["log_ppl_abs_diff_mean"] = float(np.mean(diff)) if diff else None
-    out["log_ppl_abs_diff_max"] = max(diff) if diff else None
-    out["rho_std_mean"] = float(np.mean(rho)) if rho else None
+    out["log_ppl_abs_diff_mean"] = mean(diff)
+    out["log_ppl_abs_diff_max"] = float(np.max(diff)) if diff else None
+    out["rho_std_mean"] = mean(rho)
     length = values("length/mean")
-    out["length_start"] = float(np.mean(length[:EDGE_STEPS])) if length else None
-    out["length_end"] = float(np.mean(length[-EDGE_STEPS:])) if length else None
+    out["length_start"] = mean(length[:EDGE_STEPS])
+    out["length_end"] = mean(length[-EDGE_STEPS:])
     scale = values("controller/scale")
     scale = [1.0, *scale] if scale else []  # every controller starts at 1.0 (schedules.controllers.Controller)
     out["lr_decays"] = float(sum(b < a for a, b in zip(scale, scale[1:]))) if scale else None
     times = values("time/step_s")
     out["step_time_s"] = float(sum(times)) if times else None
-    steps = [int(r["step"]) for r in records if int(r.get("step", -1)) >= 0]
+    steps = [r["step"] for r in by_step(records) if r["step"] >= 0]
     out["steps_done"] = float(max(steps) + 1) if steps else 0.0
     return out
 
@@ -165,7 +206,8 @@ def over_seeds(values: Sequence[float | None]) -> dict[str, float | int | None]:
     v = [float(x) for x in values if x is not None]
     if not v:
         return {"mean": None, "std": None, "n": 0}
-    return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else None, "n": len(v)}
+    with np.errstate(all="ignore"):  # a non-finite seed makes the mean non-finite: the cell shows it
+        return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else None, "n": len(v)}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -236,7 +278,9 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str |
         cells += [_cell(v["summary"][key], fmt) for key, _, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Mean ± sample std over the finished seeds of each variant; per-run numbers over all of the "
-              f"run's steps. Val acc initial: before training (step −1); final / peak: the last / highest "
+              f"run's steps, one record per step (the last written for it); a NaN or inf a run logged is kept, so "
+              f"its statistic is NaN or inf (the runs are listed below), while the collapse rule and the figure use "
+              f"the finite values. Val acc initial: before training (step −1); final / peak: the last / highest "
               f"validation of the training steps (the initial one excluded); final / peak is the mean of the "
               f"per-seed ratios. Collapse: the {rule.window}-point trailing median of `{rule.metric}` (training "
               f"steps) falls below {rule.frac:g} × its running peak and stays below to the end (≥ {rule.patience} "
@@ -256,7 +300,27 @@ def table_markdown(table: Mapping[str, Any], rule: CollapseRule, baseline: str |
                 for name, v in table.items() for r in v["runs"] if not r["ok"]]
     if problems:
         lines += ["", "Runs not in the statistics:", *problems]
+    nonfinite = [(name, r, _nonfinite(r["stats"])) for name, v in table.items() for r in v["runs"] if r["ok"]]
+    if any(keys for _, _, keys in nonfinite):
+        lines += ["", "Runs that logged NaN or inf (kept: their statistics, and the variant's mean, are non-finite):",
+                  *(f"- {name} seed {r['seed']}: {', '.join(keys)} ({r['run_dir']})" for name, r, keys in nonfinite
+                    if keys)]
     return "\n".join(lines) + "\n"
+
+
+def _nonfinite(stats: Mapping[str, Any]) -> list[str]:
+    return [f"{k} = {v}" for k, v in stats.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
+def _json_safe(obj: Any) -> Any:
+    """`obj` with non-finite floats as the strings runlog writes ("nan", "inf", "-inf"): JSON has no NaN."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, Mapping):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -282,6 +346,6 @@ def write_table(table: Mapping[str, Any], rule: CollapseRule, md_path: str, json
         from jaxrl_mismatch.report.paired import paired_controls
 
         content.update(controls=dict(controls), paired_controls=paired_controls(table, controls))
-    write_atomic(json_path, json.dumps(content, indent=1))
+    write_atomic(json_path, json.dumps(_json_safe(content), indent=1, allow_nan=False))
     write_atomic(md_path, md)
     return md

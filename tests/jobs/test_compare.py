@@ -265,11 +265,11 @@ def test_run_stats_over_a_runs_steps():
                      controller__scale=[1.0] * 10 + [0.5] * 10 + [0.25] * 10)
     recs[10]["val/accuracy"] = 0.7
     recs[-1]["val/accuracy"], recs[-1]["val/greedy_accuracy"] = 0.5, 0.45
-    recs[5]["mismatch/rho_std"] = "nan"  # runlog writes non-finite values as strings: skipped
+    recs[5]["mismatch/rho_std"] = "nan"  # runlog writes non-finite values as strings: kept (see test_report_stats)
     s = run_stats(recs, CollapseRule())
     assert (s["val_final"], s["val_peak"], s["greedy_final"], s["greedy_peak"]) == (0.5, 0.7, 0.45, 0.45)
     assert s["log_ppl_abs_diff_mean"] == pytest.approx(0.055) and s["log_ppl_abs_diff_max"] == pytest.approx(0.1)
-    assert s["rho_std_mean"] == pytest.approx(0.2)
+    assert math.isnan(s["rho_std_mean"])  # a NaN step makes the mean NaN, as the table says
     assert s["length_start"] == pytest.approx(length[:10].mean()) and s["length_end"] == pytest.approx(length[-10:].mean())
     assert s["lr_decays"] == 2 and s["step_time_s"] == pytest.approx(60.0) and s["steps_done"] == n
     assert s["collapse_step"] is None and s["collapsed"] == 0.0
@@ -437,6 +437,30 @@ def test_table_only_aggregates_over_seeds_and_reports_failed_runs(tmp_path, fake
     assert "| variant vs a | paired seeds |" in md and "| b | 1 | +0.300, 1/1 |" in md
     assert (tmp_path / "out" / "compare.png").stat().st_size > 10_000
     assert md in capsys.readouterr().out
+
+
+def test_table_only_skips_lines_that_are_not_step_records_as_report_does(tmp_path, fake_model, capsys):
+    """A line without an integer step (none, null, 1.5, 400 digits) is skipped with report's one warning line,
+    once per file: it was `error: compare: KeyError: 'step'` (exit 1), or {"step": 1.5} became step 1 — and,
+    written last, the "val acc final"."""
+    spec_path = write_spec(tmp_path, {
+        "config": str(write_config(tmp_path, fake_model)), "overrides": {"steps": 4}, "variants": {"a": {}},
+        "seeds": [0], "out": str(tmp_path / "out")})
+    spec = compare.validate_spec(compare.load_spec(str(spec_path)))
+    (job,) = spec.jobs
+    recs = _records([0.5] * 4)
+    recs[-1]["val/accuracy"] = 0.3
+    _write_run(Path(job.run_dir), recs)
+    with open(Path(job.run_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"reward/mean": 0.5}\n{"step": null}\n{"step": 1.5, "val/accuracy": 0.99}\n')
+        f.write('{"step": ' + "9" * 400 + ', "val/accuracy": 0.98}\n')
+    compare.write_attempts(job.run_dir, [{"command": list(job.argv), "returncode": 0, "wall_s": 1.0}])
+    assert compare.main([str(spec_path), "--table-only"]) == 0
+    err = capsys.readouterr().err
+    metrics = os.path.join(job.run_dir, "metrics.jsonl")
+    assert err == f"warning: {metrics}: skipped 4 line(s) that are not step records (lines 5, 6, 7, 8)\n"
+    v = json.loads((tmp_path / "out" / "table.json").read_text())["variants"]["a"]
+    assert v["runs"][0]["status"] == "ok" and v["summary"]["val_final"]["mean"] == 0.3
 
 
 def test_summarize_leaves_out_runs_that_did_not_finish():
