@@ -43,3 +43,32 @@ def task_json(flag: str, path: str) -> tuple[dict, int | None]:
         return read_task_json(path)
     except ValueError as e:
         raise UsageError(f"{flag} {path}: {e}") from None
+
+
+def check_warmstart_args(c) -> None:
+    """When `train` will warm-start (`model.warmstart_if_missing`, no config.json at `model.path`): the folder
+    may take it and `model.warmstart_args` pass the warm start's own parser, and the problems asked for fit the
+    task it will write — all before any work (an unbalanced quote or `--steps 0` surfaced as exit 1 from the
+    warm start). Here, not in `train/config_checks.py`: the parser is the `warmstart` job's (layer 5)."""
+    import shlex
+
+    from jaxrl_mismatch.data.arithmetic import ArithmeticSpec
+    from jaxrl_mismatch.jobs import warmstart
+    from jaxrl_mismatch.outputs import check_out_dir
+    from jaxrl_mismatch.train.config import ConfigError
+    from jaxrl_mismatch.train.config_checks import check_task_capacity
+
+    if not c.model.warmstart_if_missing or os.path.isfile(os.path.join(c.model.path, "config.json")):
+        return
+    try:  # as `jobs/train._warmstart` will: only into a new or empty directory (or an earlier warm start's)
+        check_out_dir("config.model.path", c.model.path, "warmstart", force=False)
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        args = warmstart.parse_args(["--out", c.model.path, *shlex.split(c.model.warmstart_args)])
+        spec = ArithmeticSpec(min_operands=args.min_operands, max_operands=args.max_operands,
+                              max_value=args.max_value, mul_prob=args.mul_prob)
+    except (UsageError, ValueError) as e:
+        raise ConfigError(f"config.model.warmstart_args: {e}") from None
+    if c.task.name == "arithmetic":
+        check_task_capacity(c, spec)

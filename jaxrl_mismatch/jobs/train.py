@@ -41,12 +41,14 @@ def parse(argv: Sequence[str]):
             if value is None:
                 raise UsageError(f"{PROG}: --config.{key} needs a value (--config.{key}=VALUE)")
         overrides.append((key, value))
+    from jaxrl_mismatch.jobs._inputs import check_warmstart_args
     from jaxrl_mismatch.train.config_checks import check_paths, validate
     from jaxrl_mismatch.train.config_overrides import load_config
 
     c = load_config(args.config, overrides)
     validate(c)
     check_paths(c)
+    check_warmstart_args(c)
     return c, args.accept_config_changes
 
 
@@ -99,8 +101,10 @@ def _run(c, accept_changes: bool) -> int:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("warmstart")
+    from jaxrl_mismatch.train.config_checks import check_model_dir
     from jaxrl_mismatch.train.loop import RolloutFailure, Trainer
 
+    check_model_dir(c)  # a damaged policy or a context it cannot serve: before the run directory is made
     trainer = Trainer(c, accept_config_changes=accept_changes)
 
     # SIGTERM (a scheduler's preemption, `kill`): finish the current step, checkpoint it, stop the

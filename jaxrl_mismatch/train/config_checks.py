@@ -10,15 +10,28 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 
 import ml_collections
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
-from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
+from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS, ConfigError, base_config, check_schema,
+                                         exact_forward_enabled, flatten)
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, is_run_dir
-from jaxrl_mismatch.usage import UsageError, host_port, listing
+from jaxrl_mismatch.usage import SEED_LIMIT, UsageError, host_port, listing
+
+# The rollout protocol's int32 fields (rollout/rollout.proto: SamplingParams n, max_tokens, top_k); a larger value
+# fails protobuf's range check ("Value out of range") at the first Generate, after the model loaded.
+INT32_MAX = 2**31 - 1
+_INT32_FIELDS = ("rollout.top_k", "rollout.max_tokens", "rollout.group_size", "eval.k")
+# Deadlines and waits in seconds: beyond this, gRPC's deadline arithmetic overflows (every call DEADLINE_EXCEEDED
+# at once) or the wait is no wait at all; 30 days.
+MAX_TIMEOUT_S = 30 * 24 * 3600
+_TIMEOUTS = ("rollout.startup_timeout_s", "rollout.generate_timeout_s", "rollout.push_timeout_s",
+             "rollout.retry_s", "rollout.stall_timeout_s")
+_SEEDS = ("seed", "task.data_seed")
 
 _CHOICES = {
     "rollout.engine": ("jax", "vllm"),
@@ -67,6 +80,7 @@ def _get(c: ml_collections.ConfigDict, path: str):
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Check every field that can be checked without loading anything; raise ConfigError naming it."""
+    _check_present(c)
     check_schema(c)
     _check_types_and_ranges(c)
     _check_sampling(c)
@@ -74,6 +88,24 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _check_exact_and_replay(c)
     _check_rollout_and_batch(c)
     _check_registries(c)
+
+
+def _check_present(c: ml_collections.ConfigDict) -> None:
+    """Every field of `base_config()` is there (a config may not drop one, e.g. `--config.log={}`), and one
+    whose default is not None is not None (the checks and the trainer compare and read them)."""
+    have = flatten(c)
+    for path, default in flatten(base_config()).items():
+        if path not in have:
+            raise ConfigError(f"config.{path}: missing field")
+        v = have[path]
+        if v is None and default is not None:
+            what = ("True or False" if isinstance(default, bool) else "a number" if isinstance(default, (int, float))
+                    else "a string" if isinstance(default, str) else f"a {type(default).__name__}")
+            raise ConfigError(f"config.{path}: must be {what}, got None")
+    for path in OPEN_SECTIONS:  # these take any key, but are sections
+        v = _get(c, path)
+        if not isinstance(v, (dict, ml_collections.ConfigDict)):
+            raise ConfigError(f"config.{path}: must be a section (a dict), got {v!r}")
 
 
 def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
@@ -90,6 +122,18 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
         v = _get(c, path)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:  # NaN too
             raise ConfigError(f"config.{path}: must be a number >= 0, got {v!r}")
+    for path in _SEEDS:  # numpy / nnx.Rngs / the engines' int32 sampling streams (usage.check_seed)
+        v = _get(c, path)
+        if not isinstance(v, int) or not 0 <= v < SEED_LIMIT:
+            raise ConfigError(f"config.{path}: must be an integer in [0, 2^31), got {v!r}")
+    for path in _INT32_FIELDS:
+        v = _get(c, path)
+        if isinstance(v, int) and v > INT32_MAX:
+            raise ConfigError(f"config.{path}: must be <= {INT32_MAX} (an int32 of the rollout protocol), got {v!r}")
+    for path in _TIMEOUTS:
+        v = _get(c, path)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v <= MAX_TIMEOUT_S:  # inf and NaN too
+            raise ConfigError(f"config.{path}: must be a number of seconds <= {MAX_TIMEOUT_S} (30 days), got {v!r}")
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
     if c.rollout.max_staleness != int(c.rollout.max_staleness):
@@ -260,14 +304,36 @@ def _check_registries(c: ml_collections.ConfigDict) -> None:
     from jaxrl_mismatch.objectives import objective_config
     from jaxrl_mismatch.schedules import CONTROLLERS, OPTIMIZERS, SCHEDULES
 
+    from jaxrl_mismatch.data.arithmetic import SPLITS
+    from jaxrl_mismatch.data.templates import TEMPLATES
+
     if c.task.name not in TASKS:
         raise ConfigError(f"config.task.name: unknown task {c.task.name!r}; valid: {sorted(TASKS)}")
-    if c.task.name != "arithmetic":  # file-backed tasks read local JSONL files, one per split
-        for split in (c.task.train_split, c.task.val_split):
+    if c.task.template and c.task.template not in TEMPLATES:
+        raise ConfigError(f"config.task.template: unknown prompt template {c.task.template!r}; valid: "
+                          f"{sorted(TEMPLATES)} (or '' for the task's default)")
+    if c.task.name == "arithmetic":  # generated problems: the splits the generator hashes prompts into
+        for field in ("train_split", "val_split"):
+            if c.task[field] not in SPLITS:
+                raise ConfigError(f"config.task.{field}: unknown split {c.task[field]!r}; valid: {list(SPLITS)}")
+    else:  # file-backed tasks read local JSONL files, one per split
+        for field in ("train_split", "val_split"):
+            split = c.task[field]
+            if not isinstance(split, str) or not split:
+                raise ConfigError(f"config.task.{field}: must be a split name (a key of task.files), got {split!r}")
             path = c.task.files.get(split)
             if not path:
                 raise ConfigError(f"config.task.files.{split}: task {c.task.name!r} reads local JSONL files; "
                                   f"set --config.task.files.{split}=PATH")
+            paths = [path] if isinstance(path, str) else list(path) if isinstance(path, (list, tuple)) else None
+            if paths is None or not all(isinstance(p, str) and p for p in paths):
+                raise ConfigError(f"config.task.files.{split}: must be a path (or a list of paths), got {path!r}")
+    if not isinstance(c.model.warmstart_args, str):
+        raise ConfigError(f"config.model.warmstart_args: must be a string of arguments, got {c.model.warmstart_args!r}")
+    try:
+        shlex.split(c.model.warmstart_args)
+    except ValueError as e:  # an unbalanced quote: `No closing quotation`
+        raise ConfigError(f"config.model.warmstart_args: {e} in {c.model.warmstart_args!r}") from None
 
     if c.optim.name not in OPTIMIZERS:
         raise ConfigError(f"config.optim.name: unknown optimizer {c.optim.name!r}; valid: {sorted(OPTIMIZERS)}")
@@ -316,15 +382,36 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"config.run_dir: {c.run_dir} cannot be written ({existing} is "
                           f"{'not a directory' if not os.path.isdir(existing) else 'not writable'})")
-    if not c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
+    has_model = os.path.isfile(os.path.join(c.model.path, "config.json"))
+    if not c.model.warmstart_if_missing and not has_model:
         what = "does not exist" if not os.path.exists(c.model.path) else "has no config.json"
         raise ConfigError(f"config.model.path: {c.model.path} {what}; point it to a local HF checkpoint directory")
     if c.task.name != "arithmetic":
         for split in (c.task.train_split, c.task.val_split):
             path = c.task.files[split]
             for p in [path] if isinstance(path, str) else list(path):
+                if not isinstance(p, str) or not p:  # os.path.isfile(1) tests file descriptor 1
+                    raise ConfigError(f"config.task.files.{split}: must be a path (or a list of paths), got {path!r}")
                 if not os.path.isfile(p):
-                    raise ConfigError(f"config.task.files.{split}: {p} does not exist")
+                    what = "is a directory; expected a JSONL file" if os.path.isdir(p) else "does not exist"
+                    raise ConfigError(f"config.task.files.{split}: {p} {what}")
+    if c.task.name == "arithmetic" and has_model:  # a warm start's arguments: jobs/_inputs.check_warmstart_args
+        from jaxrl_mismatch.data.arithmetic import ArithmeticSpec, read_task_json
+
+        try:
+            spec = ArithmeticSpec(**read_task_json(c.model.path)[0])
+        except ValueError as e:  # a damaged task.json: one line naming the field and the file
+            raise ConfigError(f"config.model.path: {e}") from None
+        check_task_capacity(c, spec)
+
+
+def check_task_capacity(c: ml_collections.ConfigDict, spec) -> None:
+    """`task.num_train` / `num_val` within the arithmetic `spec`'s distinct problems (`data.arithmetic.generate`
+    draws unique problems; asked for more, it failed after the run directory existed)."""
+    for field in ("num_train", "num_val"):
+        if c.task[field] > spec.num_problems:
+            raise ConfigError(f"config.task.{field}: {c.task[field]} unique problems asked for, but the task's "
+                              f"{spec} has only {spec.num_problems} distinct problems in all splits together")
 
 
 def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
@@ -346,6 +433,13 @@ def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
         raise ConfigError(f"config.rollout.max_tokens: {c.rollout.max_tokens} response tokens do not fit with a "
                           f"prompt in the context of {c.model.path} (max_position_embeddings "
                           f"{model_cfg.max_position_embeddings})")
+    if c.rollout.max_model_len > model_cfg.max_position_embeddings:  # the server refuses it at start-up
+        raise ConfigError(f"config.rollout.max_model_len: {c.rollout.max_model_len} exceeds the context of "
+                          f"{c.model.path} (max_position_embeddings {model_cfg.max_position_embeddings}); use at "
+                          "most that, or 0 for the model's own")
+    if c.rollout.max_model_len and c.rollout.max_tokens >= c.rollout.max_model_len:
+        raise ConfigError(f"config.rollout.max_tokens: {c.rollout.max_tokens} response tokens do not fit with a "
+                          f"prompt in rollout.max_model_len {c.rollout.max_model_len}")
     if model_cfg.is_moe:
         if exact_forward_enabled(c):
             raise ConfigError(f"config.trainer.exact_forward: the exact training forward is for dense policies; "
@@ -360,6 +454,24 @@ def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
     if c.objective.router_aux_coef:
         raise ConfigError(f"config.objective.router_aux_coef: {c.objective.router_aux_coef!r} weights the MoE "
                           f"load-balancing loss, but {c.model.path} is a dense {model_cfg.architecture}; set it to 0")
+
+
+def check_model_dir(c: ml_collections.ConfigDict) -> None:
+    """The policy at `model.path` (after any warm start): its config.json reads (`check_model` on it) and its
+    weight files open (`hf_io.check_model_files`); ConfigError naming `model.path`. Run before the trainer creates
+    or locks the run directory."""
+    from jaxrl_mismatch.models.config import ModelConfig
+    from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
+
+    try:
+        model_cfg = ModelConfig.from_hf(c.model.path)
+    except (ValueError, OSError) as e:  # a damaged or unsupported config.json: one line naming it
+        raise ConfigError(f"config.model.path: {c.model.path}: {e}") from None
+    check_model(c, model_cfg)
+    try:
+        check_model_files(c.model.path)
+    except ModelFilesError as e:
+        raise ConfigError(f"config.model.path: {e}") from None
 
 
 def check_mesh(c: ml_collections.ConfigDict):

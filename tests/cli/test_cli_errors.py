@@ -161,6 +161,7 @@ def test_a_damaged_model_config_is_one_line_naming_the_file(tmp_path):
     out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}", f"--config.model.path={model}",
               "--config.model.warmstart_if_missing=false")
     assert_one_line_error(out, "config.model.path", f"{model / 'config.json'} is not valid JSON")
+    assert not (tmp_path / "run").exists()  # refused before the trainer made (and locked) the run directory
 
 
 def test_perfectible_with_no_server_at_address_says_so_after_its_ready_timeout(tiny_base_model_h64, tmp_path):
