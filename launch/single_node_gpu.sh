@@ -109,21 +109,14 @@ import sys
 
 me, config, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
 try:
-    from jaxrl_mismatch.train.config_overrides import load_config
+    from jaxrl_mismatch.train.config_overrides import load_config, parse_overrides
 
-    overrides, it = [], iter(rest)
-    for item in it:
-        if item.startswith("--config."):
-            key, eq, value = item[len("--config."):].partition("=")
-            if not eq:
-                value = next(it, None)
-                if value is None:
-                    raise ValueError(f"--config.{key} needs a value (--config.{key}=VALUE)")
-            overrides.append((key, value))
-    path = load_config(config, overrides).model.path
+    path = load_config(config, parse_overrides(rest, me)).model.path
 except Exception as e:  # noqa: BLE001 - the launcher's one line, naming the config
     message = " ".join(str(e).split())
-    print(f"{me}: {message if message.startswith('--config') else f'--config {config}: {message}'}", file=sys.stderr)
+    if not message.startswith((me + ":", "--config")):
+        message = f"--config {config}: {message}"
+    print(message if message.startswith(me + ":") else f"{me}: {message}", file=sys.stderr)
     sys.exit(2)
 print(path)
 PYEOF

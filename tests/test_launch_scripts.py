@@ -121,6 +121,12 @@ def test_single_node_bad_config_is_one_line(tmp_path):
                    TOKEN_FILE=str(token))
         _refused(out, named)
         assert not token.exists()
+    # the overrides are read as `train` reads them (config_overrides.parse_overrides): a stray argument is named
+    for extra, named in ((["--bogus"], "unrecognised argument '--bogus'"), (["--config.steps"], "needs a value")):
+        out = _run(["bash", "launch/single_node_gpu.sh", "configs/tiny_cpu.py", *extra], tmp_path,
+                   TOKEN_FILE=str(tmp_path / "token"))
+        _refused(out, named)
+        assert out.stderr.count("single_node_gpu.sh:") == 1
     # a valid FILE:VARIANT is loaded (the refusal is then about its model.path, not the config)
     out = _run(["bash", "launch/single_node_gpu.sh", "configs/arith_length_cpu.py:long",
                 f"--config.model.path={tmp_path / 'nomodel'}"], tmp_path, TOKEN_FILE=str(tmp_path / "token"))

@@ -30,22 +30,11 @@ def parse(argv: Sequence[str]):
     p.add_argument("--accept-config-changes", action="store_true",
                    help="resume a run directory whose checkpoint was made with a different config")
     args, rest = p.parse_known_args(argv)
-    overrides = []
-    it = iter(rest)
-    for item in it:
-        if not item.startswith("--config."):
-            raise UsageError(f"{PROG}: unrecognised argument {item!r} (see --help)")
-        key, eq, value = item[len("--config."):].partition("=")
-        if not eq:
-            value = next(it, None)
-            if value is None:
-                raise UsageError(f"{PROG}: --config.{key} needs a value (--config.{key}=VALUE)")
-        overrides.append((key, value))
     from jaxrl_mismatch.jobs._inputs import check_warmstart_args
     from jaxrl_mismatch.train.config_checks import check_paths, validate
-    from jaxrl_mismatch.train.config_overrides import load_config
+    from jaxrl_mismatch.train.config_overrides import load_config, parse_overrides
 
-    c = load_config(args.config, overrides)
+    c = load_config(args.config, parse_overrides(rest, PROG))
     validate(c)
     check_paths(c)
     check_warmstart_args(c)
@@ -131,7 +120,13 @@ def _run(c, accept_changes: bool) -> int:
         if key in summary:
             print(f"train: {key}: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(summary[key].items())), flush=True)
     if c.log.report and jax.process_index() == 0:
-        from jaxrl_mismatch.report.plot import make_report
+        from jaxrl_mismatch.report.plot import check_figure_out, make_report
 
-        print(f"train: report written to {make_report(c.run_dir)}", flush=True)
+        out = os.path.join(c.run_dir, "report.png")
+        try:  # as `report` does: never over a symbolic link or a file another tool wrote
+            check_figure_out("config.log.report", out)
+        except UsageError as e:  # the run itself finished and is checkpointed: say so, keep its exit code
+            print(f"train: report not written: {e}", file=sys.stderr, flush=True)
+            return 0
+        print(f"train: report written to {make_report(c.run_dir, out)}", flush=True)
     return 0

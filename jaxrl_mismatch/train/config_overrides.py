@@ -32,6 +32,22 @@ def load_config(path: str, overrides: Sequence[tuple[str, str]] = ()) -> ml_coll
     return c
 
 
+def parse_overrides(args: Sequence[str], prog: str) -> list[tuple[str, str]]:
+    """(`a.b`, text) of each `--config.a.b=text` or `--config.a.b text` in `args` (the command line after the
+    flags); UsageError naming `prog` for anything else or a missing value. `train` and the launchers read one way."""
+    overrides, it = [], iter(args)
+    for item in it:
+        if not item.startswith("--config."):
+            raise UsageError(f"{prog}: unrecognised argument {item!r} (see --help)")
+        key, eq, value = item[len("--config."):].partition("=")
+        if not eq:
+            value = next(it, None)
+            if value is None:
+                raise UsageError(f"{prog}: --config.{key} needs a value (--config.{key}=VALUE)")
+        overrides.append((key, value))
+    return overrides
+
+
 def _literal(text: str) -> Any:
     try:
         return ast.literal_eval(text)

@@ -318,9 +318,14 @@ def test_train_moves_a_damaged_newest_checkpoint_aside_and_resumes_bit_for_bit(r
     data = sorted((run / "checkpoints" / "4" / "state").rglob("d/*"), key=lambda p: -p.stat().st_size)[0]
     _damage(data, "truncate")
     cfg = config_file(tmp_path / "cfg.py", _model_of(reference), run)
-    out = cli("train", "--config", str(cfg))
+    # The user's symbolic link where the end-of-run report goes: kept, and its target too (was replaced by a file).
+    (tmp_path / "mine.png").write_bytes(b"not a figure")
+    (run / "report.png").symlink_to(tmp_path / "mine.png")
+    out = cli("train", "--config", str(cfg), "--config.log.report=true")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+    assert (run / "report.png").is_symlink() and (tmp_path / "mine.png").read_bytes() == b"not a figure"
+    assert "train: report not written: config.log.report" in out.stderr and "symbolic link" in out.stderr
     warnings = [line for line in out.stderr.splitlines() if "moved it to 4.damaged-" in line]
     assert len(warnings) == 1 and "checkpoints/4" in warnings[0], out.stderr[-3000:]
     aside = [n for n in os.listdir(run / "checkpoints") if n.startswith("4.damaged-")]
