@@ -207,9 +207,24 @@ def unknown_field(path: str, known: Sequence[str]) -> ConfigError:
 
 
 def check_schema(c: ml_collections.ConfigDict) -> None:
-    """Every field of `c` exists in `base_config()` (open sections excepted); ConfigError naming a stray one."""
-    known = flatten(base_config())
-    for path in flatten(c):
+    """`c` has the fields of `base_config()`, no more and no fewer (open sections take any key but are sections),
+    and none whose default is not None is None (the checks and the trainer compare and read them); ConfigError
+    naming a missing, None or stray field (`--config.log={}` dropped fields the trainer then failed to read)."""
+    known, have = flatten(base_config()), flatten(c)
+    for path, default in known.items():
+        if path not in have:
+            raise ConfigError(f"config.{path}: missing field")
+        if have[path] is None and default is not None:
+            what = ("True or False" if isinstance(default, bool) else "a number" if isinstance(default, (int, float))
+                    else "a string" if isinstance(default, str) else f"a {type(default).__name__}")
+            raise ConfigError(f"config.{path}: must be {what}, got None")
+    for path in OPEN_SECTIONS:
+        section = c
+        for part in path.split("."):
+            section = section[part]
+        if not isinstance(section, (dict, ml_collections.ConfigDict)):
+            raise ConfigError(f"config.{path}: must be a section (a dict), got {section!r}")
+    for path in have:
         if path not in known:
             raise unknown_field(path, list(known))
 

@@ -16,8 +16,7 @@ import ml_collections
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
-from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS, ConfigError, base_config, check_schema,
-                                         exact_forward_enabled, flatten)
+from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, is_run_dir
 from jaxrl_mismatch.usage import SEED_LIMIT, UsageError, host_port, listing
@@ -80,7 +79,6 @@ def _get(c: ml_collections.ConfigDict, path: str):
 
 def validate(c: ml_collections.ConfigDict) -> None:
     """Check every field that can be checked without loading anything; raise ConfigError naming it."""
-    _check_present(c)
     check_schema(c)
     _check_types_and_ranges(c)
     _check_sampling(c)
@@ -88,24 +86,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _check_exact_and_replay(c)
     _check_rollout_and_batch(c)
     _check_registries(c)
-
-
-def _check_present(c: ml_collections.ConfigDict) -> None:
-    """Every field of `base_config()` is there (a config may not drop one, e.g. `--config.log={}`), and one
-    whose default is not None is not None (the checks and the trainer compare and read them)."""
-    have = flatten(c)
-    for path, default in flatten(base_config()).items():
-        if path not in have:
-            raise ConfigError(f"config.{path}: missing field")
-        v = have[path]
-        if v is None and default is not None:
-            what = ("True or False" if isinstance(default, bool) else "a number" if isinstance(default, (int, float))
-                    else "a string" if isinstance(default, str) else f"a {type(default).__name__}")
-            raise ConfigError(f"config.{path}: must be {what}, got None")
-    for path in OPEN_SECTIONS:  # these take any key, but are sections
-        v = _get(c, path)
-        if not isinstance(v, (dict, ml_collections.ConfigDict)):
-            raise ConfigError(f"config.{path}: must be a section (a dict), got {v!r}")
 
 
 def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
@@ -389,9 +369,7 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
     if c.task.name != "arithmetic":
         for split in (c.task.train_split, c.task.val_split):
             path = c.task.files[split]
-            for p in [path] if isinstance(path, str) else list(path):
-                if not isinstance(p, str) or not p:  # os.path.isfile(1) tests file descriptor 1
-                    raise ConfigError(f"config.task.files.{split}: must be a path (or a list of paths), got {path!r}")
+            for p in [path] if isinstance(path, str) else list(path):  # paths: `validate` checked their type
                 if not os.path.isfile(p):
                     what = "is a directory; expected a JSONL file" if os.path.isdir(p) else "does not exist"
                     raise ConfigError(f"config.task.files.{split}: {p} {what}")
