@@ -499,6 +499,7 @@ def _warm_start(spec: Spec) -> None:
 
 
 OUT_MARKER = ".jaxrl-mismatch-compare"
+OUTPUT_FILES = ("table.md", "table.json", "compare.png")  # what `write_outputs` writes into OUT
 
 
 _SEED_DIR = re.compile(r"^seed_(0|[1-9]\d*)$")
@@ -573,7 +574,9 @@ def check_out(spec: Spec) -> None:
     """UsageError unless `spec.out` may hold this grid: new, empty, or a compare output — its marker, or (one
     written before the marker) nothing but what is provably compare's: this spec's variant folders holding only
     runs compare started (`_is_compare_run`), and its table.md / table.json / compare.png / warmstart.log (their
-    content is compare's). A user's folder is never written into (its table.md would be overwritten). Reads only."""
+    content is compare's). A user's folder is never written into (its table.md would be overwritten), and in a marked
+    folder a symbolic link or a folder at one of `OUTPUT_FILES` is refused (the rename into place would replace the
+    user's link). Reads only."""
     out = spec.out
     if os.path.islink(out):
         raise _error(spec.path, "out", f"{out} is a symbolic link; give the directory it points to")
@@ -582,7 +585,15 @@ def check_out(spec: Spec) -> None:
     if not os.path.isdir(out):
         return
     entries = sorted(os.listdir(out))
-    if not entries or OUT_MARKER in entries:
+    if OUT_MARKER in entries:  # compare's own folder: still, the files it replaces must be plain files
+        for name in OUTPUT_FILES:
+            path = os.path.join(out, name)
+            if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
+                kind = "a symbolic link" if os.path.islink(path) else "not a file"
+                raise _error(spec.path, "out", f"{path} is {kind}; compare replaces it with its own {name}: move it "
+                             "out of the way (nothing was changed)")
+        return
+    if not entries:
         return
     foreign = next((f for e in entries if (f := _not_compares(out, e, list(spec.variants))) is not None), None)
     if foreign is None:

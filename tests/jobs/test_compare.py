@@ -530,3 +530,27 @@ def test_grid_runs_end_to_end_resumes_and_reports_a_failed_run(base_model, tmp_p
     log = (out / "cosine" / "seed_0" / compare.LOG_FILE).read_text()
     assert log.count("=== attempt") == 2 and "train: finished steps 2 → 2" in log
     assert [r["step"] for r in read_jsonl(str(out / "cosine" / "seed_0" / "metrics.jsonl"))] == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("name", compare.OUTPUT_FILES)
+@pytest.mark.parametrize("kind", ["link", "folder"])
+def test_a_link_or_folder_at_an_output_file_of_a_marked_folder_is_refused(tmp_path, fake_model, name, kind):
+    """In compare's own (marked) folder, a symbolic link at table.md was replaced by the rename into place: the
+    user's link deleted, its target left as it was. A link or a folder there is refused; nothing changes."""
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model))
+    assert compare.main([str(spec_path), "--table-only"]) == 0
+    out = tmp_path / "out"
+    target = tmp_path / "mine.txt"
+    target.write_text("mine\n")
+    (out / name).unlink(missing_ok=True)
+    if kind == "link":
+        (out / name).symlink_to(target)
+    else:
+        (out / name).mkdir()
+    before = sorted((p.name, p.is_symlink()) for p in out.iterdir())
+    for flags in (["--table-only"], ["--dry-run"]):
+        with pytest.raises(UsageError, match=rf"out: {out / name} is "
+                                             rf"{'a symbolic link' if kind == 'link' else 'not a file'}; compare "
+                                             rf"replaces it with its own {name}: move it out of the way"):
+            compare.main([str(spec_path), *flags])
+    assert sorted((p.name, p.is_symlink()) for p in out.iterdir()) == before and target.read_text() == "mine\n"
