@@ -32,20 +32,19 @@ def _jsonable(v: Any) -> Any:
 class RunWriter:
     """Writes each step's scalars to `<run_dir>/metrics.jsonl` and TensorBoard event files.
 
-    On resume the JSONL file is truncated to the records before the resumed step, so a restarted run
-    never shows a step twice.
+    On resume the JSONL file is cut back to the lines before the resumed step, so a restarted run never shows
+    a step twice; every other line is kept as it was (`_lines_before`).
     """
 
     def __init__(self, run_dir: str, *, resume_from_step: int | None = None, tensorboard: bool = True) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         if resume_from_step is not None and os.path.exists(self.path):
-            kept = [r for r in read_jsonl(self.path) if r.get("step", -1) < resume_from_step]
+            kept = _lines_before(self.path, resume_from_step)
             tmp = self.path + ".tmp"  # a sibling renamed into place: a crash leaves the old file or the new one
             try:
-                with open(tmp, "w") as f:
-                    for r in kept:
-                        f.write(json.dumps(r) + "\n")
+                with open(tmp, "wb") as f:
+                    f.writelines(kept)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
@@ -91,6 +90,30 @@ def _is_step(step: Any) -> bool:
     return isinstance(step, int) and not isinstance(step, bool) and -MAX_STEP < step < MAX_STEP
 
 
+def _parse(raw: bytes) -> Any:
+    """The JSON value of one line, or None if it is not one."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, int digits limit
+        return None
+
+
+def _lines_before(path: str, step: int) -> list[bytes]:
+    """The lines of a metrics.jsonl a run resumed at `step` keeps: all but the step records of `step` and later,
+    byte for byte. A line that is not a step record (a torn last line, a record whose "step" is no integer) is
+    kept, ended by a newline so the next record starts a line of its own: `report` names it when it skips it.
+    (The records were read with the unchecked reader: a "step" of "3" stopped the resume with a TypeError, and
+    every line that was not a JSON object was dropped.)"""
+    kept = []
+    with open(path, "rb") as f:
+        for raw in f:
+            obj = _parse(raw)
+            if isinstance(obj, dict) and _is_step(obj.get("step")) and obj["step"] >= step:
+                continue
+            kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    return kept
+
+
 def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[dict], list[int]]:
     """(the records of a metrics.jsonl, the line numbers skipped). A record is a JSON object, with an integer
     "step" (|step| < 2**63) if `require_step`; anything else (a torn line, non-UTF-8 bytes, another JSON value,
@@ -100,10 +123,7 @@ def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[di
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, int digits limit
-                obj = None
+            obj = _parse(raw)
             step = obj.get("step") if isinstance(obj, dict) else None
             if isinstance(obj, dict) and (not require_step or _is_step(step)):
                 records.append(obj)

@@ -37,15 +37,11 @@ def test_resume_cut_back_that_fails_half_way_leaves_the_records_as_they_were(tmp
         w.write(s, {"x": float(s)})
     w.close()
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    calls = []
 
-    def failing_dumps(obj, *a, **k):
-        calls.append(obj)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return json.dumps(obj, *a, **k)
+    def full_disk(fd):  # the temporary is written; making it durable fails, as on a full disk
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(runlog.json, "dumps", failing_dumps)
+    monkeypatch.setattr(runlog.os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space"):
         RunWriter(str(tmp_path), resume_from_step=3, tensorboard=False)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
@@ -82,3 +78,17 @@ def test_report_writes_png_with_surge(tmp_path):
 def test_report_errors_on_missing_run(tmp_path):
     with pytest.raises(UsageError, match="not a run directory"):
         make_report(str(tmp_path))
+
+def test_resume_keeps_every_line_that_is_not_a_later_step_record(tmp_path):
+    """The resume's cut-back read the records with the unchecked reader: a "step" of "3" stopped it with a
+    TypeError, and the lines that were not JSON objects (a note, a torn last line) were dropped. Now only the
+    step records of the resumed step and later go; every other line stays byte for byte."""
+    p = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": 0, "x": 1.0}), json.dumps({"step": "3", "x": 2.0}), "a note of mine",
+             json.dumps({"step": 1, "x": 0.5}), json.dumps({"step": 3, "x": 9.0}), json.dumps({"step": 2, "x": 3.0})]
+    p.write_text("\n".join(lines) + "\n" + '{"step": 4, "x"')  # ... and a torn last line
+    w = RunWriter(str(tmp_path), resume_from_step=3, tensorboard=False)
+    w.write(3, {"x": 7.0})
+    w.close()
+    assert p.read_text().splitlines() == [*lines[:4], lines[5], '{"step": 4, "x"', json.dumps({"step": 3, "x": 7.0})]
+    assert [r["step"] for r in read_jsonl(str(p))] == [0, "3", 1, 2, 3]
