@@ -143,6 +143,8 @@ def call_file_function(path: str, function: str, label: str, *args: Any) -> Any:
         return fn(*args)
     except UsageError:
         raise
+    except SystemExit as e:  # sys.exit() in the file ended the command with its code and no word of why
+        raise UsageError(f"{label}: cannot load it: it called sys.exit({e.code!r})") from None
     except Exception as e:  # noqa: BLE001 - a broken user file is bad input: one line naming it
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
         raise UsageError(f"{label}: cannot load it{where}: {type(e).__name__}: {e}") from None
