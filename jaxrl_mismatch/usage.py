@@ -10,6 +10,7 @@ is an `EnvironmentFailure`, printed the same way with its own exit code (`EXIT_C
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -133,7 +134,9 @@ def call_file_function(path: str, function: str, label: str, *args: Any) -> Any:
     one UsageError starting with `label` (e.g. "--config FILE")."""
     if not os.path.isfile(path):
         raise UsageError(f"{label}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
-    spec = importlib.util.spec_from_file_location(f"_jaxrl_file_{abs(hash(os.path.abspath(path)))}", path)
+    name = f"_jaxrl_file_{abs(hash(os.path.abspath(path)))}"
+    # The loader is named: for a file not ending in .py, spec_from_file_location finds none and returns None.
+    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.SourceFileLoader(name, path))
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

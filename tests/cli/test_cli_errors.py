@@ -221,6 +221,9 @@ def test_broken_config_file_is_one_line(tmp_path):
     exits = tmp_path / "exits.py"  # exited 3 with no word of why
     exits.write_text("import sys\n\ndef get_config():\n    sys.exit(3)\n")
     assert_one_line_error(cli("train", "--config", str(exits)), f"--config {exits}: cannot load it: it called sys.exit(3)")
+    text = tmp_path / "config.txt"  # a file not ending in .py: an AttributeError traceback (no loader found)
+    text.write_text("def get_config(:\n")
+    assert_one_line_error(cli("train", "--config", str(text)), f"--config {text}", "line 1")
 
 
 def test_report_names_skipped_lines_and_refuses_garbage_and_bad_outputs(tmp_path):
