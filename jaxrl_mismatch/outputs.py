@@ -84,12 +84,14 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
     """UsageError unless `path` may receive an output directory of `kind` (see module doc)."""
     if not path:
         raise UsageError(f"{flag}: empty path")
+    shown, path = path, os.path.abspath(path)  # what `staged_dir` renames: "LINK/" is the link LINK itself
     if os.path.islink(path):  # replacing it would delete the user's link and leave its target as it was
-        raise UsageError(f"{flag} {path}: is a symbolic link; give the directory it points to "
+        raise UsageError(f"{flag} {shown}: is a symbolic link; give the directory it points to "
                          f"({os.path.realpath(path)}) or a new path")
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a file, not a directory; choose a new directory")
-    _parent_writable(flag, path)
+        raise UsageError(f"{flag} {shown}: is a file, not a directory; choose a new directory")
+    _parent_writable(flag, shown)
+    flag = f"{flag} {shown}"
     if not os.path.isdir(path):
         return
     entries = sorted(os.listdir(path))
@@ -97,21 +99,21 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
         return
     if marker_name(kind) in entries:
         if not force:
-            raise UsageError(f"{flag} {path}: already holds the output of an earlier `jaxrl-mismatch {kind}`; "
+            raise UsageError(f"{flag}: already holds the output of an earlier `jaxrl-mismatch {kind}`; "
                              "pass --force to replace it, or choose a new directory")
         foreign = _foreign_entries(path, kind)
         if foreign is None:
-            raise UsageError(f"{flag} {path}: its earlier `jaxrl-mismatch {kind}` output does not list its files, "
+            raise UsageError(f"{flag}: its earlier `jaxrl-mismatch {kind}` output does not list its files, "
                              "so --force cannot tell them from files added since; remove it yourself, or choose "
                              "a new directory (nothing was changed)")
         if foreign:
-            raise UsageError(f"{flag} {path}: holds files the earlier `jaxrl-mismatch {kind}` did not write "
+            raise UsageError(f"{flag}: holds files the earlier `jaxrl-mismatch {kind}` did not write "
                              f"({listing(foreign)}); --force replaces only its own output: move them out or choose a new "
                              "directory (nothing was changed)")
         if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            raise UsageError(f"{flag} {path}: cannot replace it: its parent directory is not writable")
+            raise UsageError(f"{flag}: cannot replace it: its parent directory is not writable")
         return
-    raise UsageError(f"{flag} {path}: is a non-empty directory not written by `jaxrl-mismatch {kind}` "
+    raise UsageError(f"{flag}: is a non-empty directory not written by `jaxrl-mismatch {kind}` "
                      f"(holds {listing(entries)}); choose a new or empty directory (nothing was changed; --force "
                      f"only replaces an earlier {kind} output)")
 
@@ -166,6 +168,10 @@ def check_out_file(flag: str, path: str, *, ours: Callable[[str], bool], what: s
     would replace the user's link with a file and leave its target as it was."""
     if not path:
         raise UsageError(f"{flag}: empty path")
+    if path.endswith(("/", os.sep)) or os.path.basename(path) in (".", ".."):
+        # "FILE/" is not FILE to the checks below (no link, no file there), but `staged_file` would replace FILE
+        raise UsageError(f"{flag} {path}: names a directory (it ends in {os.path.basename(path) or '/'!r}); "
+                         "expected a file path")
     if os.path.islink(path):
         raise UsageError(f"{flag} {path}: is a symbolic link; give the file it points to "
                          f"({os.path.realpath(path)}) or a new path (nothing was changed)")

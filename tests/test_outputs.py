@@ -75,3 +75,40 @@ def test_an_output_file_that_is_a_symlink_is_refused_and_kept(tmp_path, force):
     with pytest.raises(UsageError, match="is a symbolic link"):
         check_out_file("--out", str(dangling), ours=lambda _: True, what="", force=force)
     assert link.is_symlink() and target.read_bytes() == b"ours" and dangling.is_symlink()
+
+
+def test_a_symlink_given_with_a_trailing_slash_is_refused_before_any_work(tmp_path):
+    """`--out LINK/` passed the up-front check (LINK/ is the directory behind the link, not a link) and the job ran
+    to the end, to be refused at the rename, which works on the link itself."""
+    from jaxrl_mismatch.outputs import check_out_dir
+
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for given in (f"{link}/", f"{link}//", f"{link}/."):
+        with pytest.raises(UsageError, match=rf"^--out {given}: is a symbolic link; give the directory it points to"):
+            check_out_dir("--out", given, KIND, force=True)
+    assert link.is_symlink() and not list(real.iterdir())
+    check_out_dir("--out", f"{real}/", KIND, force=False)  # a real empty directory, slash or not, is taken
+
+
+@pytest.mark.parametrize("force", [None, False, True])
+def test_an_output_file_given_with_a_trailing_slash_is_refused(tmp_path, force):
+    """`--out FILE/` named no file to the checks (no link, nothing at FILE/), and the rename into place replaced
+    FILE: a user's file, the command's own input, a link — even without --force."""
+    from jaxrl_mismatch.outputs import check_out_file, staged_file
+
+    mine = tmp_path / "precious.txt"
+    mine.write_text("precious\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(mine)
+    for given in (f"{mine}/", f"{link}/", f"{tmp_path / 'new.txt'}/", f"{mine}/."):
+        with pytest.raises(UsageError, match=rf"^--out {given}: names a directory \(it ends in '(/|\.)'\); "
+                                             r"expected a file path$"):
+            check_out_file("--out", given, ours=lambda _: False, what="", force=force)
+    assert mine.read_text() == "precious\n" and link.is_symlink()
+    assert not (tmp_path / "new.txt").exists()
+    with staged_file(str(tmp_path / "new.txt")) as tmp:  # a plain new path still works
+        open(tmp, "w").write("x")
+    assert (tmp_path / "new.txt").read_text() == "x"
