@@ -4,7 +4,8 @@ What it guarantees its caller (normally `rollout.session.RolloutSession`, which 
 
 - **Ready before use.** The constructor waits for the standard gRPC health check to report SERVING.
 - **Transient failures are retried** (UNAVAILABLE; DEADLINE_EXCEEDED except for Generate, whose abandoned work the
-  server stops, and which would only outrun its deadline again) with exponential backoff; every
+  server stops, and which would only outrun its deadline again; RESOURCE_EXHAUSTED marked `server-busy`, a server
+  whose `--max-concurrent-generates` other callers fill) with exponential backoff; every
   call has a deadline. Generate is safe to repeat: with a fixed seed it is deterministic.
 - **A server known to be gone is not waited for twice.** Once a call has spent its whole retry budget on
   UNAVAILABLE, later calls try once until one succeeds (or `wait_until_ready` sees the server again): the
@@ -51,9 +52,11 @@ from jaxrl_mismatch.rollout.protocol import (
     MAX_MESSAGE_BYTES,
     NON_FINITE,
     NON_FINITE_DETAIL_KEY,
+    SERVER_BUSY,
     SERVICE_NAME,
     SHM_UNREACHABLE,
     Limits,
+    is_printable_ascii,
     weight_chunks,
     wire_dtype,
 )
@@ -70,6 +73,14 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+
+def _error_kind(e: grpc.RpcError) -> str | None:
+    """The server's `jaxrl-error` trailing metadata, if any."""
+    try:
+        return dict(e.trailing_metadata() or ()).get(ERROR_KIND_KEY)
+    except Exception:  # noqa: BLE001 - an RpcError that is not a call (no trailing metadata) has no kind
+        return None
 
 
 class RolloutError(RuntimeError):
@@ -134,10 +145,11 @@ class RolloutClient:
 
     Args:
       target: "host:port" of the server.
-      token: shared token for UpdateWeights/Shutdown (None: read-only client).
+      token: shared token for UpdateWeights/Shutdown (None: read-only client); printable ASCII (gRPC metadata),
+        else ValueError naming `token`.
       timeout_s: deadline of GetInfo/Shutdown and of each UpdateWeights stream.
       generate_timeout_s: deadline of one Generate call.
-      retry: backoff policy for UNAVAILABLE / DEADLINE_EXCEEDED.
+      retry: backoff policy for UNAVAILABLE / DEADLINE_EXCEEDED / a busy server (RESOURCE_EXHAUSTED `server-busy`).
       max_staleness: completions more than this many versions older than the last pushed version raise
         StaleCompletionError; None accepts all (tag = `Completion.weight_version`).
       wait_ready_s: wait this long for the health check at construction; None skips the wait.
@@ -164,6 +176,10 @@ class RolloutClient:
     ):
         if weight_transport not in shm.TRANSPORTS:
             raise ValueError(f"weight_transport: {weight_transport!r} is not one of {shm.TRANSPORTS}")
+        if token is not None and not is_printable_ascii(token):
+            # gRPC refuses such metadata at every push ("Invalid metadata"); say so once, here, without the token.
+            raise ValueError("token: must be printable ASCII (it travels as gRPC metadata 'authorization: Bearer "
+                             "<token>'); the one given has other characters")
         self.target = target
         self._token = token
         self._timeout_s = timeout_s
@@ -225,7 +241,8 @@ class RolloutClient:
                 return out
             except grpc.RpcError as e:
                 code = e.code()
-                if code not in _RETRYABLE:
+                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and _error_kind(e) == SERVER_BUSY
+                if code not in _RETRYABLE and not busy:
                     raise self._translate(what, e) from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and not retry_deadline:
                     raise RolloutError(f"{what} on {self.target}: DEADLINE_EXCEEDED after {attempts} attempt(s): "
@@ -247,7 +264,8 @@ class RolloutClient:
                     delay = None
                 if delay is None:
                     self._unreachable = code == grpc.StatusCode.UNAVAILABLE
-                    raise RolloutError(f"{what} on {self.target}: {code.name} after {attempts} attempts: {e.details()}", code=code) from None
+                    raise RolloutError(f"{what} on {self.target}: {code.name} after {attempts} attempts: {e.details()}",
+                                       code=code, kind=_error_kind(e)) from None
                 log.warning("%s on %s: %s (%s); retrying in %.2fs", what, self.target, code.name, e.details(), delay)
                 time.sleep(delay)
 

@@ -30,6 +30,30 @@ NON_FINITE_DETAIL_KEY = "jaxrl-non-finite"  # "prompt,sample,position,value,weig
 WEIGHT_RELOAD_FAILED = "weight-reload-failed"  # INTERNAL; the previous weights stay in service
 ENGINE_UNUSABLE = "engine-unusable"  # FAILED_PRECONDITION; the server must be restarted
 SHM_UNREACHABLE = "shm-unreachable"  # FAILED_PRECONDITION on UpdateWeightsShm: push over UpdateWeights instead
+# RESOURCE_EXHAUSTED on Generate: `serve --max-concurrent-generates` calls are in progress. Clients retry it like
+# UNAVAILABLE; a RESOURCE_EXHAUSTED without it is gRPC's own message-size limit, which no retry can fix.
+SERVER_BUSY = "server-busy"
+
+
+def is_printable_ascii(token: str) -> bool:
+    """Whether `token` can travel as gRPC metadata (`authorization: Bearer <token>`): printable ASCII only."""
+    return all(" " <= c <= "~" for c in token)
+
+
+def token_from_bytes(raw: bytes) -> str:
+    """The shared token in `raw` (a token file's or $JAXRL_ROLLOUT_TOKEN's bytes), surrounding whitespace removed;
+    ValueError if there is none, or if it is not printable ASCII: it travels as gRPC metadata, which must be
+    ASCII (with any other byte a server would start, and then no client could ever push). The message gives the
+    offending byte's position only, never the token."""
+    raw = raw.strip()
+    if not raw:
+        raise ValueError("is empty or unset")
+    bad = next((i for i, b in enumerate(raw) if not 0x20 <= b <= 0x7E), None)
+    if bad is not None:
+        raise ValueError(f"the token must be printable ASCII (it travels as gRPC metadata); the byte at offset {bad} "
+                         "is not (`openssl rand -hex 16` makes a good one)")
+    return raw.decode("ascii")
+
 
 # Lines `jaxrl-mismatch serve` prints (JSON payload after the prefix); the ready payload is also written
 # atomically to `--ready-file`, which is what a launcher polls.

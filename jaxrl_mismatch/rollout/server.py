@@ -30,11 +30,19 @@ An engine's own failures are mapped so that the client knows what state the serv
 
 FAILED_PRECONDITION rather than UNAVAILABLE for an unusable engine: clients retry UNAVAILABLE, and no
 retry can succeed against this process; only a restart (which reloads the checkpoint) can.
+
+Capacity. At most `max_concurrent_generates` Generate calls run at once (`--max-concurrent-generates`); one more
+is answered RESOURCE_EXHAUSTED with `jaxrl-error: server-busy` (the client retries it with backoff). The thread
+pool has `RESERVED_WORKERS` threads beyond that cap, so health checks, GetInfo, weight pushes and Shutdown are
+answered however long the generations run (before, all RPCs shared 8 threads: 8 long Generates made the health
+check time out, as if the server were dead, and the trainer could not push). A push waits for the update lock
+only while its caller still waits: one whose caller went away (deadline, cancel) is dropped, never applied late.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import hmac
 import json
@@ -70,6 +78,7 @@ from jaxrl_mismatch.rollout.protocol import (
     NON_FINITE,
     NON_FINITE_DETAIL_KEY,
     READY_PREFIX,
+    SERVER_BUSY,
     SERVICE_NAME,
     SHM_UNREACHABLE,
     TOKEN_ENV,
@@ -77,6 +86,8 @@ from jaxrl_mismatch.rollout.protocol import (
     Limits,
     completions_to_proto,
     info_to_proto,
+    is_printable_ascii,
+    token_from_bytes,
 )
 from jaxrl_mismatch.rollout import shm
 from jaxrl_mismatch.rollout.validation import (
@@ -90,6 +101,10 @@ from jaxrl_mismatch.rollout.validation import (
 log = logging.getLogger(__name__)
 
 
+DEFAULT_MAX_CONCURRENT_GENERATES = 8  # the old pool's size: whatever ran concurrently before still does
+RESERVED_WORKERS = 8  # threads beyond the Generate cap: health, GetInfo, pushes (one applies, others wait), Shutdown
+_LOCK_POLL_S = 0.05  # how often a push waiting for the update lock checks that its caller still waits
+
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -101,8 +116,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Validates every call, then delegates to the engine; the engine is attached once it has loaded."""
 
     def __init__(self, *, token: str, limits: Limits, stop_event: threading.Event,
-                 on_engine_unusable: Callable[[], None] | None = None):
+                 on_engine_unusable: Callable[[], None] | None = None,
+                 max_concurrent_generates: int = DEFAULT_MAX_CONCURRENT_GENERATES):
+        if not is_printable_ascii(token):
+            raise ValueError("token: must be printable ASCII (gRPC metadata carries it)")
+        if max_concurrent_generates < 1:
+            raise ValueError(f"max_concurrent_generates: must be >= 1, got {max_concurrent_generates}")
         self._token = token.encode()
+        self._max_generates = max_concurrent_generates
         self._limits = limits
         self._stop_event = stop_event
         self._on_engine_unusable = on_engine_unusable
@@ -112,7 +133,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.server_id = uuid.uuid4().hex
         self.shm_host_id = shm.host_id()  # "" where same-host shared memory is not offered
         self._shm_reader = shm.ShmReader()
-        self._generating = 0  # Generate handlers inside the engine, which `wait_generations` waits out
+        self._generating = 0  # Generate handlers admitted (at most the cap), which `wait_generations` waits out
         self._generating_cv = threading.Condition()
 
     def attach(self, engine: Engine) -> None:
@@ -147,6 +168,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         log.error("engine failed in %s", rpc, exc_info=e)
         context.abort(grpc.StatusCode.INTERNAL, f"engine error in {rpc}: {type(e).__name__}: {e}")
 
+    @staticmethod
+    def _caller_gone(context: grpc.ServicerContext, rpc: str, when: str) -> None:
+        """End a push whose caller went away (cancelled, deadline passed, its request stream failed, or the server
+        is stopping): one log line, nothing applied; the weights and version in service stay."""
+        log.warning("%s: the caller went away %s (cancelled, deadline passed, or the server is stopping); "
+                    "nothing applied", rpc, when)
+        context.abort(grpc.StatusCode.CANCELLED, f"{rpc}: the call ended {when}; nothing applied")
+
+    @contextlib.contextmanager
+    def _update_turn(self, context: grpc.ServicerContext, rpc: str) -> Iterator[None]:
+        """Hold the update lock (one push at a time keeps versions monotone), waiting for it only while the caller
+        still waits: a push whose caller gave up behind a slow push is dropped and frees its thread, instead of
+        being applied later to a trainer that saw it fail."""
+        while not self._update_lock.acquire(timeout=_LOCK_POLL_S):
+            if not context.is_active():
+                self._caller_gone(context, rpc, "while it waited for another push")
+        try:
+            if not context.is_active():
+                self._caller_gone(context, rpc, "while it waited for another push")
+            yield
+        finally:
+            self._update_lock.release()
+
     def _authenticate(self, context: grpc.ServicerContext) -> None:
         md = dict(context.invocation_metadata())
         got = md.get("authorization", "")
@@ -157,26 +201,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     # -- RPCs --------------------------------------------------------------------------------------
     def Generate(self, request, context):
         engine = self._require_engine(context)
+        with self._generating_cv:  # admission: the cap keeps threads free for health, GetInfo and pushes
+            admitted = self._generating < self._max_generates
+            if admitted:
+                self._generating += 1
+        if not admitted:
+            context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"Generate: the server is busy: {self._max_generates} Generate calls are in progress "
+                          f"(serve --max-concurrent-generates {self._max_generates}); retry later")
         try:
-            prompts, spec = parse_generate(request, engine.info(), self._limits)
-        except RequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        cancelled = threading.Event()  # set when the RPC ends early: its deadline, a cancel, the server stopping
-        context.add_callback(cancelled.set)
-        with self._generating_cv:
-            self._generating += 1
-        try:
-            completions = engine.generate_cancellable(prompts, spec, cancelled)
-            # Whatever the engine, a non-finite μ never leaves the server.
-            check_finite_logprobs(completions)
-        except GenerationCancelled as e:  # nobody is waiting for the answer: the work stopped, nothing to send
-            context.abort(grpc.StatusCode.CANCELLED, f"Generate stopped: {e}")
-        except NonFiniteLogprobsError as e:
-            detail = f"{e.prompt},{e.sample},{e.position},{e.value},{e.weight_version}"
-            context.set_trailing_metadata(((ERROR_KIND_KEY, NON_FINITE), (NON_FINITE_DETAIL_KEY, detail)))
-            context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except Exception as e:  # an engine failure must not look like a transport error to the client
-            self._abort_engine_failure(context, "Generate", e)
+            try:
+                prompts, spec = parse_generate(request, engine.info(), self._limits)
+            except RequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            cancelled = threading.Event()  # set when the RPC ends early: its deadline, a cancel, the server stopping
+            context.add_callback(cancelled.set)
+            try:
+                completions = engine.generate_cancellable(prompts, spec, cancelled)
+                # Whatever the engine, a non-finite μ never leaves the server.
+                check_finite_logprobs(completions)
+            except GenerationCancelled as e:  # nobody is waiting for the answer: the work stopped, nothing to send
+                context.abort(grpc.StatusCode.CANCELLED, f"Generate stopped: {e}")
+            except NonFiniteLogprobsError as e:
+                detail = f"{e.prompt},{e.sample},{e.position},{e.value},{e.weight_version}"
+                context.set_trailing_metadata(((ERROR_KIND_KEY, NON_FINITE), (NON_FINITE_DETAIL_KEY, detail)))
+                context.abort(grpc.StatusCode.INTERNAL, str(e))
+            except Exception as e:  # an engine failure must not look like a transport error to the client
+                self._abort_engine_failure(context, "Generate", e)
         finally:
             with self._generating_cv:
                 self._generating -= 1
@@ -196,14 +248,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
         self._authenticate(context)
         engine = self._require_engine(context)
-        with self._update_lock:
+        with self._update_turn(context, "UpdateWeights"):
             assembler = TensorAssembler(engine.weight_specs(), engine.info().weight_version)
             try:
                 for chunk in request_iterator:
                     assembler.add(chunk)
                 tensors, version = assembler.finish()
+            except grpc.RpcError:  # the stream broke: the client cancelled, its deadline passed, its iterator raised
+                self._caller_gone(context, "UpdateWeights", "mid-stream")
+            except ValueError as e:  # RequestError
+                if _ends_soon(context):  # a stream cut short by the caller's departure is not a bad request
+                    self._caller_gone(context, "UpdateWeights", "mid-stream")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if not context.is_active():
+                self._caller_gone(context, "UpdateWeights", "before the weights were applied")
+            try:
                 self._apply(engine, tensors, version)
-            except ValueError as e:  # RequestError, or the engine's own rejection
+            except ValueError as e:  # the engine's own rejection, or another set under the version in service
                 # The engine contract: a rejected update leaves the old weights and version in service.
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except Exception as e:
@@ -218,7 +279,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         engine = self._require_engine(context)
         if not self.shm_host_id:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not offer shared-memory weight sync")
-        with self._update_lock:
+        with self._update_turn(context, "UpdateWeightsShm"):
             try:
                 tensors = self._shm_reader.read(request, engine.weight_specs(), engine.info().weight_version)
             except RequestError as e:
@@ -227,6 +288,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 context.set_trailing_metadata(((ERROR_KIND_KEY, SHM_UNREACHABLE),))
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the trainer's shared memory "
                               f"(pid {request.pid}, fd {request.fd}): {e.strerror}; push over UpdateWeights")
+            if not context.is_active():  # its deadline passed while the buffer was hashed and checked
+                self._caller_gone(context, "UpdateWeightsShm", "before the weights were applied")
             try:
                 self._apply(engine, tensors, request.version)  # the engine copies: the views die with this call
             except ValueError as e:
@@ -250,19 +313,35 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.ShutdownResponse()
 
 
+def _ends_soon(context: grpc.ServicerContext, wait_s: float = 0.5) -> bool:
+    """Whether the call ends within `wait_s`: a stream whose caller left (its iterator raised, its deadline passed)
+    can look merely short to the handler a moment before gRPC marks the call inactive; only a malformed request
+    from a caller still waiting pays the wait."""
+    deadline = time.monotonic() + wait_s
+    while context.is_active():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 class RolloutServer:
     """A bound gRPC server with its servicer and health service; usable in-process (tests, benchmarks)."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str, limits: Limits = Limits(), max_workers: int = 8):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str, limits: Limits = Limits(),
+                 max_concurrent_generates: int = DEFAULT_MAX_CONCURRENT_GENERATES):
         self.stop_event = threading.Event()
         self.servicer = RolloutServicer(
             token=token, limits=limits, stop_event=self.stop_event,
             # An unusable engine turns health NOT_SERVING, so supervisors and new clients see it.
             on_engine_unusable=lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
+            max_concurrent_generates=max_concurrent_generates,
         )
         self.health = health.HealthServicer()
+        # More threads than Generate may hold (module doc, "Capacity"): the others answer while generations run.
+        workers = max_concurrent_generates + RESERVED_WORKERS
         self._grpc = grpc.server(
-            concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout"),
+            concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout"),
             options=GRPC_OPTIONS,
         )
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.servicer, self._grpc)
@@ -319,23 +398,26 @@ def load_engine(name: str, model_dir: str, dtype: str, max_model_len: int | None
 
 
 def read_token(token_file: str | None) -> str:
-    """The shared token from `--token-file` or $JAXRL_ROLLOUT_TOKEN; UsageError naming the source if none."""
+    """The shared token from `--token-file` or $JAXRL_ROLLOUT_TOKEN; UsageError naming the source if none, or if it
+    is not printable ASCII (it travels as gRPC metadata, which must be ASCII: with any other byte the server would
+    start and then no client could ever push)."""
     if token_file:
         try:
-            with open(existing_file("--token-file", token_file)) as f:
-                token = f.read().strip()
+            with open(existing_file("--token-file", token_file), "rb") as f:
+                raw = f.read()
         except OSError as e:
             raise UsageError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
         source = f"--token-file {token_file}"
     else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
+        raw = os.fsencode(os.environ.get(TOKEN_ENV, ""))  # the variable's bytes, undecodable ones included
         source = f"${TOKEN_ENV}"
-    if not token:
-        raise UsageError(
-            f"{source} is empty or unset; UpdateWeights and Shutdown need a shared token: "
-            f"pass --token-file PATH or set {TOKEN_ENV}"
-        )
-    return token
+    try:
+        return token_from_bytes(raw)
+    except ValueError as e:
+        if raw.strip():
+            raise UsageError(f"{source}: {e}") from None
+        raise UsageError(f"{source} is empty or unset; UpdateWeights and Shutdown need a shared token: "
+                         f"pass --token-file PATH or set {TOKEN_ENV}") from None
 
 
 READY_FILE_MARK = {"written_by": "jaxrl-mismatch serve"}  # in every ready file: what a later serve may replace
@@ -436,6 +518,9 @@ def build_parser() -> ArgumentParser:
                    "max_position_embeddings)")
     p.add_argument("--max-request-prompt-tokens", type=int, default=Limits.max_request_prompt_tokens)
     p.add_argument("--max-request-completion-tokens", type=int, default=Limits.max_request_completion_tokens)
+    p.add_argument("--max-concurrent-generates", type=int, default=DEFAULT_MAX_CONCURRENT_GENERATES, metavar="N",
+                   help="Generate calls served at once; one more is answered RESOURCE_EXHAUSTED (clients retry). "
+                        "Health checks, GetInfo and weight pushes always have threads of their own")
     p.add_argument("--ready-file", default=None, help="also write the ready JSON here (atomically)")
     p.add_argument("--grace-s", type=float, default=5.0, help="grace period for in-flight calls on shutdown")
     p.add_argument("--exit-with-parent", action="store_true",
@@ -447,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     existing_dir("--model", args.model)
     _check_host(args.host)
-    for flag in ("max_model_len", "max_request_prompt_tokens", "max_request_completion_tokens"):
+    if args.max_model_len is not None and args.max_model_len < 2:  # engine.resolve_max_model_len's rule, before loading
+        raise UsageError(f"--max-model-len: must be >= 2 (one prompt and one completion token), "
+                         f"got {args.max_model_len}")
+    for flag in ("max_request_prompt_tokens", "max_request_completion_tokens", "max_concurrent_generates"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
@@ -471,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     _check_port_free(args.host, args.port)  # port 0 too: binding it tests the address
     try:
-        server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits)
+        server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits,
+                               max_concurrent_generates=args.max_concurrent_generates)
     except (OSError, RuntimeError) as e:
         raise UsageError(f"--host {args.host} --port {args.port}: cannot bind ({e}); is the port in use?") from None
     # Signal handlers only flip the event; the main thread does the stop, outside signal context.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import weakref
 from collections.abc import Mapping
 
@@ -139,7 +140,8 @@ class ShmReader:
              ) -> dict[str, np.ndarray]:
         """Read-only views of the pushed tensors, hash and tensors verified; valid until the next `read`.
 
-        Raises RequestError naming the field for anything `UpdateWeights` would refuse too, and OSError
+        Raises RequestError naming the field for anything `UpdateWeights` would refuse too, or `fd` when the
+        descriptor is no regular file (a FIFO, a device: opened without blocking, never mapped), and OSError
         when the file cannot be opened (another host or user: the client falls back to gRPC).
         """
         if msg.version < 1:
@@ -155,9 +157,14 @@ class ShmReader:
         return _tensors(msg, buf, specs)
 
     def _mapping(self, msg: rollout_pb2.ShmWeights) -> mmap.mmap:
-        fd = os.open(f"/proc/{msg.pid}/fd/{msg.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        path = f"/proc/{msg.pid}/fd/{msg.fd}"
+        # O_NONBLOCK: the descriptor named may be a FIFO with no writer (or a device), whose blocking open would
+        # never return while the caller holds the server's update lock; O_NOCTTY: nor may a terminal become ours.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a memfd is a regular file; a FIFO, socket or device cannot be mapped
+                raise RequestError("fd", f"{path} is {_file_kind(st.st_mode)}, not a shared-memory file")
             if msg.size < 1 or msg.size > st.st_size:
                 raise RequestError("size", f"{msg.size} bytes announced, the shared-memory file has {st.st_size}")
             key = (st.st_dev, st.st_ino, st.st_size)
@@ -177,6 +184,14 @@ class ShmReader:
             except BufferError:  # an engine kept a view: unmapped when that view is collected
                 pass
         self._map, self._key = None, None
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return kind
+    return f"a file of type {stat.S_IFMT(mode):#o}"
 
 
 def _tensors(msg: rollout_pb2.ShmWeights, buf: np.ndarray, specs: dict[str, TensorSpec]) -> dict[str, np.ndarray]:

@@ -425,19 +425,27 @@ class Trainer:
 
 def _read_token(token_file: str) -> str:
     """The shared token of an external server: `rollout.token_file`, else $JAXRL_ROLLOUT_TOKEN."""
-    from jaxrl_mismatch.rollout.protocol import TOKEN_ENV
+    from jaxrl_mismatch.rollout.protocol import TOKEN_ENV, token_from_bytes
 
     if token_file:
         if not os.path.isfile(token_file):
             raise ConfigError(f"config.rollout.token_file: {token_file} does not exist")
-        with open(token_file) as f:
-            token = f.read().strip()
+        try:
+            with open(token_file, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ConfigError(f"config.rollout.token_file: {token_file}: cannot read it ({e.strerror})") from None
+        source = f"config.rollout.token_file: {token_file}"
     else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
+        raw = os.fsencode(os.environ.get(TOKEN_ENV, ""))
+        source = f"${TOKEN_ENV} (config.rollout.token_file is unset)"
+    try:
+        return token_from_bytes(raw)
+    except ValueError as e:
+        if raw.strip():
+            raise ConfigError(f"{source}: {e}") from None
         raise ConfigError(f"config.rollout.token_file: an external rollout server (rollout.address) needs the "
-                          f"shared token for weight pushes; set rollout.token_file or ${TOKEN_ENV}")
-    return token
+                          f"shared token for weight pushes; set rollout.token_file or ${TOKEN_ENV}") from None
 
 
 class _Progress:
