@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._args import ArgumentParser, positive_int, nonneg_int  # noqa: E402
+from benchmarks._args import ArgumentParser, check_model, description, positive_int, nonneg_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative, write_json  # noqa: E402
 
 # (module, attribute path, phase name): the functions timed.
@@ -112,17 +112,24 @@ def pin_server(run_dir: Path, core: int, stop: threading.Event) -> None:
         stop.wait(0.5)
 
 
-def profile(staleness: int, a, work: Path) -> dict:
-    """One run of `a.steps` steps at `staleness`; the per-step phase and thread times of the timed steps."""
+def demo_config(model: str):
+    """The demo config (`configs/tiny_cpu.py`) with `model.path` = `model`."""
     sys.path.insert(0, str(REPO / "configs"))
     from tiny_cpu import get_config
 
+    c = get_config()
+    c.model.path = str(model)
+    return c
+
+
+def profile(staleness: int, a, work: Path) -> dict:
+    """One run of `a.steps` steps at `staleness`; the per-step phase and thread times of the timed steps."""
     from jaxrl_mismatch.train import loop
     from jaxrl_mismatch.train.config_checks import check_paths, validate
 
     run_dir = work / f"staleness_{staleness}"
-    c = get_config()
-    c.run_dir, c.model.path, c.steps = str(run_dir), str(a.model), a.steps
+    c = demo_config(a.model)
+    c.run_dir, c.steps = str(run_dir), a.steps
     c.rollout.max_staleness = staleness
     c.eval.every = c.checkpoint.every = 0
     c.log.progress = c.log.report = c.log.tensorboard = False
@@ -189,18 +196,24 @@ def table(results: dict) -> str:
 
 
 def main() -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--staleness", type=nonneg_int, nargs="+", default=[0, 1], help="modes to profile (0: synchronous)")
     ap.add_argument("--steps", type=positive_int, default=20)
     ap.add_argument("--warmup", type=nonneg_int, default=3)
-    ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"), help="the demo's warm-started policy")
+    ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"),
+                    help="the demo's warm-started policy (jaxrl-mismatch train --config configs/tiny_cpu.py writes it)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "async_profile.json"))
     ap.add_argument("--mode", type=nonneg_int, default=None, help=argparse.SUPPRESS)  # one mode, in a pinned child
     a = ap.parse_args()
+    a.model = os.path.abspath(a.model)
+    if a.mode is not None:  # the child: the parent checked every flag and --out, and writes the result
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        with tempfile.TemporaryDirectory() as tmp:
+            print("RESULT " + json.dumps(profile(a.mode, a, Path(tmp))), flush=True)
+        return 0
     check_out("--out", a.out, __file__)
-    if not (Path(a.model) / "config.json").exists():
-        print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start, or pass --model)", file=sys.stderr)
-        return 2
     if a.steps <= a.warmup:
         print(f"error: --steps: {a.steps} leaves no timed step after --warmup {a.warmup}", file=sys.stderr)
         return 2
@@ -210,13 +223,10 @@ def main() -> int:
     if (os.cpu_count() or 1) < 2:
         print("error: trainer and server are pinned to cores 0 and 1; this machine has 1", file=sys.stderr)
         return 2
-    if a.mode is not None:  # the child: profile one mode, print its JSON
-        import logging
-
-        logging.basicConfig(level=logging.WARNING)
-        with tempfile.TemporaryDirectory() as tmp:
-            print("RESULT " + json.dumps(profile(a.mode, a, Path(tmp))), flush=True)
-        return 0
+    # the demo's warm-started policy (`jaxrl-mismatch train --config configs/tiny_cpu.py` writes it), checked as
+    # `train` checks it: a folder that is no usable model is one line here, not a failed child after minutes
+    check_model("--model", a.model, demo_config(a.model), missing="run the demo's warm start (jaxrl-mismatch train "
+                "--config configs/tiny_cpu.py writes runs/tiny_cpu_base) or pass --model")
     load_at_start, results = os.getloadavg(), {}
     for s in a.staleness:  # each mode in a fresh process: the wrappers, the XLA caches and threads are its own
         out = subprocess.run(["taskset", "-c", "0", sys.executable, __file__, "--mode", str(s), "--steps", str(a.steps),

@@ -30,7 +30,7 @@ thirds (a batch whose Generate calls straddled pushes). Four scorers, interleave
 once per lag (before `train/row_scoring.py`) or only the lag's rows (now); medians. `prepare`'s own θ_old forward (packed) is the `bypass` part's "θ_old forward" row.
 
 Prints a table and writes docs/results/async_rollouts.{json,md} (`--part bypass` / `behaviour` alone:
-async_rollouts_<part>.{json,md}; `--out` another stem). The target (issue 20): ≥ 1.4× the
+async_rollouts_<part>.{json,md}; `--out STEM` writes STEM.json and STEM.md). The target (issue 20): ≥ 1.4× the
 synchronous step rate at staleness 1 on 2 cores. Timings are only meaningful on an otherwise idle machine.
 """
 
@@ -50,10 +50,41 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._args import ArgumentParser, positive_int, nonneg_int  # noqa: E402
-from benchmarks._paths import check_out, repo_relative, write_json, write_text  # noqa: E402
+from benchmarks._args import ArgumentParser, check_model, description, positive_int, nonneg_int  # noqa: E402
+from benchmarks._paths import check_out, repo_relative, write_json  # noqa: E402
 
 MODES = {"sync": 0, "staleness_1": 1, "staleness_2": 2}
+SUFFIXES = (".json", ".md")  # what a results stem gets
+
+
+def result_path(flag: str, out: str) -> Path:
+    """The JSON path of the results stem `out` (`STEM.json`, its table `STEM.md`): a name ending in the script's
+    own suffix (.json or .md) loses it, any other is kept whole (`res_v1.2` writes `res_v1.2.json`, not
+    `res_v1.json`). A directory, or a name ending in a slash, is refused: one line naming `flag`, exit 2 (it
+    wrote `adir.json` beside the folder `adir/`)."""
+    from jaxrl_mismatch.usage import UsageError, exit_on_usage_error
+
+    def check() -> Path:
+        if not out.strip():
+            raise UsageError(f"{flag}: empty path")
+        if os.path.isdir(out) or out.endswith(("/", os.sep)):
+            raise UsageError(f"{flag} {out}: names a directory; give a results stem (the script writes STEM.json and "
+                             "STEM.md), e.g. a path inside it")
+        suffix = Path(out).suffix
+        return Path(out[: -len(suffix)] if suffix in SUFFIXES else out)
+
+    stem = exit_on_usage_error(check)
+    return stem.with_name(stem.name + ".json")
+
+
+def demo_config(model: str):
+    """The demo config (`configs/tiny_cpu.py`) with `model.path` = `model`."""
+    sys.path.insert(0, str(REPO / "configs"))
+    from tiny_cpu import get_config
+
+    c = get_config()
+    c.model.path = str(model)
+    return c
 
 
 def pin_server(run_dir: Path, core: int, stop: threading.Event, out: dict) -> None:
@@ -231,30 +262,38 @@ def table(loop: dict, bypass: dict | None, behaviour: dict | None = None) -> str
 
 
 def main() -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=positive_int, default=20, help="steps per mode (the first --warmup are not timed)")
-    ap.add_argument("--warmup", type=nonneg_int, default=3)
-    ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"), help="the demo's warm-started policy")
+    ap = ArgumentParser(description=description(__doc__))
+    ap.add_argument("--steps", type=positive_int, default=20,
+                    help="loop part: steps per mode (the first --warmup are not timed)")
+    ap.add_argument("--warmup", type=nonneg_int, default=3, help="loop part: steps left out of the timing")
+    ap.add_argument("--model", default=str(REPO / "runs" / "tiny_cpu_base"),
+                    help="the demo's warm-started policy (jaxrl-mismatch train --config configs/tiny_cpu.py writes it)")
     ap.add_argument("--part", choices=("all", "loop", "bypass", "behaviour"), default="all")
-    ap.add_argument("--bypass-repeats", type=positive_int, default=10)
+    ap.add_argument("--bypass-repeats", type=positive_int, default=10,
+                    help="bypass and behaviour parts: timed batches")
     ap.add_argument("--note", default="", help="a line for the results file (e.g. the machine's load)")
-    ap.add_argument("--out", default=None, help="results stem (default docs/results/async_rollouts, or "
-                    "async_rollouts_<part> for --part bypass/behaviour alone: the loop's results stay)")
+    ap.add_argument("--out", default=None, help="results stem: writes STEM.json and STEM.md (a trailing .json or "
+                    ".md is dropped; default docs/results/async_rollouts, or async_rollouts_<part> for --part "
+                    "bypass/behaviour alone: the loop's results stay)")
     a = ap.parse_args()
     a.out = a.out or str(REPO / "docs" / "results" / ("async_rollouts" if a.part in ("all", "loop")
                                                       else f"async_rollouts_{a.part}"))
-    check_out("--out", Path(a.out).with_suffix(".json"), __file__, table=True)
+    out = result_path("--out", a.out)
+    check_out("--out", out, __file__, table=True)
     load_at_start = os.getloadavg()
-    if not (Path(a.model) / "config.json").exists():
-        print(f"error: --model: {a.model} holds no checkpoint (run the demo's warm start: jaxrl-mismatch train "
-              "--config configs/tiny_cpu.py, or pass --model)", file=sys.stderr)
-        return 2
-    if a.steps <= a.warmup:
+    # the trainer runs with cwd=REPO: a path relative to the caller's folder is made absolute before it is passed on
+    a.model = os.path.abspath(a.model)
+    runs_loop = a.part in ("all", "loop")
+    if runs_loop and a.steps <= a.warmup:
         print(f"error: --steps: {a.steps} leaves no timed step after --warmup {a.warmup}", file=sys.stderr)
         return 2
-    if (os.cpu_count() or 1) < 2:
+    if runs_loop and (os.cpu_count() or 1) < 2:
         print("error: the loop part pins trainer and server to cores 0 and 1; this machine has 1", file=sys.stderr)
         return 2
+    # the demo's warm-started policy (`jaxrl-mismatch train --config configs/tiny_cpu.py` writes it), checked as
+    # `train` checks it: a folder that is no usable model is one line here, not a traceback after minutes
+    check_model("--model", a.model, demo_config(a.model), missing="run the demo's warm start (jaxrl-mismatch train "
+                "--config configs/tiny_cpu.py writes runs/tiny_cpu_base) or pass --model")
     loop, bypass, behaviour = {}, None, None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -268,13 +307,14 @@ def main() -> int:
             behaviour = behaviour_saving(a)
     text = table(loop, bypass, behaviour)
     print(text)
-    result = {"loop": loop, "bypass": bypass, "behaviour": behaviour, "steps": a.steps, "warmup": a.warmup, "model": repo_relative(a.model),
+    result = {"part": a.part, "loop": loop, "bypass": bypass, "behaviour": behaviour,
+              # --steps / --warmup shape the loop part only (bypass and behaviour record their own repeats)
+              **({"steps": a.steps, "warmup": a.warmup} if loop else {}), "model": repo_relative(a.model),
               "note": a.note, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                           "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg()},
               "speedup_staleness_1": (loop["staleness_1"]["steps_per_s"] / loop["sync"]["steps_per_s"]) if loop else None}
-    out = Path(a.out)
-    write_json(out.with_suffix(".json"), result, __file__)
-    write_text(out.with_suffix(".md"), f"# Asynchronous rollouts ({f'{a.steps} steps per mode' if loop else f'--part {a.part}'})\n\n{a.note}\n\n{text}\n")
+    heading = f"{a.steps} steps per mode" if loop else f"--part {a.part}"
+    write_json(out, result, __file__, table=f"# Asynchronous rollouts ({heading})\n\n{a.note}\n\n{text}\n")
     return 0
 
 

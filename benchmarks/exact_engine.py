@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
+from benchmarks._args import ArgumentParser, description, positive_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
@@ -50,7 +50,7 @@ DEMO_SHAPE = dict(architecture="Qwen3ForCausalLM", vocab_size=32, hidden_size=12
 
 
 def main() -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--prompts", type=positive_int, default=32)
     ap.add_argument("--n", type=positive_int, default=8)
     ap.add_argument("--prompt-len", type=positive_int, default=30)
@@ -134,7 +134,6 @@ def main() -> int:
               "cpu_count": os.cpu_count(), "load_average_1min": load, "canonical_length": length,
               "config": repo_relative_args(vars(a)), "results": results}
     write_json(a.out, result, __file__)
-    print(f"wrote {a.out}")
     return 0
 
 

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int, positive_float  # noqa: E402
+from benchmarks._args import ArgumentParser, check_fits, description, positive_int, positive_float  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch.models.exact import EXACT_CHUNK  # noqa: E402
 
@@ -46,13 +46,14 @@ def barrier_division(h, w, t):  # as models.exact.chunk_logprobs does it
 
 
 def main() -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--vocab", type=positive_int, default=151936)
     ap.add_argument("--hidden", type=positive_int, default=1024)
     ap.add_argument("--rounds", type=positive_int, default=30)
     ap.add_argument("--temperature", type=positive_float, default=0.7)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "exact_head_barrier.json"))
     args = ap.parse_args()
+    check_fits(ap, "--vocab × --hidden", 4 * args.vocab * args.hidden, "the float32 [--hidden, --vocab] LM head")
     check_out("--out", args.out, __file__)
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(args.hidden, args.vocab)).astype(np.float32) * 0.02)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
+from benchmarks._args import ArgumentParser, check_fits, description, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.models import load_hf, positions_from_mask, token_logprobs  # noqa: E402
 from jaxrl_mismatch.precision import policy  # noqa: E402
@@ -58,13 +58,15 @@ def _time(fn, iters: int) -> tuple[float, list[float]]:
 
 
 def main() -> None:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--batch", type=positive_int, default=2)
     ap.add_argument("--seq", type=positive_int, default=512)
     ap.add_argument("--iters", type=positive_int, default=5)
     ap.add_argument("--chunk-size", type=positive_int, default=128)
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/forward_throughput.json"))
     args = ap.parse_args()
+    check_fits(ap, "--batch × --seq", 4 * args.batch * args.seq * MODEL["vocab_size"],
+               f"the transformers side's float32 logits over the {MODEL['vocab_size']}-token vocabulary")
     check_out("--out", args.out, __file__)
 
     load_avg = os.getloadavg()[0]
@@ -134,7 +136,6 @@ def main() -> None:
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
     write_json(args.out, out, __file__)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

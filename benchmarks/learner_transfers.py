@@ -36,7 +36,7 @@ from jaxrl_mismatch.train import distributed  # noqa: E402
 from jaxrl_mismatch.train.minibatches import minibatch_order  # noqa: E402
 from jaxrl_mismatch.train.packing import pack_batch  # noqa: E402
 from jaxrl_mismatch.train.step import jit_update, place_batch  # noqa: E402
-from _args import ArgumentParser, positive_int  # noqa: E402
+from _args import ArgumentParser, description, positive_int  # noqa: E402
 from _paths import check_out, write_json  # noqa: E402
 from packing import DEMO_MODEL, SHAPES, learner_for, make_batch  # noqa: E402
 
@@ -95,7 +95,7 @@ def run(packing: bool, repeats: int, work: Path) -> dict:
 
 
 def main() -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--repeats", type=positive_int, default=10, help="timed steps per path after one compiling step")
     ap.add_argument("--packing", choices=("both", "on", "off"), default="both")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "learner_transfers.json"))
@@ -116,7 +116,6 @@ def main() -> int:
            "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32), demo batch [256, ~129]",
            "repeats": a.repeats, "results": results}
     write_json(a.out, out, __file__)
-    print(f"wrote {a.out}")
     return 0
 
 

@@ -26,10 +26,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
+from benchmarks._args import ArgumentParser, check_fits, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config, step_metrics, update_stats  # noqa: E402
-from jaxrl_mismatch.objectives import batch_constants, objective_config, policy_loss  # noqa: E402
+from jaxrl_mismatch.objectives import PRESETS, batch_constants, objective_config, policy_loss  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "metrics_overhead.json"
 
@@ -115,9 +115,13 @@ def main():
     ap.add_argument("--dim", type=positive_int, default=128)
     ap.add_argument("--hidden", type=positive_int, default=512)
     ap.add_argument("--repeats", type=positive_int, default=60)
-    ap.add_argument("--preset", default="grpo_token_tis")
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="grpo_token_tis", metavar="PRESET",
+                    help=f"objective preset, one of {', '.join(PRESETS)}")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = ap.parse_args()
+    check_fits(ap, "--batch × --seq × --vocab", 4 * args.batch * args.seq * args.vocab, "the float32 logits")
+    check_fits(ap, "--vocab × --dim", 4 * args.vocab * args.dim, "the float32 embedding")
+    check_fits(ap, "--dim × --hidden", 4 * args.dim * args.hidden, "the float32 MLP weight")
     check_out("--out", args.out, __file__)
 
     params = init_params(jax.random.key(0), args.vocab, args.dim, args.hidden)
@@ -162,7 +166,6 @@ def main():
           f"metrics alone: {med_alone / med_off * 100:.2f} % of the step   "
           f"({n_metrics} metrics, target ≤ 3 %, device {result['device']})")
     write_json(args.out, result, __file__)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

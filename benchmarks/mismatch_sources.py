@@ -32,8 +32,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
-from benchmarks._paths import check_out, repo_relative, repo_relative_args, write_json, write_text  # noqa: E402
+from benchmarks._args import ArgumentParser, check_model, description, positive_int  # noqa: E402
+from benchmarks._paths import check_out, repo_relative, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
 from jaxrl_mismatch.metrics.step import step_metrics  # noqa: E402
@@ -46,7 +46,7 @@ from jaxrl_mismatch.train.batch import from_completions  # noqa: E402
 from jaxrl_mismatch.train.config_overrides import load_config  # noqa: E402
 from jaxrl_mismatch.models.scoring import score_tokens  # noqa: E402
 from jaxrl_mismatch.train.task_data import TaskData  # noqa: E402
-from jaxrl_mismatch.usage import UsageError  # noqa: E402
+from jaxrl_mismatch.usage import UsageError, listing  # noqa: E402
 
 SIGMAS = (0.01, 0.02, 0.05, 0.1, 0.3, 1.0, 3.0)
 KEYS = ("mismatch/log_ppl_abs_diff", "mismatch/log_ppl_diff", "mismatch/rho_mean", "mismatch/rho_std",
@@ -65,6 +65,20 @@ def sources() -> list[dict]:
     return out
 
 
+def _check_warmstart_target(path: str) -> None:
+    """`--model` holds no config.json: it must be a folder the warm start may write (new or empty), else one line
+    naming --model (the warm start's own check named its `--out` and a `--force` this script does not have)."""
+    from jaxrl_mismatch.outputs import check_out_dir
+
+    if os.path.lexists(path) and not os.path.islink(path) and not os.path.isdir(path):
+        raise UsageError(f"--model {path}: is a file; expected a checkpoint directory, or a new or empty one to "
+                         "warm-start into")
+    if os.path.isdir(path) and not os.path.islink(path) and (entries := sorted(os.listdir(path))):
+        raise UsageError(f"--model {path}: has no config.json and is not empty (holds {listing(entries)}); expected "
+                         "a checkpoint directory, or a new or empty one to warm-start into (nothing was changed)")
+    check_out_dir("--model", path, "warmstart", force=False)  # a symbolic link, a parent it cannot write in
+
+
 def _warmstart(c) -> None:
     if os.path.isfile(os.path.join(c.model.path, "config.json")):
         return
@@ -76,7 +90,7 @@ def _warmstart(c) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--config", default=str(REPO / "configs" / "arith_length_cpu.py"))
     ap.add_argument("--model", default=None, help="HF checkpoint (default: the config's model.path, under the repo)")
     ap.add_argument("--prompts", type=positive_int, default=32, help="training prompts per seed (× the config's group_size)")
@@ -87,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.prompts < 1 or a.seeds < 1:
         raise UsageError("--prompts / --seeds: must be >= 1")
     c = load_config(a.config)
-    c.model.path = a.model or str(REPO / c.model.path)
-    _warmstart(c)
+    c.model.path = os.path.abspath(a.model) if a.model else str(REPO / c.model.path)
+    if not os.path.isfile(os.path.join(c.model.path, "config.json")):
+        _check_warmstart_target(c.model.path)
+        _warmstart(c)
+    check_model("--model", c.model.path, c)  # before anything is loaded or measured: one line, exit 2
     r = c.rollout
 
     _, model = load_hf(c.model.path, policy=precision.policy(c.trainer.precision, param_dtype="float32"))
@@ -139,11 +156,9 @@ def main(argv: list[str] | None = None) -> int:
               "config": {**repo_relative_args(vars(a)), "model": repo_relative(c.model.path), "group_size": r.group_size, "max_tokens": r.max_tokens,
                          "temperature": r.temperature}, "sources": sources(), "mean": mean, "per_seed": per_seed,
               "seconds": elapsed}
-    out = Path(a.out)
-    write_json(out, result, __file__)
-    write_text(out.with_suffix(".md"), f"# Mismatch sources vs the fp32 trainer ({Path(a.config).name})\n\n"
-           f"Written by `benchmarks/mismatch_sources.py`: {setup}.\n\n{table}")
-    print(f"wrote {out} and {out.with_suffix('.md')} ({elapsed:.0f} s)")
+    print(f"measured in {elapsed:.0f} s")
+    write_json(a.out, result, __file__, table=f"# Mismatch sources vs the fp32 trainer ({Path(a.config).name})\n\n"
+               f"Written by `benchmarks/mismatch_sources.py`: {setup}.\n\n{table}")
     return 0
 
 

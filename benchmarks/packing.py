@@ -37,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
+from benchmarks._args import ArgumentParser, description, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 
 import jax  # noqa: E402
@@ -170,7 +170,7 @@ def print_table(results: dict) -> None:
 
 
 def main() -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--shape", choices=(*SHAPES, "all"), default="all")
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help=f"timed steps per learner after one compiling step (default {REPEATS})")
@@ -189,7 +189,6 @@ def main() -> int:
            "config": "configs/tiny_cpu.py (4 minibatches x 2 microbatches, fp32)",
            "repeats": {n: a.repeats or REPEATS[n] for n in names}, "results": results}
     write_json(a.out, out, __file__)
-    print(f"wrote {a.out}")
     return 0
 
 

@@ -38,7 +38,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._args import ArgumentParser, positive_int  # noqa: E402
+from benchmarks._args import ArgumentParser, description, positive_int  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch.rollout.client import RolloutClient  # noqa: E402
 from jaxrl_mismatch.rollout.engine import SamplingSpec  # noqa: E402
@@ -47,7 +47,7 @@ SIZES = {
     # ~0.2M params: the test model's scale (head_dim 32: vLLM's CPU attention has no kernel for 16).
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32),
-    # ~10M params (40 MB in float32): enough bytes for a meaningful weight-sync rate.
+    # ~12.6M params (50.3 MB in float32, untied LM head): enough bytes for a meaningful weight-sync rate.
     "small": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=64),
 }
@@ -244,9 +244,9 @@ def bench_tcp_loopback(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=description(__doc__))
     p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--engines", default=",".join(available_engines()), help="comma-separated; default: all importable")
+    p.add_argument("--engines", default=",".join(available_engines()), help="comma-separated (default: every engine that imports here: %(default)s)")
     p.add_argument("--prompts", type=positive_int, default=8)
     p.add_argument("--n", type=positive_int, default=4)
     p.add_argument("--prompt-len", type=positive_int, default=32)
@@ -318,7 +318,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{d[path]['paired_ratio_median']:>13.3f}x")
     out = Path(args.out)
     write_json(out, results, __file__)
-    print(f"wrote {out}")
     return 0
 
 

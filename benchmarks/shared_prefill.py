@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int, nonneg_int  # noqa: E402
+from benchmarks._args import ArgumentParser, description, positive_int, nonneg_int  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.jobs.warmstart import tiny_config  # noqa: E402
@@ -67,7 +67,7 @@ def measure(model_dir: str, shape: str, repeats: int, seed: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--shapes", default="demo,long")
     ap.add_argument("--repeats", type=positive_int, default=7)
     ap.add_argument("--seed", type=nonneg_int, default=0)
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, {"config": repo_relative_args(vars(args)), "results": results,
                           "loadavg_before": load_before, "loadavg_after": load_after,
                           "machine": platform.machine(), "cpus": os.cpu_count()}, __file__)
-    print(f"wrote {args.out}")
     return 0
 
 

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
-from benchmarks._args import ArgumentParser, positive_int, positive_float  # noqa: E402
+from benchmarks._args import ArgumentParser, check_fits, description, positive_int, positive_float  # noqa: E402
 from benchmarks._paths import check_out, write_json  # noqa: E402
 from jaxrl_mismatch import precision  # noqa: E402
 from jaxrl_mismatch.models import ModelConfig, Transformer, save_hf  # noqa: E402
@@ -109,6 +109,16 @@ def make_batch(batch: int, seq: int, prompt_len: int, vocab: int, seed: int = 0)
     }
 
 
+def rel_diff(a: float, b: float) -> float:
+    """Relative difference of two values that should agree (our and PyTorch's step-1 grad norm):
+    |a − b| / max(|a|, |b|), in [0, 1] for two norms; 0 when both are 0 (an all-masked or zero-advantage batch has a zero
+    gradient on both sides: they agree). Symmetric, and never a division by zero (the earlier |a / b − 1| failed
+    with ZeroDivisionError after the whole measurement when PyTorch's norm was 0); for values that agree it is
+    |a / b − 1| to within that difference squared."""
+    scale = max(abs(a), abs(b))
+    return abs(a - b) / scale if scale > 0 else 0.0
+
+
 def torch_ppo_clip_loss(logp, old_logp, adv, mask):
     """Token PPO-clip, token-mean over response tokens: −Σ min(r·A, clip(r, 1±ε)·A) / Σ mask."""
     m = mask > 0
@@ -120,7 +130,7 @@ def torch_ppo_clip_loss(logp, old_logp, adv, mask):
 
 
 def main() -> None:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--batch", type=positive_int, default=4)
     ap.add_argument("--seq", type=positive_int, default=256)
     ap.add_argument("--prompt-len", type=positive_int, default=32)
@@ -139,6 +149,8 @@ def main() -> None:
         if not ok:
             print(f"error: {flag} must be {need}, got {value}", file=sys.stderr)
             sys.exit(2)
+    check_fits(ap, "--batch × --seq", 4 * args.batch * args.seq * MODEL["vocab_size"],
+               f"the PyTorch side's float32 logits over the {MODEL['vocab_size']}-token vocabulary")
     if args.out is None:
         args.out = str(REPO / "benchmarks/results" / ("update_step_exact.json" if args.exact_forward else "update_step.json"))
     check_out("--out", args.out, __file__)
@@ -264,7 +276,7 @@ def main() -> None:
     agreement = {
         f"step{i + 1}": {"jax": jax_log[i], "torch": torch_log[i],
                          "abs_diff_loss": abs(jax_log[i]["loss"] - torch_log[i]["loss"]),
-                         "rel_diff_grad_norm": abs(jax_log[i]["grad_norm"] / torch_log[i]["grad_norm"] - 1.0)}
+                         "rel_diff_grad_norm": rel_diff(jax_log[i]["grad_norm"], torch_log[i]["grad_norm"])}
         for i in range(WARMUP)
     }
 
@@ -308,6 +320,7 @@ def main() -> None:
         "ratio_jax_over_torch": jax_tps / torch_tps,
         "ratio_jax_over_torch_at_min": ratio_at_min,
         "agreement": agreement,
+        "rel_diff_definition": "|jax - torch| / max(|jax|, |torch|); 0 when both are 0",
         "lr_values": n_steps,
         "compiles_of_update": side_compiles["jax"],
         **({"compiles_of_exact_forward_update": side_compiles["jax_exact"]} if exact else {}),
@@ -323,7 +336,6 @@ def main() -> None:
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
     }
     write_json(args.out, out, __file__)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._args import ArgumentParser, positive_int, nonneg_int, positive_float  # noqa: E402
+from benchmarks._args import INT32_MAX, ArgumentParser, description, positive_int, nonneg_int, positive_float  # noqa: E402
 from benchmarks._paths import check_out, repo_relative_args, write_json, write_text  # noqa: E402
 
 SHAPES = {
@@ -108,6 +108,8 @@ def parse_batch_seq(text: str) -> list[tuple[int, int]]:
         m = re.fullmatch(r"\s*([1-9]\d*)x([1-9]\d*)\s*", item)
         if not m:
             raise argparse.ArgumentTypeError(f"expected BxS[,BxS...] with B, S >= 1, got {item!r}")
+        if max(int(m.group(1)), int(m.group(2))) > INT32_MAX:
+            raise argparse.ArgumentTypeError(f"B and S must be at most {INT32_MAX} (int32), got {item.strip()!r}")
         out.append((int(m.group(1)), int(m.group(2))))
     return out
 
@@ -363,7 +365,8 @@ def part_decode(args, work: Path) -> dict:
     _, model = load_hf(work / "ckpt", policy=precision.policy(preset))
     graphdef, state = nnx.split(model)
     b, alloc, steps = args.decode_batch, args.decode_alloc, args.decode_steps
-    fills = sorted({min(f, alloc - steps - 1) for f in (16, alloc // 16, alloc // 4, alloc // 2, alloc - 64)})
+    # filled lengths in 1..alloc − steps − 1 (main checks alloc >= steps + 2): the steps' new tokens fit after them
+    fills = sorted({max(1, min(f, alloc - steps - 1)) for f in (16, alloc // 16, alloc // 4, alloc // 2, alloc - 64)})
 
     # The cache is donated and returned (aliased in place), as in the engine's generation loop: no copy of
     # it per call, so the time is the decode steps' own.
@@ -474,26 +477,50 @@ PARTS = {"jax": part_jax, "torch": part_torch, "engine": part_engine, "decode": 
 
 
 def child_env(args) -> dict:
+    """The parts' environment: `--device` decides JAX's platform (an inherited JAX_PLATFORMS does not: with
+    JAX_PLATFORMS=cpu in the caller's environment `--device gpu` ran on the CPU and labelled the result gpu)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if args.device == "cpu":
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     else:
-        env.setdefault("JAX_PLATFORMS", "cuda")
+        env["JAX_PLATFORMS"] = "cuda"
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # one process per part owns the GPU
     return env
 
 
-def default_out(args) -> Path:
-    """`benchmarks/results/update_step_gpu_<device>_<shape>.json`, the device named as the parts name it; asked of
-    a short child with the parts' environment (the parent never initialises the GPU), so that the path is known
-    and checked before anything is measured."""
-    code = f"import jax, sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); " \
-           "from update_step_gpu import _device_name; print(_device_name(jax))"
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(args), cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: --device {args.device}: jax cannot start on it: "
-                         f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    device = proc.stdout.strip().splitlines()[-1]
+_PROBE = """import sys
+try:
+    import jax
+    dev = jax.devices()[0]
+except Exception as e:  # jax raises a bare AssertionError when no backend of JAX_PLATFORMS starts
+    print("PROBE-FAILED", (type(e).__name__ + ": " + str(e).strip().splitlines()[0]) if str(e).strip() else type(e).__name__)
+    sys.exit(3)
+print("PROBE", dev.platform, dev.device_kind if dev.platform == "gpu" else dev.platform)
+"""
+
+
+def probe_device(args) -> str:
+    """The device the parts will run on, named as they name it, asked of a short child with the parts' environment
+    (the parent never initialises the GPU), before anything is measured. `--device gpu` without a GPU JAX can use
+    is one line naming the flag, exit 2."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=child_env(args), cwd=REPO, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-1].split(" ", 2) if lines else []
+    if proc.returncode != 0 or len(last) != 3 or last[0] != "PROBE" or (args.device == "gpu") != (last[1] == "gpu"):
+        why = (lines[-1].removeprefix("PROBE-FAILED ") if lines else
+               (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1])
+        if args.device == "gpu":
+            print(f"error: --device gpu: JAX finds no GPU here (with JAX_PLATFORMS=cuda: {why}); run it where "
+                  "jax[cuda] sees a GPU, or pass --device cpu", file=sys.stderr)
+        else:
+            print(f"error: --device cpu: JAX cannot start on the CPU ({why})", file=sys.stderr)
+        sys.exit(2)
+    return last[2]
+
+
+def default_out(args, device: str) -> Path:
+    """`benchmarks/results/update_step_gpu_<device>_<shape>.json`, `device` as `probe_device` names it, so that
+    the path is known and checked before anything is measured."""
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     return REPO / f"benchmarks/results/update_step_gpu_{slug}_{args.shape}.json"
 
@@ -586,12 +613,14 @@ def print_table(args, summary: dict, results: dict) -> None:
               f"{t['packed']['min_s']:.3f} s (summed log-prob {t['unpacked']['value']:.2f} vs {t['packed']['value']:.2f})")
 
 
-def main() -> None:
-    ap = ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    ap = ArgumentParser(description=description(__doc__))
     ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--batch-seq", default=None, help="e.g. 8x2048,4x8192 (default depends on --shape)")
-    ap.add_argument("--parts", default="jax,torch,engine,decode,packing")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated, of {', '.join(PARTS)}; jax always runs (first: it writes the checkpoint "
+                         "and batches the others use)")
     ap.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--remat", choices=("auto", "none", "full", "save_dots", "offload"), default="auto")
     ap.add_argument("--attention-impl", choices=("auto", "xla", "cudnn", "chunked"), default="auto")
@@ -601,17 +630,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=positive_int, default=10)
     ap.add_argument("--engine-dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="default bfloat16 on gpu, float32 on cpu")
-    ap.add_argument("--gen-batch", type=positive_int, default=None)
-    ap.add_argument("--gen-prompt", type=positive_int, default=128)
-    ap.add_argument("--gen-tokens", type=positive_int, default=None)
-    ap.add_argument("--gen-repeats", type=positive_int, default=3)
-    ap.add_argument("--decode-alloc", type=positive_int, default=None, help="allocated cache slots of the decode sweep")
+    ap.add_argument("--gen-batch", type=positive_int, default=None, help="engine part: rows (default 64 gpu, 8 cpu)")
+    ap.add_argument("--gen-prompt", type=positive_int, default=128, help="engine part: prompt tokens per row")
+    ap.add_argument("--gen-tokens", type=positive_int, default=None,
+                    help="engine part: new tokens per row (default 512 gpu, 64 cpu)")
+    ap.add_argument("--gen-repeats", type=positive_int, default=3, help="engine part: timed calls")
+    ap.add_argument("--decode-alloc", type=positive_int, default=None,
+                    help="allocated cache slots of the decode sweep (default 8192; at least --decode-steps + 2)")
     ap.add_argument("--decode-batch", type=positive_int, default=None, help="rows of the decode sweep (default 16 gpu, 32 cpu)")
     ap.add_argument("--decode-steps", type=positive_int, default=16)
-    ap.add_argument("--decode-repeats", type=positive_int, default=5, help="timed runs per point (the fastest is kept)")
-    ap.add_argument("--peak-tflops", type=positive_float, default=None)
-    ap.add_argument("--hbm-tbps", type=positive_float, default=None)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--decode-repeats", type=positive_int, default=5,
+                    help="timed runs per decode point (the fastest is kept); also the packing part's timed runs")
+    ap.add_argument("--peak-tflops", type=positive_float, default=None,
+                    help="peak bf16 TFLOP/s for MFU (default: the datasheet figure of the device's name, DEVICE_SPECS)")
+    ap.add_argument("--hbm-tbps", type=positive_float, default=None,
+                    help="HBM TB/s for the engine's bound (default: the datasheet figure of the device's name)")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/update_step_gpu_<device>_<shape>.json, <device> as JAX names it")
     ap.add_argument("--_part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -626,18 +661,24 @@ def main() -> None:
         if unknown or not args.parts.strip(", "):
             ap.error(f"argument --parts: {', '.join(unknown) or 'none given'}: not a part; choose from "
                      f"{', '.join(PARTS)}")
+        steps = args.decode_steps
+        if "decode" in args.parts.replace(" ", "").split(",") and args.decode_alloc is not None \
+                and args.decode_alloc < steps + 2:
+            ap.error(f"argument --decode-alloc: {args.decode_alloc} slots cannot hold a filled length >= 1 and "
+                     f"--decode-steps {steps} more (+1): give at least {steps + 2}")
     args.engine_dtype = args.engine_dtype or ("bfloat16" if gpu else "float32")
     args.gen_batch = args.gen_batch or (64 if gpu else 8)
     args.gen_tokens = args.gen_tokens or (512 if gpu else 64)
-    args.decode_alloc = args.decode_alloc or 8192
+    args.decode_alloc = args.decode_alloc or max(8192, args.decode_steps + 2)
     # 64 rows x 8192 slots of Qwen3-0.6B is 60 GB of K/V; XLA:GPU's autotuner then needed 28 GB more (H100 OOM).
     args.decode_batch = args.decode_batch or (16 if gpu else 32)
 
     if args._part:  # a child: one part, result to <work>/<part>.json
         result = PARTS[args._part](args, Path(args._work))
         write_text(Path(args._work) / f"{args._part}.json", json.dumps(result))  # for the parent, not a result
-        return
-    out = Path(args.out) if args.out is not None else default_out(args)
+        return 0
+    device = probe_device(args)  # --device gpu without a GPU: one line, exit 2, before anything is measured
+    out = Path(args.out) if args.out is not None else default_out(args, device)
     check_out("--out", out, __file__)  # before anything is measured
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -650,10 +691,15 @@ def main() -> None:
     summary = summarise(args, results)
     print_table(args, summary, results)
     config = repo_relative_args({k: v for k, v in vars(args).items() if not k.startswith("_")})
-    write_json(out, {"config": config, "summary": summary, "parts": results,
+    failed = {name: r["error"] for name, r in results.items() if "error" in r}
+    write_json(out, {"config": config, "summary": summary, "parts": results, "failed_parts": sorted(failed),
                      "machine": platform.machine(), "cpus": os.cpu_count()}, __file__)
-    print(f"wrote {out}")
+    if failed:  # what was measured is kept (above); the run as a whole failed
+        print(f"error: {len(failed)} part(s) failed ({'; '.join(failed.values())}; their output is above): {out} "
+              f"holds the other parts' results and {{\"error\": ...}} for these", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

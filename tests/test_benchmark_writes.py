@@ -91,12 +91,12 @@ def test_a_benchmark_reruns_over_its_own_result(tmp_path):
     out = tmp_path / "async_profile.json"
     write_json(out, {"modes": {}}, BENCHMARKS / "async_profile.py")
     r = _run("async_profile.py", "--out", str(out), "--model", str(tmp_path / "none"))
-    assert r.returncode == 2 and r.stderr.startswith("error: --model:"), r.stderr
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --model {tmp_path / 'none'}: does not exist"), r.stderr
     write_json(tmp_path / "pair.json", {"loop": {}}, BENCHMARKS / "async_rollouts.py")
     write_text(tmp_path / "pair.md", "# Asynchronous rollouts\n")
     for stem in ("pair", "new"):  # its own result and table, and a new stem
         r = _run("async_rollouts.py", "--out", str(tmp_path / stem), "--model", str(tmp_path / "none"))
-        assert r.returncode == 2 and r.stderr.startswith("error: --model:"), r.stderr
+        assert r.returncode == 2 and r.stderr.startswith(f"error: --model {tmp_path / 'none'}: "), r.stderr
 
 
 def test_check_out_refuses_another_benchmarks_result_a_folder_and_a_foreign_file(tmp_path, capsys):
@@ -112,6 +112,49 @@ def test_check_out_refuses_another_benchmarks_result_a_folder_and_a_foreign_file
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"error: --out {path}: ") and err.count("\n") == 1
     assert json.loads(packing.read_text())["speedup"] == 2.0
+
+
+def test_write_json_checks_out_again_before_writing(tmp_path, capsys):
+    """--out is checked when the flags are parsed and again right before the result is written: a file or symbolic
+    link that appeared there while the benchmark measured is refused, one line, exit 2, and nothing is written (it
+    was replaced: the check ran only at the start)."""
+    script = BENCHMARKS / "exact_head_barrier.py"
+    out = tmp_path / "r.json"
+    check_out("--out", out, script)  # at the start: new, accepted
+    out.write_text("# my notes\n")  # ... then, while the benchmark runs, a file of the user's appears there
+    with pytest.raises(SystemExit) as e:
+        write_json(out, {"ratio": 1.0}, script)
+    err = capsys.readouterr()
+    assert e.value.code == 2 and err.out == "" and err.err.count("\n") == 1
+    assert err.err.startswith(f"error: --out {out}: already exists and is not a result of benchmarks/exact_head_barrier.py")
+    assert "checked again before writing the result: nothing was written" in err.err
+    assert out.read_text() == "# my notes\n"
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep\n")
+    link = tmp_path / "link.json"
+    check_out("--out", link, script)
+    link.symlink_to(target)  # a symbolic link: the rename would replace the link and leave its target as it was
+    with pytest.raises(SystemExit) as e:
+        write_json(link, {"ratio": 1.0}, script)
+    assert e.value.code == 2 and f"error: --out {link}: is a symbolic link" in capsys.readouterr().err
+    assert link.is_symlink() and target.read_text() == "keep\n"
+
+    # with a table: a foreign .md that appeared refuses both, before the JSON is written
+    pair = tmp_path / "pair.json"
+    check_out("--out", pair, script, table=True)
+    (tmp_path / "pair.md").write_text("# mine\n")
+    with pytest.raises(SystemExit) as e:
+        write_json(pair, {"ratio": 1.0}, script, table="| a |\n")
+    assert e.value.code == 2 and f"error: --out {tmp_path / 'pair.md'}: already exists" in capsys.readouterr().err
+    assert not pair.exists() and (tmp_path / "pair.md").read_text() == "# mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "link.json", "pair.md", "r.json"]
+
+    # the script's own earlier result (a rerun) is still replaced, and the file named
+    write_json(pair.with_name("own.json"), {"ratio": 1.0}, script)
+    write_json(pair.with_name("own.json"), {"ratio": 2.0}, script)
+    assert json.loads((tmp_path / "own.json").read_text())["ratio"] == 2.0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'own.json'}\n" * 2
 
 
 def test_every_committed_result_is_accepted_by_the_script_that_wrote_it():
