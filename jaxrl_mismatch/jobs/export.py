@@ -6,9 +6,10 @@ from the config saved in it (model architecture from the base checkpoint's confi
 (`models.save_hf`) and copies the base checkpoint's tokenizer and generation files, so transformers,
 vLLM and `jaxrl-mismatch serve` load the directory as they load the base model.
 
-`--out` must be new, empty, or an earlier export (replaced only with `--force`); the checkpoint is written
-into a temporary sibling and renamed into place (`outputs.staged_dir`), so a run directory or a user's
-folder is never emptied and a failed export leaves nothing behind. Without `--step`, a damaged newest
+`--out` must be new, empty, or an earlier export (replaced only with `--force`), and outside the run directory
+(paths compared resolved); the checkpoint is written into a temporary sibling and renamed into place
+(`outputs.staged_dir`), so a run directory or a user's folder is never emptied and a failed export leaves
+nothing behind. Without `--step`, a damaged newest
 checkpoint is skipped with a warning (the run directory is only read, never changed) and the newest
 readable one exported; an explicit damaged `--step` is refused by name (exit 4).
 """
@@ -125,11 +126,25 @@ def _scan_layers(c) -> bool:
 
 
 def _check_out(run_dir: str, out: str, force: bool) -> None:
-    """--out may not be, or contain, the run directory; and must be a new, empty or earlier export directory."""
-    run, target = os.path.realpath(run_dir), os.path.realpath(out)
-    if run == target or run.startswith(target.rstrip(os.sep) + os.sep):
-        raise UsageError(f"--out {out}: is {'the run directory' if run == target else 'a parent of the run directory'} "
-                         f"{run_dir}; choose a new directory")
+    """--out may not be the run directory, lie inside it (its checkpoints folder included, wherever a link there
+    leads) or contain it; and must be a new, empty or earlier export directory. Paths are compared resolved
+    (`realpath`): a link to the run, or a `..` back into it, is the run."""
+    if not out:
+        raise UsageError("--out: empty path; give the directory to write the HF checkpoint to")
+    target = os.path.realpath(out)
+    run = os.path.realpath(run_dir)
+    for root in dict.fromkeys((run, os.path.realpath(os.path.join(run_dir, "checkpoints")))):
+        what = "the run directory" if root == run else "the run's checkpoints directory"
+        if target == root:
+            where = what
+        elif target.startswith(root.rstrip(os.sep) + os.sep):
+            where = f"inside {what}"
+        elif root.startswith(target.rstrip(os.sep) + os.sep):
+            where = f"a parent of {what}"
+        else:
+            continue
+        raise UsageError(f"--out {out}: is {where} (RUN_DIR {run_dir}); export only reads the run, choose a "
+                         "directory outside it")
     check_out_dir("--out", out, "export", force=force)
 
 

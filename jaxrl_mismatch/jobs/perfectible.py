@@ -17,22 +17,46 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from typing import Any, Sequence
+
+import grpc
 
 from jaxrl_mismatch.data import get_task
 from jaxrl_mismatch.data.batching import generation_stop_ids, response_text, tokenize_prompts
 from jaxrl_mismatch.data.jsonl import read_task_file, write_jsonl
 from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
+from jaxrl_mismatch.data.templates import TEMPLATES
 from jaxrl_mismatch.rollout import SamplingSpec
 from jaxrl_mismatch.rollout.engine import ENGINE_DTYPES
 from jaxrl_mismatch.rollout.client import RolloutError
+from jaxrl_mismatch.rollout.protocol import MAX_MESSAGE_BYTES, RESPONSE_OVERHEAD_BYTES, Limits, prompt_response_bytes
 from jaxrl_mismatch.rollout.session import RolloutSession
+from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.outputs import check_out_file
 from jaxrl_mismatch.jobs._inputs import model_config, task_json
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, check_seed, existing_dir, existing_file, host_port
 
 PROG = "jaxrl-mismatch perfectible"
+INT32_MAX = 2**31 - 1
+
+
+def _config_field(c, label: str, field: str, kinds: tuple[type, ...]) -> Any:
+    """`field` ("a.b") of the config `c`; one line naming it when the config lacks it or it is of another type
+    (a partial config's missing `model.path` was an AttributeError, exit 1)."""
+    node = c
+    for part in field.split("."):
+        try:
+            node = node[part]
+        except (KeyError, TypeError, IndexError):
+            raise UsageError(f"{label}: missing field {field}") from None
+    mapping = Mapping in kinds and hasattr(node, "keys") and hasattr(node, "get")  # a ConfigDict is no Mapping
+    if not (isinstance(node, kinds) or mapping) or (isinstance(node, bool) and bool not in kinds):
+        names = " or ".join("None" if k is type(None) else "a mapping" if k is Mapping else k.__name__
+                            for k in kinds)
+        raise UsageError(f"{label}: {field} must be {names}, got {node!r}")
+    return node
 
 
 def parse_args(argv: Sequence[str]):
@@ -59,24 +83,40 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out file that an earlier perfectible run wrote (nothing else)")
     a = p.parse_args(argv)
-    file_flag = a.file
+    file_flag, split_flag, template_flag = a.file, a.split, a.template
     a.asked = {"--engine": a.engine, "--dtype": a.dtype}  # given on the command line: checked against --address
     c = None
     if a.config:
         from jaxrl_mismatch.train.config_overrides import load_config
 
         c = load_config(a.config)
-    pick = lambda flag, from_config, default: flag if flag is not None else (from_config(c) if c is not None else default)  # noqa: E731
-    a.model = pick(a.model, lambda c: c.model.path, None)
-    a.task = pick(a.task, lambda c: c.task.name, "arithmetic")
-    a.split = pick(a.split, lambda c: c.task.train_split, "train")
-    a.file = pick(a.file, lambda c: c.task.files.get(a.split), None)
-    a.template = pick(a.template, lambda c: c.task.template or None, None)
-    a.max_tokens = pick(a.max_tokens, lambda c: c.rollout.max_tokens, None)
-    a.temperature = pick(a.temperature, lambda c: c.rollout.temperature, 1.0)
-    a.engine = pick(a.engine, lambda c: c.rollout.engine, "jax")
-    a.dtype = pick(a.dtype, lambda c: c.rollout.dtype, "float32")
-    if a.model is None:
+    label = f"--config {(a.config or '').partition(':')[0]}"
+
+    def pick(flag, field: str, kinds: tuple[type, ...], default):
+        """The flag if given, else the config's `field` (one line naming it when missing or mistyped), else
+        `default`."""
+        if flag is not None:
+            return flag
+        return _config_field(c, label, field, kinds) if c is not None else default
+
+    a.model = pick(a.model, "model.path", (str,), None)
+    a.task = pick(a.task, "task.name", (str,), "arithmetic")
+    a.split = pick(a.split, "task.train_split", (str,), "train")
+    if a.file is None and c is not None and a.task != "arithmetic":
+        files = _config_field(c, label, "task.files", (Mapping,))
+        a.file = files.get(a.split)
+        if a.file is not None and not isinstance(a.file, str):
+            raise UsageError(f"{label}: task.files.{a.split} must be a path, got {a.file!r}")
+    a.template = pick(a.template, "task.template", (str, type(None)), None) or None
+    a.max_tokens = pick(a.max_tokens, "rollout.max_tokens", (int,), None)
+    a.temperature = pick(a.temperature, "rollout.temperature", (int, float), 1.0)
+    a.engine = pick(a.engine, "rollout.engine", (str,), "jax")
+    a.dtype = pick(a.dtype, "rollout.dtype", (str,), "float32")
+    for flag, field, value, valid in (("--engine", "rollout.engine", a.engine, ("jax", "vllm")),
+                                      ("--dtype", "rollout.dtype", a.dtype, ENGINE_DTYPES)):
+        if value not in valid:  # only a config's value can be another (argparse checks the flags' choices)
+            raise UsageError(f"{label}: {field} {value!r} is not one of {', '.join(valid)} (or pass {flag})")
+    if not a.model:
         raise UsageError(f"{PROG}: --model is required (or --config naming model.path)")
     existing_dir("--model", a.model)
     if a.max_tokens is None:
@@ -84,6 +124,11 @@ def parse_args(argv: Sequence[str]):
     for flag, value, low in (("--k", a.k, 1), ("--max-tokens", a.max_tokens, 1), ("--num", a.num, 0)):
         if value < low:
             raise UsageError(f"{PROG}: {flag} must be >= {low}, got {value}")
+        if value > INT32_MAX:  # the rollout protocol sends n and max_tokens as int32
+            raise UsageError(f"{PROG}: {flag} must be <= 2^31 - 1 ({INT32_MAX}), got {value}")
+    if a.template is not None and a.template not in TEMPLATES:
+        where = "--template" if template_flag is not None else f"{label}: task.template"
+        raise UsageError(f"{where} {a.template}: unknown prompt template; valid: {', '.join(sorted(TEMPLATES))}")
     if not 0.0 <= a.lo <= a.hi <= 1.0:
         raise UsageError(f"{PROG}: need 0 <= --lo <= --hi <= 1, got {a.lo}, {a.hi}")
     if not (math.isfinite(a.temperature) and a.temperature >= 0):
@@ -101,7 +146,13 @@ def parse_args(argv: Sequence[str]):
         if file_flag is not None:
             raise UsageError(f"--file {file_flag}: task 'arithmetic' generates its prompts and reads no file; pass "
                              "--task NAME (or --config) for a file-backed task")
+    elif file_flag is not None and split_flag is not None:  # the split only picks the config's file: ignored
+        raise UsageError(f"--split {split_flag}: --file {file_flag} gives the prompts itself (--split picks a "
+                         "file of --config's task.files, or a split of the arithmetic task); drop --split")
     elif not a.file:
+        if split_flag is not None and c is not None:
+            raise UsageError(f"--split {split_flag}: {label} names no file for it in task.files; pass --file PATH "
+                             "or another --split")
         raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
     else:
         existing_file("--file", a.file)
@@ -111,22 +162,36 @@ def parse_args(argv: Sequence[str]):
         host_port("--address", a.address)
     if a.file and os.path.lexists(a.out) and os.path.exists(a.file) and os.path.samefile(a.out, a.file):
         raise UsageError(f"--out {a.out}: is the input --file; write the kept prompts to a new file")
+    if a.force and os.path.isfile(a.out) and not os.path.islink(a.out) and not _has_content(a.out):
+        raise UsageError(f"--out {a.out}: is an empty file, and nothing in it shows it is an earlier output of "
+                         "perfectible (--force replaces only that); remove it yourself or choose a new path")
     if a.force and os.path.lexists(a.out) and not os.path.isdir(a.out) and not _is_perfectible_output(a.out):
         raise UsageError(f"--out {a.out}: --force replaces only an earlier output of perfectible (every line a JSON "
                          f"object with {OUTPUT_FIELDS[0]!r} and {OUTPUT_FIELDS[1]!r}); this file is not one, "
                          "choose a new path")
     check_out_file("--out", a.out, ours=lambda _: False, what="", force=a.force)
-    if not a.address:  # its own server loads --model: a damaged checkpoint is refused before it starts
-        model_config("--model", a.model)
+    # its own server loads --model: a damaged checkpoint is refused before it starts
+    a.model_cfg = None if a.address else model_config("--model", a.model)
     return a
 
 
 OUTPUT_FIELDS = ("initial_accuracy", "num_samples")  # what perfectible adds to every record it keeps
 
 
+def _has_content(path: str) -> bool:
+    """Whether the file holds anything but whitespace (unreadable: treated as content, refused as not ours)."""
+    try:
+        with open(path, "rb") as f:
+            return any(line.strip() for line in f)
+    except OSError:
+        return True
+
+
 def _is_perfectible_output(path: str) -> bool:
-    """Whether `path` is a file an earlier run wrote: JSON lines, each an object with the fields added here (an
-    empty file is one too: a run that kept no prompt writes it)."""
+    """Whether `path` is a file an earlier run wrote: JSON lines, at least one, each an object with the fields added
+    here. An empty file is not: nothing in it says whose it is (a run that kept no prompt writes one too, and
+    says so), and `--force` replaces only what is provably perfectible's."""
+    records = 0
     try:
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -134,30 +199,59 @@ def _is_perfectible_output(path: str) -> bool:
                     rec = json.loads(line)
                     if not (isinstance(rec, dict) and all(k in rec for k in OUTPUT_FIELDS)):
                         return False
+                    records += 1
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return True
+    return records > 0
+
+
+def check_request(a, longest: int, max_model_len: int, limits: Limits, served_by: str) -> None:
+    """UsageError naming --max-tokens or --k when the Generate requests this run sends could not be served: the
+    longest prompt plus --max-tokens past the context (`max_model_len`), --k x --max-tokens past the server's
+    per-request completion tokens, or one prompt's --k samples past the message size. Each was found by the
+    server after it started (an INVALID_ARGUMENT RolloutError, exit 1) or by the client as a ValueError naming
+    the trainer's config fields (`rollout.group_size`)."""
+    if max_model_len > 0 and longest + a.max_tokens > max_model_len:
+        fix = (f"at most {max_model_len - longest}" if longest < max_model_len else
+               "none fits: the prompt alone fills it")
+        raise UsageError(f"--max-tokens {a.max_tokens}: the longest prompt ({longest} tokens) + --max-tokens exceeds "
+                         f"the context of {max_model_len} positions ({served_by}); --max-tokens can be {fix}")
+    per_prompt = a.k * a.max_tokens
+    if per_prompt > limits.max_request_completion_tokens:
+        raise UsageError(f"--k {a.k}: --k x --max-tokens = {per_prompt} completion tokens for one prompt, over the "
+                         f"rollout server's limit of {limits.max_request_completion_tokens} per request; lower --k "
+                         "or --max-tokens")
+    size = prompt_response_bytes(longest, SamplingSpec(n=a.k, max_tokens=a.max_tokens),
+                                 limits.routing_bytes_per_token)
+    if size > MAX_MESSAGE_BYTES - RESPONSE_OVERHEAD_BYTES:
+        raise UsageError(f"--k {a.k}: one prompt's --k samples (--max-tokens {a.max_tokens} each) could take {size} "
+                         f"bytes, over the rollout protocol's {MAX_MESSAGE_BYTES}-byte message; lower --k or "
+                         "--max-tokens")
+    if why := vllm_temperature_problem(a.engine, a.temperature):
+        raise UsageError(f"--temperature {a.temperature:g}: {why}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
-    task = get_task(a.task) if a.task in _tasks() else None
-    if task is None:
-        raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")
+    task = get_task(a.task)
     if a.task == "arithmetic":
         spec: dict[str, Any] = task_json("--model", a.model)[0]
         records = task.load(a.split, n=a.num or 512, seed=a.seed, **spec)
         originals = [{"prompt_text": r["prompt_text"], "answer": r["answer"]} for r in records]
     else:
-        if not a.file:
-            raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
         records, originals = read_task_file(a.task, existing_file("--file", a.file), a.num)
+        if not records:  # it started a server and wrote an empty --out ("kept 0 of 0")
+            raise UsageError(f"--file {a.file}: holds no records; nothing to filter")
     try:
         tok = load_tokenizer(a.model)
     except (ValueError, OSError) as e:
         raise UsageError(f"--model {a.model}: {e}") from None
     template = a.template or task.template
     stop_ids = generation_stop_ids(tok, template)
+    longest = max(len(ids) for ids in tokenize_prompts(tok, [r["prompt_text"] for r in records], template=template))
+    if not a.address:  # the server it starts serves --model's whole context, with the default request limits
+        check_request(a, longest, a.model_cfg.max_position_embeddings, Limits(),
+                      f"--model {a.model}: max_position_embeddings")
     calls = {"n": 0}
     work = None
     if a.address:
@@ -167,38 +261,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RolloutError as e:
             raise UsageError(f"--address {a.address}: no rollout server ready there within "
                              f"{a.ready_timeout:.0f} s ({e})") from None
-        info = session.info()
-        for flag, served in (("--engine", info.engine), ("--dtype", info.dtype)):
-            if a.asked[flag] is not None and a.asked[flag] != served:
-                session.close()
-                raise UsageError(f"{flag} {a.asked[flag]}: the server at {a.address} runs {served}; the prompts "
-                                 f"would be filtered with another {flag[2:]} than asked (drop {flag} or start that server)")
-    else:  # its own server's token, log and ready file: a folder of ours, removed once the output is written
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        work = tempfile.mkdtemp(prefix=".perfectible-server-", dir=os.path.dirname(os.path.abspath(a.out)))
-        session = RolloutSession.launch(work_dir=work, engine=a.engine, model=a.model, dtype=a.dtype)
-    with session:
-        def sample_fn(prompts: list[str], n: int) -> list[list[str]]:
-            ids = tokenize_prompts(tok, prompts, template=template)
-            calls["n"] += 1
-            spec = SamplingSpec(n=n, max_tokens=a.max_tokens, temperature=a.temperature,
-                                seed=a.seed * 7919 + calls["n"], stop_token_ids=stop_ids)
-            # the text the trainer's reward reads (TaskData.reward); a malformed response scores 0 there: "" here
-            return [[response_text(tok, c.token_ids, stop_ids) or "" for c in group]
-                    for group in session.generate(ids, spec)]
+        try:
+            info = session.info()
+            for flag, served in (("--engine", info.engine), ("--dtype", info.dtype)):
+                if a.asked[flag] is not None and a.asked[flag] != served:
+                    raise UsageError(f"{flag} {a.asked[flag]}: the server at {a.address} runs {served}; the prompts "
+                                     f"would be filtered with another {flag[2:]} than asked (drop {flag} or start "
+                                     "that server)")
+            a.engine = info.engine
+            check_request(a, longest, info.max_model_len, session.limits, f"the server at {a.address}")
+        except BaseException:
+            session.close()
+            raise
+    else:  # its own server's token, log and ready file: a folder of ours, removed once the run ends
+        work = tempfile.mkdtemp(prefix=".perfectible-server-", dir=_existing_parent(a.out))
+    keep_log = False
+    try:
+        if work is not None:
+            session = RolloutSession.launch(work_dir=work, engine=a.engine, model=a.model, dtype=a.dtype)
+        with session:
+            def sample_fn(prompts: list[str], n: int) -> list[list[str]]:
+                ids = tokenize_prompts(tok, prompts, template=template)
+                calls["n"] += 1
+                spec = SamplingSpec(n=n, max_tokens=a.max_tokens, temperature=a.temperature,
+                                    seed=a.seed * 7919 + calls["n"], stop_token_ids=stop_ids)
+                # the text the trainer's reward reads (TaskData.reward); a malformed response scores 0 there: ""
+                return [[response_text(tok, c.token_ids, stop_ids) or "" for c in group]
+                        for group in session.generate(ids, spec)]
 
-        kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records], sample_fn,
-                                  task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=64,
-                                  extras=[{"line": i} for i in range(len(records))])
-    out = [{**originals[r["line"]], "initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
-           for r in kept]
-    write_jsonl(out, a.out)
-    if work is not None:  # kept on a failure: its server log says what went wrong
-        shutil.rmtree(work, ignore_errors=True)
+            kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records],
+                                      sample_fn, task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=64,
+                                      extras=[{"line": i} for i in range(len(records))])
+        out = [{**originals[r["line"]], "initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
+               for r in kept]
+        write_jsonl(out, a.out)
+    except RolloutError as e:
+        # The server itself failed: its log says why, so its folder is kept and named. Anything else (a refused
+        # request, Ctrl-C, an error here) leaves nothing behind.
+        if work is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        if work is not None and os.path.exists(os.path.join(work, "rollout_server.log")):
+            keep_log = True
+            e.args = (f"{e} (server log kept: {os.path.join(work, 'rollout_server.log')})", *e.args[1:])
+        raise
+    finally:
+        if work is not None and not keep_log:
+            shutil.rmtree(work, ignore_errors=True)
     fmt = "prompts (task arithmetic_prompts)" if a.task == "arithmetic" else f"{a.task} (same as the input)"
+    note = ("; it is empty, so nothing marks it as perfectible's and --force will not replace it (remove it "
+            "first to rerun)") if not kept else ""
     print(f"perfectible: kept {len(kept)} of {len(records)} prompts with accuracy in [{a.lo}, {a.hi}] over {a.k} "
-          f"samples → {a.out}, format {fmt}", flush=True)
+          f"samples → {a.out}, format {fmt}{note}", flush=True)
     return 0
+
+
+def _existing_parent(path: str) -> str:
+    """The nearest existing folder above `path`: its parents are made only when the output is written."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    return parent
 
 
 def _tasks() -> list[str]:

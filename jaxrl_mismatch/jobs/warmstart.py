@@ -26,22 +26,21 @@ import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from jaxtyping import Array, Float, Int
 
-from jaxrl_mismatch import precision
 from jaxrl_mismatch.data import arithmetic
-from jaxrl_mismatch.data.batching import bucket_length, pad_rows
-from jaxrl_mismatch.data.tokenizer import TextTokenizer, build_arithmetic_tokenizer, save_tokenizer
-from jaxrl_mismatch.models import (ModelConfig, Transformer, decode_loop, hf_io, init_cache, left_pad, prefill,
-                                   token_logprobs)
 from jaxrl_mismatch.outputs import check_out_dir, staged_dir
 from jaxrl_mismatch.usage import ArgumentParser, UsageError, check_seed
+
+# JAX, flax, optax and the model code are imported by the functions that use them: `--help` and a refused flag
+# import none of them (~2.5 s of imports before a one-line error), as `jobs/_inputs.py` promises for every job.
+if TYPE_CHECKING:
+    from jaxtyping import Array, Float, Int
+
+    from jaxrl_mismatch.data.tokenizer import TextTokenizer
+    from jaxrl_mismatch.models import ModelConfig, Transformer
 
 
 def tiny_config(vocab_size: int, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, max_len: int) -> ModelConfig:
@@ -52,6 +51,8 @@ def tiny_config(vocab_size: int, *, layers: int, hidden: int, heads: int, kv_hea
     and the tied case of ``tests/rollout/test_vllm_engine.py``), and at this size the extra [D, V]
     matrix costs nothing.
     """
+    from jaxrl_mismatch.models.config import ModelConfig
+
     if hidden % heads:
         raise ValueError(f"--hidden {hidden} is not divisible by --heads {heads}")
     return ModelConfig(
@@ -84,6 +85,10 @@ def sft_loss(
     Alignment is the batching contract: ``logp[:, t]`` scores ``tokens[:, t+1]``, and
     ``response_mask[:, t]`` is 1 exactly there, so prompt tokens and padding carry no loss.
     """
+    import jax.numpy as jnp
+
+    from jaxrl_mismatch.models import token_logprobs
+
     logp, _ = token_logprobs(model, tokens[:, :-1], tokens[:, 1:], attention_mask[:, :-1], chunk_size=64)
     return -jnp.sum(logp * response_mask) / jnp.maximum(jnp.sum(response_mask), 1.0)
 
@@ -98,6 +103,9 @@ def shortcut_targets(tok: TextTokenizer, problems: list[arithmetic.Problem], tar
 
 def make_train_step(graphdef, optimizer):
     """Jitted pure step ``(params, opt_state, batch arrays) -> (params, opt_state, loss, grad_norm)``."""
+    import jax
+    import optax
+    from flax import nnx
 
     @jax.jit
     def step(params, opt_state, tokens, attention_mask, response_mask):
@@ -117,6 +125,11 @@ def make_generate(graphdef, cfg: ModelConfig, *, max_new_tokens: int, eos_id: in
 
     Returns ``tokens [B, max_new_tokens]``; positions after a row's EOS hold ``pad_id``.
     """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl_mismatch.models import decode_loop, init_cache, prefill
 
     @jax.jit
     def generate(params, prompt_ids, prompt_mask, key, temperature):
@@ -141,6 +154,11 @@ def make_generate(graphdef, cfg: ModelConfig, *, max_new_tokens: int, eos_id: in
 
 def evaluate(generate, params, tok: TextTokenizer, problems: list[arithmetic.Problem], *, temperature: float, seed: int, batch: int = 128) -> dict:
     """Accuracy (exact final answer), well-formed fraction and mean response length on ``problems``."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_mismatch.models import left_pad
+
     correct, formed, lengths = 0, 0, []
     key = jax.random.PRNGKey(seed)
     batch = min(batch, len(problems))
@@ -168,6 +186,70 @@ def write_generation_config(tok: TextTokenizer, out_dir: str, max_new_tokens: in
         json.dump(cfg, f, indent=2)
 
 
+INT32_MAX = 2**31 - 1
+# Counts and sizes at most INT32_MAX: step counts reach optax's int32 step counter, --max-len the int32 positions
+# (and a config.json that `serve` answers GetInfo with), sizes the arrays' dimensions; none is near it in use.
+_INT32_FLAGS = ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate",
+                "max_len", "min_operands", "max_operands", "max_value", "log_every")
+SFT_MAX_TOKENS = 4096  # the longest SFT row (prompt + response, less one): the last of the step's length buckets
+_SFT_BUCKETS = range(16, SFT_MAX_TOKENS + 1, 16)
+
+
+def min_positions(operands: int) -> int:
+    """The fewest positions (tokens) a problem of `operands` operands takes as an SFT example: `<bos>`, the operands,
+    operators and "=" (2k + 1), the scratchpad's k - 1 steps of k - 1, ..., 1 operands joined by "=" ((k - 1)^2
+    + k - 2), "#", the answer and `<eos>` (3) — with one-digit numbers everywhere: k^2 + k + 3."""
+    return operands * operands + operands + 3
+
+
+# Flags whose size the memory estimate depends on: the one whose default would shrink it most is named.
+_SIZE_FLAGS = ("batch_size", "intermediate", "hidden", "layers", "kv_heads", "num_train")
+
+
+def memory_estimate(args: argparse.Namespace) -> dict[str, int]:
+    """A lower bound of the bytes the warm start holds at once, by part: the float32 model, gradients and AdamW
+    moments (16 bytes a parameter; the embeddings left out), one step's activations kept for the backward pass
+    (per layer and token at least the attention input and output and the MLP's three [intermediate] tensors,
+    float32) and the padded training rows (the plain and the shortcut copy, three int32/float32 arrays each), both
+    at the shortest length bucket (16 tokens)."""
+    d, inter, layers, heads, kv = args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads
+    per_layer = 2 * d * d + 2 * d * kv * (d // heads) + 3 * d * inter  # q, o; k, v; gate, up, down
+    tokens = 16
+    return {"model and optimizer state": 16 * layers * per_layer,
+            "activations": 4 * args.batch_size * tokens * layers * (2 * d + 3 * inter),
+            "training rows": 2 * 3 * 4 * args.num_train * (tokens + 1)}
+
+
+def _machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(args: argparse.Namespace, defaults: dict[str, int], available: int | None = None) -> None:
+    """UsageError naming the size flag at fault (the one whose default in `defaults` would shrink the estimate
+    most) when even `memory_estimate`'s lower bound exceeds this machine's memory (`available`, default: its
+    physical memory): such a warm start failed with a MemoryError or XLA's RESOURCE_EXHAUSTED (exit 1) after
+    its problems were generated."""
+    available = _machine_memory() if available is None else available
+    parts = memory_estimate(args)
+    total = sum(parts.values())
+    if available is None or total <= available:
+        return
+
+    def shrunk(name: str) -> int:
+        return sum(memory_estimate(argparse.Namespace(**{**vars(args), name: defaults[name]})).values())
+
+    culprit = min(_SIZE_FLAGS, key=shrunk)
+    flag = f"--{culprit.replace('_', '-')}"
+    gib = 1 << 30
+    detail = ", ".join(f"{k} {v / gib:.3g}" for k, v in parts.items() if v)
+    raise UsageError(f"{flag} {getattr(args, culprit)}: the warm start needs at least {total / gib:.3g} GiB of memory "
+                     f"({detail} GiB), more than this machine's {available / gib:.3g} GiB; lower {flag}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = ArgumentParser(prog="jaxrl-mismatch warmstart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write (HF format)")
@@ -182,7 +264,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--max-len", type=int, default=128, help="max_position_embeddings of the model")
+    ap.add_argument("--max-len", type=int, default=128, help="max_position_embeddings of the model (at most 2^31 - 1)")
     ap.add_argument("--min-operands", type=int, default=3)
     ap.add_argument("--max-operands", type=int, default=5)
     ap.add_argument("--max-value", type=int, default=9)
@@ -199,6 +281,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "max_len", "min_operands", "max_operands", "max_value", "log_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in (*_INT32_FLAGS, "num_eval", "shortcut_steps"):
+        if getattr(args, name) is not None and getattr(args, name) > INT32_MAX:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= 2^31 - 1 ({INT32_MAX}), got {getattr(args, name)}")
     if args.shortcut_steps is not None and not 0 <= args.shortcut_steps <= args.steps:
         raise UsageError(f"--shortcut-steps must be in [0, --steps], got {args.shortcut_steps}")
     if not 0.0 <= args.shortcut_prob <= 1.0:
@@ -218,18 +303,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}")
     if (args.hidden // args.heads) % 2:
         raise UsageError(f"--hidden / --heads = {args.hidden // args.heads} must be even (rotary embeddings)")
+    if not 2 <= args.min_operands <= args.max_operands:
+        raise UsageError(f"need 2 <= --min-operands <= --max-operands, got {args.min_operands}, {args.max_operands}")
+    try:
+        args.spec = arithmetic.ArithmeticSpec(min_operands=args.min_operands, max_operands=args.max_operands,
+                                              max_value=args.max_value, mul_prob=args.mul_prob)
+    except ValueError as e:
+        raise UsageError(f"{e}") from None
+    need = min_positions(args.max_operands)  # before any problem is drawn (a large count drew for hours)
+    if need + 8 > args.max_len:
+        raise UsageError(f"--max-operands {args.max_operands}: a problem of {args.max_operands} operands takes at "
+                         f"least {need} positions (prompt and scratchpad; the warm start keeps 8 more), over "
+                         f"--max-len {args.max_len}")
+    if need - 1 > SFT_MAX_TOKENS:
+        raise UsageError(f"--max-operands {args.max_operands}: a problem of {args.max_operands} operands takes at "
+                         f"least {need} positions (prompt and scratchpad), over the {SFT_MAX_TOKENS} tokens a "
+                         "warm-start example may have")
+    check_memory(args, {name: ap.get_default(name) for name in _SIZE_FLAGS})
     check_out_dir("--out", args.out, "warmstart", force=args.force)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        spec = arithmetic.ArithmeticSpec(
-            min_operands=args.min_operands, max_operands=args.max_operands, max_value=args.max_value, mul_prob=args.mul_prob
-        )
-    except ValueError as e:
-        raise UsageError(f"{e}") from None
+    import jax
+    import optax
+    from flax import nnx
+
+    from jaxrl_mismatch import precision
+    from jaxrl_mismatch.data.batching import bucket_length, pad_rows
+    from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
+    from jaxrl_mismatch.models import Transformer, hf_io
+
+    spec = args.spec
     t0 = time.perf_counter()
     tok = build_arithmetic_tokenizer()
     try:
@@ -243,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     max_new = max(len(a) for a in answers) + 8  # room for a policy that writes a little more than the data
     if longest + 8 > args.max_len:
         raise UsageError(f"problems need {longest + 8} positions > --max-len {args.max_len}")
+    if longest - 1 > SFT_MAX_TOKENS:
+        raise UsageError(f"--max-operands/--max-value: the longest problem takes {longest} positions, over the "
+                         f"{SFT_MAX_TOKENS} tokens a warm-start example may have")
     # One fixed target length T (a multiple of 16) for every batch: the step compiles once.
-    buckets = (bucket_length(longest - 1, range(16, 4097, 16)),)
+    buckets = (bucket_length(longest - 1, _SFT_BUCKETS),)
     data = pad_rows(prompts, answers, pad_id=tok.pad_id, buckets=buckets)
     # The last --shortcut-steps train on a mixture where a --shortcut-prob share of targets skip the
     # scratchpad ("#answer"): the policy keeps the skill of writing the steps but mostly answers at once —

@@ -112,3 +112,40 @@ def test_a_scan_layers_run_exports_like_the_unrolled_one(trained_run, tmp_path):
     assert export(str(tmp_path / "run"), str(tmp_path / "out")) == 1
     got, want = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(base / "model.safetensors"))
     assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_out_inside_the_run_directory_or_empty_is_refused_before_any_work(tmp_path):
+    """`--out RUN/checkpoints/new` was written (exit 0) into the run it only reads, and left a folder there that
+    made a lock-less run no longer a run (`runlock.is_run_dir`); `--out ""` was called "a parent of the run
+    directory". Paths are compared resolved: through a `..`, a link to the run, or a linked checkpoints folder."""
+    import os
+
+    from jaxrl_mismatch.train.runlock import is_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "1").mkdir(parents=True)
+    (run / "checkpoints" / "1" / "commit_success.txt").write_text("ok")
+    elsewhere = tmp_path / "ckpts"
+    elsewhere.mkdir()
+    linked = tmp_path / "linked_run"
+    linked.mkdir()
+    os.symlink(elsewhere, linked / "checkpoints")
+    os.symlink(run, tmp_path / "run_link")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert is_run_dir(str(run))
+    for run_dir, out, needle in (
+        (run, run / "checkpoints" / "new", "is inside the run directory"),
+        (run, run / "new", "is inside the run directory"),
+        (run, run / "checkpoints", "is inside the run directory"),
+        (run, tmp_path / "other" / ".." / "run" / "x", "is inside the run directory"),
+        (run, tmp_path / "run_link" / "checkpoints" / "new", "is inside the run directory"),
+        (run, run, "is the run directory"),
+        (run, tmp_path, "is a parent of the run directory"),
+        (linked, elsewhere / "new", "is inside the run's checkpoints directory"),
+    ):
+        with pytest.raises(UsageError, match=f"^--out {out}: {needle} .*choose a directory outside it$"):
+            export(str(run_dir), str(out))
+    with pytest.raises(UsageError, match="^--out: empty path"):
+        export(str(run), "")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+    assert is_run_dir(str(run))

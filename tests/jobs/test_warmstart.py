@@ -128,3 +128,74 @@ def test_shortcut_targets_skip_the_scratchpad_for_the_requested_share():
             assert arithmetic.reward(tok.decode(m[:-1]), p.answer) == 1.0  # a bare answer is scored like any other
     assert shortcut_targets(tok, problems, full, 0.7, seed=3) == mixed
     assert shortcut_targets(tok, problems, full, 0.0, seed=3) == full
+
+
+def test_help_and_a_refused_flag_import_no_jax(tmp_path):
+    """`warmstart --help` took 2.7 s and every refused flag paid the same: the module imported jax, flax and optax
+    at the top (`jobs/_inputs.py`: "--help of a job imports no JAX")."""
+    import subprocess
+    import sys
+
+    script = r"""
+import sys
+from jaxrl_mismatch import cli
+heavy = ("jax", "flax", "optax", "jaxtyping")
+try:
+    cli.main(["warmstart", "--help"])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print("help", [m for m in heavy if m in sys.modules])
+rc = cli.main(["warmstart", "--out", sys.argv[1], "--steps", "0"])
+print("refused", rc, [m for m in heavy if m in sys.modules])
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "w")], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage: jaxrl-mismatch warmstart" in out.stdout
+    assert "help []" in out.stdout and "refused 2 []" in out.stdout, out.stdout
+    assert out.stderr.strip() == "error: --steps must be >= 1, got 0"
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    # max_position_embeddings 1e20 was written, and nothing could load it ("Value out of range" from GetInfo)
+    (["--max-len", "100000000000000000000"], "--max-len must be <= 2^31 - 1 (2147483647), got 100000000000000000000"),
+    # numpy's "high is out of bounds for int64", reported as a problem of --num-train/--num-eval
+    (["--max-value", "100000000000000000000"], "--max-value must be <= 2^31 - 1"),
+    (["--batch-size", "1000000000000"], "--batch-size must be <= 2^31 - 1"),  # a MemoryError (exit 1)
+    (["--intermediate", "1000000000000"], "--intermediate must be <= 2^31 - 1"),  # RESOURCE_EXHAUSTED (exit 1)
+    (["--steps", "3000000000"], "--steps must be <= 2^31 - 1"),
+    (["--num-eval", "3000000000"], "--num-eval must be <= 2^31 - 1"),
+    # below the int32 bound, yet terabytes: refused by the memory estimate, naming the flag at fault
+    (["--batch-size", "1000000000"], "--batch-size 1000000000: the warm start needs at least"),
+    (["--intermediate", "1000000000"], "--intermediate 1000000000: the warm start needs at least"),
+    (["--hidden", "4194304"], "--hidden 4194304: the warm start needs at least"),
+    (["--layers", "1000000000"], "--layers 1000000000: the warm start needs at least"),
+    # a problem of this many operands can never fit: it drew problems for hours (100000) or failed after drawing
+    (["--max-operands", "11"], "--max-operands 11: a problem of 11 operands takes at least 135 positions"),
+    (["--max-operands", "100000"], "--max-operands 100000: a problem of 100000 operands takes at least 10000100003"),
+    (["--max-operands", "100", "--max-len", "1000000"], "over the 4096 tokens a warm-start example may have"),
+    (["--min-operands", "6", "--max-operands", "5"], "need 2 <= --min-operands <= --max-operands, got 6, 5"),
+])
+def test_sizes_and_counts_have_upper_bounds_checked_before_any_work(tmp_path, flags, needle):
+    from jaxrl_mismatch.jobs.warmstart import parse_args
+
+    with pytest.raises(UsageError) as e:
+        parse_args(["--out", str(tmp_path / "w"), *flags])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not os.listdir(tmp_path)
+
+
+def test_memory_check_names_the_size_flag_that_makes_the_estimate_too_large(tmp_path):
+    from jaxrl_mismatch.jobs.warmstart import _SIZE_FLAGS, check_memory, memory_estimate, parse_args
+
+    args = parse_args(["--out", str(tmp_path / "w")])  # the defaults fit any machine
+    defaults = {name: getattr(args, name) for name in _SIZE_FLAGS}
+    need = sum(memory_estimate(args).values())
+    check_memory(args, defaults, available=need)
+    for name, value in (("batch_size", 4096), ("intermediate", 65536), ("num_train", 10**6)):
+        big = parse_args(["--out", str(tmp_path / "w"), f"--{name.replace('_', '-')}", str(value)])
+        with pytest.raises(UsageError, match=f"^--{name.replace('_', '-')} {value}: the warm start needs at least "
+                                             r".* more than this machine's 0\.0\d+ GiB; lower"):
+            check_memory(big, defaults, available=need * 2)

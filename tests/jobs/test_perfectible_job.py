@@ -1,0 +1,166 @@
+"""`jaxrl-mismatch perfectible`'s inputs, refused before any server starts in one line naming the flag, field or
+file (exit 2), and what a run leaves behind (the jobs review's findings 4, 5, 8 and 9): --max-tokens past the
+model's context and a --k no request can carry failed only after the rollout server had started (exit 1, a
+`.perfectible-server-*` folder left next to --out); an unknown --template and a partial --config were a ValueError
+and an AttributeError (exit 1); --force replaced any empty file; an empty --file started a server and wrote
+"kept 0 of 0"; --split next to --file was silently ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from jaxrl_mismatch import cli
+from jaxrl_mismatch.jobs import perfectible
+from jaxrl_mismatch.rollout.launcher import ServerStartError
+from jaxrl_mismatch.rollout.session import RolloutSession
+from jaxrl_mismatch.usage import UsageError
+
+NO_SERVER = "127.0.0.1:1"  # --address: the folder passed as --model is not read as a checkpoint (no server needed)
+
+
+def _refused(capsys, needles, *argv: str) -> str:
+    rc = cli.main(list(argv))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), (rc, err)
+    for n in needles:
+        assert n in err[0], (n, err[0])
+    return err[0]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any server start fails the test: each refusal here must come before one."""
+    def launch(**kwargs):
+        raise AssertionError(f"a rollout server was started ({kwargs})")
+
+    monkeypatch.setattr(RolloutSession, "launch", staticmethod(launch))
+
+
+def _listing(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_max_tokens_and_k_are_checked_against_the_model_and_the_server_limits_before_it_starts(
+        tiny_base_model, tmp_path, capsys, no_launch):
+    out = str(tmp_path / "sub" / "kept.jsonl")
+    common = ("perfectible", "--model", str(tiny_base_model), "--num", "4", "--out", out)
+    # the model's max_position_embeddings is 128; an arithmetic prompt takes at most ~12 tokens
+    _refused(capsys, ["--max-tokens 500: the longest prompt (", "exceeds the context of 128 positions",
+                      f"--model {tiny_base_model}: max_position_embeddings"], *common, "--max-tokens", "500")
+    # int32 on the wire; then the server's per-request completion tokens (4M) and its 64 MiB message
+    _refused(capsys, ["--k must be <= 2^31 - 1 (2147483647), got 99999999999"], *common, "--max-tokens", "8",
+             "--k", "99999999999")
+    _refused(capsys, ["--k 999999: --k x --max-tokens = 7999992 completion tokens", "limit of 4194304"], *common,
+             "--max-tokens", "8", "--k", "999999")
+    _refused(capsys, ["--k 999999: one prompt's --k samples (--max-tokens 1 each) could take",
+                      "67108864-byte message"], *common, "--max-tokens", "1", "--k", "999999")
+    _refused(capsys, ["--max-tokens must be <= 2^31 - 1"], *common, "--max-tokens", "3000000000")
+    assert _listing(tmp_path) == []  # no output, no parent made for it, no server folder
+
+
+def test_template_and_config_fields_are_named_in_one_line(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    out = str(tmp_path / "kept.jsonl")
+    _refused(capsys, ["--template nope: unknown prompt template; valid: arithmetic, dapo,", "r1_distill, raw"],
+             "perfectible", "--model", str(model), "--max-tokens", "8", "--template", "nope", "--address", NO_SERVER,
+             "--out", out)
+    partial = tmp_path / "partial.py"
+    partial.write_text("import ml_collections\ndef get_config(): return ml_collections.ConfigDict({'model': {}})\n")
+    _refused(capsys, [f"--config {partial}: missing field model.path"], "perfectible", "--config", str(partial),
+             "--max-tokens", "8", "--out", out)
+    cfg = tmp_path / "cfg.py"
+    body = ("from jaxrl_mismatch.train.config import base_config\n"
+            "def get_config():\n    c = base_config()\n    c.model.path = {model!r}\n{extra}    return c\n")
+    for extra, needle in (("    c.rollout.max_tokens = None\n", "rollout.max_tokens must be int, got None"),
+                          ("    c.task.template = 'nope'\n", "task.template nope: unknown prompt template"),
+                          ("    del c.rollout['engine']\n", "missing field rollout.engine"),
+                          ("    c.rollout.dtype = 'float64'\n", "rollout.dtype 'float64' is not one of")):
+        cfg.write_text(body.format(model=str(model), extra=extra))
+        _refused(capsys, [f"--config {cfg}: {needle}"], "perfectible", "--config", str(cfg), "--address", NO_SERVER,
+                 "--out", out)
+    assert _listing(tmp_path) == ["cfg.py", "model", "partial.py"]
+
+
+def test_an_empty_file_and_a_split_next_to_file_are_refused(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    out = str(tmp_path / "kept.jsonl")
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
+        (tmp_path / name).write_text(text)
+        _refused(capsys, [f"--file {tmp_path / name}: holds no records; nothing to filter"], "perfectible",
+                 "--model", str(model), "--max-tokens", "8", "--task", "arithmetic_prompts", "--file",
+                 str(tmp_path / name), "--address", NO_SERVER, "--out", out)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt_text": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(UsageError, match=f"^--split nonsense: --file {data} gives the prompts itself"):
+        perfectible.parse_args(["--model", str(model), "--max-tokens", "8", "--task", "arithmetic_prompts",
+                                "--file", str(data), "--split", "nonsense", "--address", NO_SERVER, "--out", out])
+    assert not os.path.exists(out)
+
+
+def test_force_does_not_replace_an_empty_file(tmp_path):
+    """An empty file says nothing of whose it is: --force replaced a user's empty file as perfectible's output."""
+    model = tmp_path / "model"
+    model.mkdir()
+    base = ["--model", str(model), "--max-tokens", "8", "--address", NO_SERVER, "--force"]
+    for name, text in (("user_empty.txt", ""), ("blank.txt", "\n\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UsageError, match=f"^--out {tmp_path / name}: is an empty file, and nothing in it shows"):
+            perfectible.parse_args([*base, "--out", str(tmp_path / name)])
+        assert (tmp_path / name).read_text() == text
+    earlier = tmp_path / "kept.jsonl"
+    earlier.write_text(json.dumps({"prompt_text": "1+1=", "answer": "2", "initial_accuracy": 0.5, "num_samples": 8})
+                       + "\n")
+    assert perfectible.parse_args([*base, "--out", str(earlier)]).force  # a file it wrote is still replaced
+
+
+@pytest.mark.parametrize("failure, kept", [(ServerStartError("rollout server exited with code 1"), True),
+                                           (RuntimeError("something else"), False),
+                                           (KeyboardInterrupt(), False)])
+def test_a_failed_run_leaves_only_a_failed_servers_log(tiny_base_model, tmp_path, capsys, monkeypatch, failure,
+                                                       kept):
+    """Its server folder was kept on every failure. Now only a server that failed keeps it, for its log, named in
+    the error; any other failure removes it, and the folders above --out are made only when it is written."""
+    def launch(*, work_dir, **kwargs):
+        with open(os.path.join(work_dir, "rollout_server.log"), "w") as f:
+            f.write("the server's last words\n")
+        raise failure
+
+    monkeypatch.setattr(RolloutSession, "launch", staticmethod(launch))
+    rc = cli.main(["perfectible", "--model", str(tiny_base_model), "--max-tokens", "8", "--num", "2", "--out",
+                   str(tmp_path / "sub" / "kept.jsonl")])
+    err = capsys.readouterr().err
+    left = _listing(tmp_path)
+    if kept:
+        assert rc == 1 and "server log kept: " in err
+        assert len(left) == 2 and left[0].startswith(".perfectible-server-") and left[1].endswith("rollout_server.log")
+        assert os.path.join(tmp_path, left[1]) in err
+    else:
+        assert rc in (1, 130) and left == []
+
+
+def test_address_checks_max_tokens_and_k_against_the_servers_getinfo(tiny_base_model, tmp_path, capsys):
+    """With --address the server's context and request limits come from GetInfo, before any Generate."""
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+    from jaxrl_mismatch.rollout.protocol import Limits
+    from jaxrl_mismatch.rollout.server import RolloutServer
+
+    model = shutil.copytree(tiny_base_model, tmp_path / "model")
+    server = RolloutServer(port=0, token="t", limits=Limits(max_request_completion_tokens=1000))
+    server.attach(JaxEngine(str(model), dtype="float32", max_model_len=64))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        common = ("perfectible", "--model", str(model), "--num", "4", "--address", address, "--out",
+                  str(tmp_path / "kept.jsonl"))
+        _refused(capsys, ["--max-tokens 100: the longest prompt (", f"the context of 64 positions (the server at "
+                          f"{address})"], *common, "--max-tokens", "100")
+        _refused(capsys, ["--k 200: --k x --max-tokens = 1600 completion tokens", "limit of 1000 per request"],
+                 *common, "--max-tokens", "8", "--k", "200")
+    finally:
+        server.stop(0)
+    assert _listing(tmp_path) == ["model"] + sorted(f"model/{p}" for p in os.listdir(model))
