@@ -13,6 +13,7 @@ raises `MalformedMessageError`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -38,6 +39,26 @@ SERVER_BUSY = "server-busy"
 def is_printable_ascii(token: str) -> bool:
     """Whether `token` can travel as gRPC metadata (`authorization: Bearer <token>`): printable ASCII only."""
     return all(" " <= c <= "~" for c in token)
+
+
+def read_token(token_file: str | None, *, file_label: str, env_label: str, missing: str) -> str:
+    """The shared token from `token_file`, else $JAXRL_ROLLOUT_TOKEN (`token_from_bytes`); ValueError whose message
+    names the source (`file_label` / `env_label`), or is `missing` when there is no token. `serve` and `train`
+    read it so, and word the error for their own flags or config fields."""
+    if token_file:
+        try:
+            with open(token_file, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"{file_label}: cannot read it ({e.strerror})") from None
+        source = file_label
+    else:
+        raw = os.fsencode(os.environ.get(TOKEN_ENV, ""))  # the variable's bytes, undecodable ones included
+        source = env_label
+    try:
+        return token_from_bytes(raw)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}" if raw.strip() else missing) from None
 
 
 def token_from_bytes(raw: bytes) -> str:

@@ -87,9 +87,8 @@ from jaxrl_mismatch.rollout.protocol import (
     completions_to_proto,
     info_to_proto,
     is_printable_ascii,
-    token_from_bytes,
 )
-from jaxrl_mismatch.rollout import shm
+from jaxrl_mismatch.rollout import protocol, shm
 from jaxrl_mismatch.rollout.validation import (
     RequestError,
     TensorAssembler,
@@ -401,23 +400,14 @@ def read_token(token_file: str | None) -> str:
     """The shared token from `--token-file` or $JAXRL_ROLLOUT_TOKEN; UsageError naming the source if none, or if it
     is not printable ASCII (it travels as gRPC metadata, which must be ASCII: with any other byte the server would
     start and then no client could ever push)."""
-    if token_file:
-        try:
-            with open(existing_file("--token-file", token_file), "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise UsageError(f"--token-file {token_file}: cannot read it ({e.strerror})") from None
-        source = f"--token-file {token_file}"
-    else:
-        raw = os.fsencode(os.environ.get(TOKEN_ENV, ""))  # the variable's bytes, undecodable ones included
-        source = f"${TOKEN_ENV}"
+    source = f"--token-file {token_file}" if token_file else f"${TOKEN_ENV}"
     try:
-        return token_from_bytes(raw)
+        return protocol.read_token(
+            token_file and existing_file("--token-file", token_file), file_label=source, env_label=source,
+            missing=f"{source} is empty or unset; UpdateWeights and Shutdown need a shared token: pass --token-file "
+                    f"PATH or set {TOKEN_ENV}")
     except ValueError as e:
-        if raw.strip():
-            raise UsageError(f"{source}: {e}") from None
-        raise UsageError(f"{source} is empty or unset; UpdateWeights and Shutdown need a shared token: "
-                         f"pass --token-file PATH or set {TOKEN_ENV}") from None
+        raise UsageError(str(e)) from None
 
 
 READY_FILE_MARK = {"written_by": "jaxrl-mismatch serve"}  # in every ready file: what a later serve may replace

@@ -425,27 +425,17 @@ class Trainer:
 
 def _read_token(token_file: str) -> str:
     """The shared token of an external server: `rollout.token_file`, else $JAXRL_ROLLOUT_TOKEN."""
-    from jaxrl_mismatch.rollout.protocol import TOKEN_ENV, token_from_bytes
+    from jaxrl_mismatch.rollout.protocol import TOKEN_ENV, read_token
 
-    if token_file:
-        if not os.path.isfile(token_file):
-            raise ConfigError(f"config.rollout.token_file: {token_file} does not exist")
-        try:
-            with open(token_file, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise ConfigError(f"config.rollout.token_file: {token_file}: cannot read it ({e.strerror})") from None
-        source = f"config.rollout.token_file: {token_file}"
-    else:
-        raw = os.fsencode(os.environ.get(TOKEN_ENV, ""))
-        source = f"${TOKEN_ENV} (config.rollout.token_file is unset)"
+    if token_file and not os.path.isfile(token_file):
+        raise ConfigError(f"config.rollout.token_file: {token_file} does not exist")
     try:
-        return token_from_bytes(raw)
+        return read_token(token_file, file_label=f"config.rollout.token_file: {token_file}",
+                          env_label=f"${TOKEN_ENV} (config.rollout.token_file is unset)",
+                          missing=f"config.rollout.token_file: an external rollout server (rollout.address) needs the "
+                                  f"shared token for weight pushes; set rollout.token_file or ${TOKEN_ENV}")
     except ValueError as e:
-        if raw.strip():
-            raise ConfigError(f"{source}: {e}") from None
-        raise ConfigError(f"config.rollout.token_file: an external rollout server (rollout.address) needs the "
-                          f"shared token for weight pushes; set rollout.token_file or ${TOKEN_ENV}") from None
+        raise ConfigError(str(e)) from None
 
 
 class _Progress:
