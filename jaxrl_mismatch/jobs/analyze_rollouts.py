@@ -30,7 +30,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
 from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
-from jaxrl_mismatch.outputs import staged_dir, write_json
+from jaxrl_mismatch.outputs import staged_dir
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.jobs._inputs import model_config, task_json
 from jaxrl_mismatch.usage import UsageError, check_seed, existing_file, int_list
@@ -179,20 +179,14 @@ def read_prompt_ids(path: str, vocab_size: int, limit: int) -> list[list[int]]:
 
 def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...], int]:
     """(prompt ids, stop ids, tokenizer vocab size) of `--num-prompts` prompts of `--task`, rendered through the
-    task's template with the checkpoint's tokenizer (the path `perfectible` and the trainer take)."""
-    from jaxrl_mismatch.data import TASKS, get_task
+    task's template with the checkpoint's tokenizer (the path `perfectible` and the trainer take). The arithmetic
+    task draws its problems with `--data-seed` (never `--seed`: other sampling seeds answer the same prompts); a
+    file-backed task takes the first `--num-prompts` records of `--file`. A problem with the prompts (more asked
+    than the task holds, characters the tokenizer does not know) is a UsageError naming the flag, file and line."""
+    from jaxrl_mismatch.data import get_task
     from jaxrl_mismatch.data.batching import generation_stop_ids, tokenize_prompts
     from jaxrl_mismatch.data.tokenizer import load_tokenizer
 
-    if a.task not in TASKS:
-        raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(sorted(TASKS))}")
-    if a.task == "arithmetic":
-        from jaxrl_mismatch.data.arithmetic import check_split
-
-        try:
-            check_split(a.split)
-        except ValueError as e:
-            raise UsageError(f"--split {a.split}: {e}") from None
     task = get_task(a.task)
     try:
         tok = load_tokenizer(a.model)
@@ -200,27 +194,56 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
         raise UsageError(f"--model {a.model}: {e} (a checkpoint without a tokenizer takes --prompt-ids)") from None
     if a.task == "arithmetic":
         spec = task_json("--model", a.model)[0]
-        texts = [r["prompt_text"] for r in task.load(a.split, n=a.num_prompts, seed=a.seed, **spec)]
+        try:
+            texts = [r["prompt_text"] for r in task.load(a.split, n=a.num_prompts, seed=a.data_seed, **spec)]
+        except ValueError as e:
+            raise UsageError(f"--num-prompts {a.num_prompts}: task arithmetic (split {a.split}, the spec of "
+                             f"{a.model}/task.json): {e}") from None
     else:
         from jaxrl_mismatch.data.jsonl import read_task_file
 
-        if not a.file:
-            raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
         texts = [r["prompt_text"] for r in read_task_file(a.task, existing_file("--file", a.file), a.num_prompts)[0]]
     if not texts:
         raise UsageError(f"--task {a.task}: no prompts")
     template = a.template or task.template
-    return tokenize_prompts(tok, texts, template=template), generation_stop_ids(tok, template), tok.vocab_size
+    try:
+        ids = tokenize_prompts(tok, texts, template=template)
+    except ValueError as e:
+        raise UsageError(_untokenizable(a, tok, texts, template) or f"--task {a.task}: {e}") from None
+    return ids, generation_stop_ids(tok, template), tok.vocab_size
+
+
+def _untokenizable(a: argparse.Namespace, tok, texts: list[str], template: str) -> str | None:
+    """The message naming the first prompt the tokenizer refuses: the file and line of a file-backed task, the
+    problem's index (and --data-seed) of the arithmetic task."""
+    from jaxrl_mismatch.data.batching import tokenize_prompts
+    from jaxrl_mismatch.data.jsonl import iter_jsonl
+
+    for k, text in enumerate(texts):
+        try:
+            tokenize_prompts(tok, [text], template=template)
+        except ValueError as e:
+            if a.task == "arithmetic":
+                return f"--task arithmetic: problem {k} (--data-seed {a.data_seed}): {e}"
+            lineno = next(ln for j, (ln, _) in enumerate(iter_jsonl(a.file, "--file")) if j == k)
+            return f"--file {a.file}:{lineno}: {e}"
+    return None
 
 
 DEFAULT_MAX_TOKENS = 128  # without --max-tokens and without a warm start's task.json naming its own
+DEFAULT_DATA_SEED = 0  # the arithmetic task's problems: the same prompts whatever --seed samples with
 
 
 def prompt_source_args(a: argparse.Namespace) -> None:
-    """--prompt-ids or a task's prompts (--task, default arithmetic; --split, default train; --file; --template),
-    never both: a task flag given with --prompt-ids was ignored and recorded in the summary as if used."""
+    """--prompt-ids or a task's prompts (--task, default arithmetic; --split, default train, arithmetic only;
+    --data-seed, arithmetic only; --file, file-backed tasks only; --template), never both, each flag only where it
+    is used: a flag the prompts ignore was recorded in the summary as if used. All checked before any work."""
+    from jaxrl_mismatch.data import TASKS
+    from jaxrl_mismatch.data.templates import TEMPLATES
+
+    data_seed = getattr(a, "data_seed", None)
     task_flags = [f for f, v in (("--task", a.task), ("--split", a.split), ("--file", a.file),
-                                 ("--template", a.template)) if v is not None]
+                                 ("--template", a.template), ("--data-seed", data_seed)) if v is not None]
     if a.prompt_ids is not None:
         existing_file("--prompt-ids", a.prompt_ids)
         if task_flags:
@@ -228,7 +251,32 @@ def prompt_source_args(a: argparse.Namespace) -> None:
                              "(give one or the other)")
         return
     a.task = a.task or "arithmetic"
-    a.split = a.split or "train"
+    if a.task not in TASKS:
+        raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(sorted(TASKS))}")
+    if a.template is not None and a.template not in TEMPLATES:
+        raise UsageError(f"--template {a.template}: unknown prompt template; valid: {', '.join(sorted(TEMPLATES))}")
+    if a.task == "arithmetic":
+        from jaxrl_mismatch.data.arithmetic import check_split
+
+        if a.file is not None:
+            raise UsageError(f"--file {a.file}: task 'arithmetic' generates its prompts and reads no file; pass "
+                             "--task NAME for a file-backed task")
+        a.split = a.split or "train"
+        try:
+            check_split(a.split)
+        except ValueError as e:
+            raise UsageError(f"--split {a.split}: {e}") from None
+        a.data_seed = check_seed("--data-seed", DEFAULT_DATA_SEED if data_seed is None else data_seed)
+        return
+    if a.split is not None:
+        raise UsageError(f"--split {a.split}: task {a.task!r} reads its prompts from --file (--split picks a split "
+                         "of the arithmetic task only); drop --split")
+    if data_seed is not None:
+        raise UsageError(f"--data-seed {data_seed}: task {a.task!r} takes the first --num-prompts records of --file "
+                         "in file order (--data-seed draws the arithmetic task's problems only); drop --data-seed")
+    if not a.file:
+        raise UsageError(f"--file: task {a.task!r} reads a local JSONL file; pass --file PATH")
+    existing_file("--file", a.file)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -245,6 +293,40 @@ class PairResult:
     def name(self) -> str:
         return pair_name(self.trainer, self.engine)
 
+    @property
+    def nonfinite(self) -> int:
+        """How many of the pair's response tokens have a non-finite trainer log-prob (0: all finite)."""
+        return int(self.summary.get("analysis/nonfinite_logp_train", 0))
+
+
+def pair_result(trainer: str, engine: str, rows, logp_train: np.ndarray, prompt_id: np.ndarray,
+                sample_id: np.ndarray) -> PairResult:
+    """One pair's dump and summary from the padded rows and the trainer's log-probs. A trainer that overflows
+    (fp16, say) gives non-finite log-probs: the pair is kept, `analysis/nonfinite_logp_train` counts them, and
+    the metrics they enter are NaN (written as "nan" in JSON, `n/a` in the table), never a number."""
+    resp = rows.response_mask > 0
+    logp_train = np.where(resp, logp_train, 0.0).astype(np.float32)
+    dump = token_dump(rows.response_mask, rows.tokens[:, 1:], logp_train, rows.rollout_logp, prompt_id, sample_id)
+    bad = int((~np.isfinite(logp_train[resp])).sum())
+    with np.errstate(invalid="ignore", over="ignore"):
+        summary = summarize(dump)
+    summary["analysis/nonfinite_logp_train"] = float(bad)
+    if bad:  # a NaN inside a clipped or bucketed metric can come out as a finite number: none of them is one
+        for k in summary:
+            if k.startswith(("mismatch/", "analysis/logp_abs_diff", "analysis/seq_log_ratio", "analysis/rho_std")):
+                summary[k] = math.nan
+    return PairResult(trainer, engine, dump, summary)
+
+
+def write_json_finite(path: str, obj) -> None:
+    """`obj` as strict JSON: a non-finite float is written as the string runlog writes ("nan", "inf"), never as
+    the NaN / Infinity tokens JSON does not have (`report.summary._json_safe`)."""
+    import json
+
+    from jaxrl_mismatch.report.summary import _json_safe, write_atomic
+
+    write_atomic(path, json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
+
 
 TABLE_COLUMNS = (("log_ppl_abs_diff", "mismatch/log_ppl_abs_diff"), ("rho_std", "mismatch/rho_std"),
                  ("max_abs_dlogp", "analysis/logp_abs_diff_max"), ("pcc_pi_mu", "mismatch/prob_pearson"),
@@ -255,8 +337,10 @@ def pairs_tables(results: Sequence[PairResult]) -> tuple[str, str]:
     """(terminal table, Markdown) of log_ppl_abs_diff, ρ std, max |Δ log p|, … per (trainer, engine) pair."""
     head = ["pair (trainer:engine)", "tokens"] + [c for c, _ in TABLE_COLUMNS]
     fmt = {"mismatch/prob_pearson": "{:.6f}"}
+    head.append("nonfinite_logp")
+    num = lambda k, v: fmt.get(k, "{:.3g}").format(v) if math.isfinite(v) else "n/a"  # noqa: E731
     rows = [[r.name, str(int(r.summary["analysis/tokens"]))]
-            + [fmt.get(k, "{:.3g}").format(r.summary[k]) for _, k in TABLE_COLUMNS] for r in results]
+            + [num(k, r.summary[k]) for _, k in TABLE_COLUMNS] + [str(r.nonfinite)] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) + 2 for i, h in enumerate(head)]
     text = ["".join(h.ljust(w) for h, w in zip(head, widths))]
     text += ["".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
@@ -264,7 +348,8 @@ def pairs_tables(results: Sequence[PairResult]) -> tuple[str, str]:
     md += ["| " + " | ".join(row) + " |" for row in rows]
     by_name = {r.name: r.summary for r in results}
     bf16, fp16 = by_name.get("bf16:bfloat16"), by_name.get("fp16:float16")
-    if bf16 is not None and fp16 is not None:  # the FP16 paper's claim (§3.5, Fig. 2), measured
+    if (bf16 is not None and fp16 is not None and not bf16["analysis/nonfinite_logp_train"]
+            and not fp16["analysis/nonfinite_logp_train"]):  # the FP16 paper's claim (§3.5, Fig. 2), measured
         ratios = ", ".join(f"{c} ×{bf16[k] / fp16[k]:.1f}" for c, k in TABLE_COLUMNS[:3] if fp16[k] > 0)
         line = f"bf16:bfloat16 over fp16:float16 — {ratios}"
         text.append(line)
@@ -317,24 +402,23 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
         for trainer in (t for t, e in a.pairs if e == engine):
             t1 = time.perf_counter()
             logp_train = score_rows(a.model, trainer, rows.tokens, rows.attention_mask, temperature=a.temperature,
-                                    chunk_size=a.chunk_size, fp32_lm_head=a.fp32_lm_head) * rows.response_mask
-            bad = (~np.isfinite(logp_train)) & (rows.response_mask > 0)
-            if bad.any():
-                raise RuntimeError(f"trainer {trainer} produced {int(bad.sum())} non-finite log-probs on the "
-                                   f"{engine} rollouts (overflow in {trainer}?)")
-            dump = token_dump(rows.response_mask, rows.tokens[:, 1:], logp_train, rows.rollout_logp,
-                              prompt_id, sample_id)
-            summary = summarize(dump)
-            summary["analysis/sample_seconds"] = round(t_sample, 2)
-            summary["analysis/score_seconds"] = round(time.perf_counter() - t1, 2)
-            res = PairResult(trainer, engine, dump, summary)
+                                    chunk_size=a.chunk_size, fp32_lm_head=a.fp32_lm_head)
+            res = pair_result(trainer, engine, rows, logp_train, prompt_id, sample_id)
+            res.summary["analysis/sample_seconds"] = round(t_sample, 2)
+            res.summary["analysis/score_seconds"] = round(time.perf_counter() - t1, 2)
+            summary = res.summary
             pair_dir = os.path.join(out, f"{trainer}-{engine}")
             os.makedirs(pair_dir)
-            np.savez(os.path.join(pair_dir, "tokens.npz"), **dump)
-            write_json(os.path.join(pair_dir, "summary.json"), {"trainer": trainer, "engine": engine, **summary})
-            print(f"analyze: {res.name}: {int(summary['analysis/tokens'])} tokens, log_ppl_abs_diff "
-                  f"{summary['mismatch/log_ppl_abs_diff']:.3g}, ρ std {summary['mismatch/rho_std']:.3g}, "
-                  f"max |Δlog p| {summary['analysis/logp_abs_diff_max']:.3g}", flush=True)
+            np.savez(os.path.join(pair_dir, "tokens.npz"), **res.dump)
+            write_json_finite(os.path.join(pair_dir, "summary.json"), {"trainer": trainer, "engine": engine, **summary})
+            if res.nonfinite:
+                print(f"analyze: {res.name}: {res.nonfinite} of {int(summary['analysis/tokens'])} trainer log-probs "
+                      f"are not finite (overflow in {trainer}?): its mismatch metrics are not finite and are "
+                      "reported as such", flush=True)
+            else:
+                print(f"analyze: {res.name}: {int(summary['analysis/tokens'])} tokens, log_ppl_abs_diff "
+                      f"{summary['mismatch/log_ppl_abs_diff']:.3g}, ρ std {summary['mismatch/rho_std']:.3g}, "
+                      f"max |Δlog p| {summary['analysis/logp_abs_diff_max']:.3g}", flush=True)
             results.append(res)
     order = {p: k for k, p in enumerate(a.pairs)}
     return sorted(results, key=lambda r: order[(r.trainer, r.engine)])
@@ -366,11 +450,44 @@ def add_parser(sub) -> None:
     r.add_argument("--n", type=int, default=4, help="samples per prompt")
     r.add_argument("--max-tokens", type=int, default=None, help="response limit (default: task.json's, else 128)")
     r.add_argument("--temperature", type=float, default=1.0, help="> 0; the trainer scores π at the same T")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0,
+                   help="sampling seed of the engine: another seed gives other responses to the same prompts")
+    r.add_argument("--data-seed", type=int, default=None,
+                   help=f"arithmetic task only: which problems are drawn (default {DEFAULT_DATA_SEED}, whatever --seed)")
     r.add_argument("--chunk-size", type=int, default=256, help="trainer log-prob chunk (sequence positions)")
     r.add_argument("--axes", choices=("prob", "log"), default="prob", help="scatter axes: probabilities or log-probs")
     r.add_argument("--out", required=True, help="new or empty output directory")
     r.add_argument("--force", action="store_true", help="replace an earlier `analyze rollouts` output in --out")
+
+
+INT32_MAX = 2**31 - 1  # the rollout protocol sends n and max_tokens as int32
+BYTES_PER_SAMPLE_TOKEN = 64  # padded rows, both log-probs, masks and the dump: a generous bound per token
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_sample_count(num_prompts: int, n: int, max_tokens: int) -> None:
+    """--num-prompts, --n, --max-tokens within int32 (what the protocol sends), and the samples' arrays
+    (num_prompts · n rows of up to max_tokens tokens) within half the machine's memory: refused before any work
+    (3·10⁹ samples was a MemoryError after the prompts were read)."""
+    for flag, value in (("--num-prompts", num_prompts), ("--n", n), ("--max-tokens", max_tokens)):
+        if value > INT32_MAX:
+            raise UsageError(f"{flag} must be <= 2^31 - 1 (the rollout protocol's int32), got {value}")
+    need = num_prompts * n * max_tokens * BYTES_PER_SAMPLE_TOKEN
+    mem = physical_memory_bytes()
+    if mem and need > mem // 2:
+        flag = "--num-prompts" if num_prompts >= n else "--n"
+        raise UsageError(f"{flag} {num_prompts if flag == '--num-prompts' else n}: {num_prompts} prompts "
+                         f"(--num-prompts) × {n} samples (--n) × {max_tokens} tokens (--max-tokens) need about {need / 2**30:.3g} GiB, more than half of this machine's "
+                         f"{mem / 2**30:.3g} GiB; lower --n or --num-prompts")
+    if num_prompts * n > INT32_MAX:
+        raise UsageError(f"--n {n}: {num_prompts} prompts (--num-prompts) × {n} samples is more than 2^31 - 1 "
+                         "samples")
 
 
 def _check_args(a: argparse.Namespace) -> None:
@@ -398,6 +515,7 @@ def _check_args(a: argparse.Namespace) -> None:
                         ("--chunk-size", a.chunk_size)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    check_sample_count(a.num_prompts, a.n, a.max_tokens)
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         raise UsageError(f"--temperature must be > 0 (π and μ are compared as sampled distributions), got "
                          f"{a.temperature}")
@@ -414,16 +532,23 @@ def run(a: argparse.Namespace) -> int:
         results = run_rollouts(a, tmp)
         text, md = pairs_tables(results)
         print(text, flush=True)
-        settings = {k: getattr(a, k) for k in ("model", "task", "split", "prompt_ids", "engine", "num_prompts", "n",
-                                                "max_tokens", "temperature", "seed", "fp32_lm_head")}
-        write_json(os.path.join(tmp, "summary.json"),
-                   {"settings": settings, "pairs": {r.name: r.summary for r in results}})
+        settings = {k: getattr(a, k) for k in ("model", "task", "split", "file", "template", "data_seed", "prompt_ids",
+                                                "stop_ids", "engine", "num_prompts", "n", "max_tokens", "temperature",
+                                                "seed", "fp32_lm_head")}
+        write_json_finite(os.path.join(tmp, "summary.json"),
+                          {"settings": settings, "pairs": {r.name: r.summary for r in results}})
         with open(os.path.join(tmp, "pairs.md"), "w") as f:
             f.write(md)
         from jaxrl_mismatch.report.analysis import plot_pairs
 
-        plot_pairs([(r.name, r.dump, r.summary, *_seq_log_ratio(r.dump)) for r in results],
-                   [s for s, _, _ in bucket_names(MetricsConfig())], os.path.join(tmp, "analysis.png"), axes=a.axes)
-    print(f"analyze: wrote summary.json, pairs.md, analysis.png and <trainer>-<engine>/tokens.npz in {a.out}",
+        plotted = [r for r in results if not r.nonfinite]  # a figure of NaN is no figure
+        if plotted:
+            plot_pairs([(r.name, r.dump, r.summary, *_seq_log_ratio(r.dump)) for r in plotted],
+                       [s for s, _, _ in bucket_names(MetricsConfig())], os.path.join(tmp, "analysis.png"),
+                       axes=a.axes)
+    skipped = [r.name for r in results if r.nonfinite]
+    print(f"analyze: wrote summary.json, pairs.md, {'analysis.png and ' if plotted else ''}"
+          f"<trainer>-<engine>/tokens.npz in {a.out}"
+          + (f" (pairs with non-finite trainer log-probs, not plotted: {', '.join(skipped)})" if skipped else ""),
           flush=True)
     return 0

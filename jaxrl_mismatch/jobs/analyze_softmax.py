@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.outputs import staged_dir, write_json
+from jaxrl_mismatch.outputs import staged_dir
 from jaxrl_mismatch.usage import UsageError, int_list
 
 KIND = "analyze bf16-softmax"  # --out's writer as typed; its marker: outputs.marker_name
@@ -202,7 +202,7 @@ def softmax_tables(result: dict) -> tuple[str, str]:
     paper = [[str(p[0])] + [f"{v:.4f}" for v in p[1:5]] for p in PAPER_TABLE2]
     paper.append(["avg"] + [f"{v:.4f}" for v in PAPER_TABLE2_AVERAGE[:4]])
     show_paper = cmp_ is not None
-    w = 8
+    w = max(8, *(len(r[0]) + 2 for r in ours + paper))  # a seed of 8+ digits ran into the next column
     fmt_row = lambda row: "".join(f"{v:<{w}}" for v in row)  # noqa: E731
     text = [head, "", fmt_row(cols) + ("| paper " + fmt_row(cols) if show_paper else "")]
     blank = [""] * len(cols)
@@ -210,7 +210,7 @@ def softmax_tables(result: dict) -> tuple[str, str]:
     left = ours[:-1] + [blank] * (n - len(ours) + 1) + ours[-1:]
     right = paper[:-1] + [blank] * (n - len(paper) + 1) + paper[-1:]
     for k, row in enumerate(left):
-        text.append(fmt_row(row) + ("|       " + fmt_row(right[k]) if show_paper else ""))
+        text.append(fmt_row(row) + ("|" + " " * (len("| paper ") - 1) + fmt_row(right[k]) if show_paper else ""))
     md = [f"{head}.", "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     md += [f"| ours | " + " | ".join(r) + " |" for r in ours]
     if show_paper:
@@ -251,14 +251,60 @@ def add_parser(sub) -> None:
 
 def _check_args(a: argparse.Namespace) -> None:
     a.seeds = int_list("--seeds", a.seeds)
-    if any(s < 0 or s >= 2**32 for s in a.seeds):
-        raise UsageError(f"--seeds: each seed must be in [0, 2^32), got {a.seeds}")
+    if bad := [s for s in a.seeds if not 0 <= s < 2**31]:
+        raise UsageError(f"--seeds: each seed must be in [0, 2^31), got {bad[0]}")
+    if dup := [s for k, s in enumerate(a.seeds) if s in a.seeds[:k]]:
+        raise UsageError(f"--seeds: seed {dup[0]} is listed twice (each seed is one row of the table and its average)")
     if a.vocab < 2:
         raise UsageError(f"--vocab must be >= 2, got {a.vocab}")
     if a.tokens < 1:
         raise UsageError(f"--tokens must be >= 1, got {a.tokens}")
     if not (math.isfinite(a.scale) and a.scale > 0):
         raise UsageError(f"--scale must be a positive number, got {a.scale}")
+    limit = max_scale(a.dtype)
+    if a.scale > limit:
+        raise UsageError(f"--scale {a.scale:g}: logits z ~ N(0, scale²) reach {LOGIT_SIGMAS:g}·scale, which overflows "
+                         f"{a.dtype} (largest {float(jnp.finfo(a.dtype).max):.4g}) into inf/NaN; use --scale <= "
+                         f"{limit:.4g} with --dtype {a.dtype}")
+    for flag, value in (("--vocab", a.vocab), ("--tokens", a.tokens)):
+        if value > 2**31 - 1:
+            raise UsageError(f"{flag} must be <= 2^31 - 1 (JAX indexes it with int32), got {value}")
+    need, mem = simulation_bytes(a.vocab, a.tokens, a.logits == "shared"), _physical_memory()
+    if mem and need > mem // 2:
+        flag = "--vocab" if a.vocab * 4 * ARRAYS_PER_ROW >= a.tokens * 4 * ARRAYS_PER_TOKEN else "--tokens"
+        raise UsageError(f"{flag} {getattr(a, flag[2:])}: the simulation would hold about {need / 2**30:.3g} GiB "
+                         f"(--vocab {a.vocab}, --tokens {a.tokens}), more than half of this machine's "
+                         f"{mem / 2**30:.3g} GiB")
+
+
+LOGIT_SIGMAS = 10.0  # |z| of a standard normal draw stays below this many σ (float32 draws: ≈ 6 at most)
+ARRAYS_PER_ROW = 12  # float32 arrays of [chunk, vocab] alive in one simulation step (z, p, p̃, cdf, temporaries)
+ARRAYS_PER_TOKEN = 8  # float32 arrays of [tokens] (u, the sampled probabilities, KL, the padding copies)
+
+
+def max_scale(dtype: str) -> float:
+    """The largest --scale whose logits (|z| < LOGIT_SIGMAS·scale) the rounding dtype and float32 both hold."""
+    return float(min(jnp.finfo(dtype).max, jnp.finfo(jnp.float32).max)) / LOGIT_SIGMAS
+
+
+def simulation_bytes(vocab: int, tokens: int, shared: bool) -> int:
+    """A generous estimate of the simulation's peak memory in bytes (`simulate_softmax`)."""
+    rows = 1 if shared else min(SIM_CHUNK, tokens)
+    return 4 * (rows * vocab * ARRAYS_PER_ROW + tokens * ARRAYS_PER_TOKEN)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _write_json_finite(path: str, obj) -> None:
+    """Strict JSON: a non-finite statistic is the string "nan" / "inf" (as runlog writes it), never NaN/Infinity."""
+    from jaxrl_mismatch.jobs.analyze_rollouts import write_json_finite
+
+    write_json_finite(path, obj)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -270,7 +316,7 @@ def run(a: argparse.Namespace) -> int:
                                         shared_logits=a.logits == "shared")
         text, md = softmax_tables(result)
         print(text, flush=True)
-        write_json(os.path.join(tmp, "bf16_softmax.json"),
+        _write_json_finite(os.path.join(tmp, "bf16_softmax.json"),
                    {"setting": result["setting"], "seeds": result["seeds"], "comparison": result["comparison"],
                     "paper_table2": {"source": "objective-level hacking paper, App. C.1, Table 2",
                                      "columns": ["seed", *SIM_STATS, "kl"], "rows": [list(r) for r in PAPER_TABLE2],

@@ -71,7 +71,10 @@ def add_parser(sub) -> None:
     p.add_argument("--n", type=int, default=2, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="response length (no stop tokens: every row is full)")
     p.add_argument("--temperature", type=float, default=1.0, help="> 0; the trainer scores π at the same T")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed of the engine: another seed gives other responses to the same prompts")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="--task arithmetic only: which problems are drawn (default 0, whatever --seed)")
     p.add_argument("--out", required=True, help="new or empty output directory")
     p.add_argument("--force", action="store_true", help="replace an earlier `analyze attribute` output in --out")
 
@@ -86,6 +89,7 @@ def check_args(a: argparse.Namespace) -> None:
     for flag, value in (("--num-prompts", a.num_prompts), ("--n", a.n), ("--max-tokens", a.max_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    analyze_rollouts.check_sample_count(a.num_prompts, a.n, a.max_tokens)
     if not (math.isfinite(a.temperature) and a.temperature > 0):
         raise UsageError(f"--temperature must be > 0, got {a.temperature}")
     check_seed("--seed", a.seed)
@@ -265,7 +269,10 @@ def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list
         mu_full[:, plen - 1:] = mu
         summary = analyze_rollouts.summarize(analyze_rollouts.token_dump(
             response_mask, tokens[:, 1:], pi, mu_full, prompt_idx, sample_id))
+        resp_pi, resp_mu = logp[:, plen - 1:], mu
         ablations[setting] = {k: summary[k] for k in METRICS}
+        ablations[setting]["nonfinite_logp"] = {"trainer": int((~np.isfinite(resp_pi)).sum()),
+                                                "engine": int((~np.isfinite(resp_mu)).sum())}
         if setting == BASELINE:
             num_layers = eng_model.cfg.num_hidden_layers
             result["divergence"] = divergence_table(eng_inter, tr_inter, valid, num_layers)
@@ -274,14 +281,30 @@ def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list
                 "logp (response)": relative_divergence(mu, logp[:, plen - 1:], np.ones_like(mu, bool)),
             }
             result["replay_vs_engine_logp_max_abs"] = float(np.max(np.abs(mu - mu_engine)))
-    base = ablations[BASELINE]["mismatch/log_ppl_abs_diff"]
-    for setting, row in ablations.items():
-        left = row["mismatch/log_ppl_abs_diff"]
-        row["removed_frac"] = float(1.0 - left / base) if base > 0 else 0.0
     result["ablations"] = ablations
-    fixes = {k: v for k, v in ablations.items() if k != BASELINE}
-    result["most_removed"] = most_removed(base, fixes)
+    result["most_removed"] = finish_ablations(ablations)
     return result
+
+
+def _finite(row: dict) -> bool:
+    """Whether an ablation's log-probs and mismatch are all finite (an fp16 side that overflows is not)."""
+    bad = row.get("nonfinite_logp", {})
+    return not any(bad.values()) and math.isfinite(row["mismatch/log_ppl_abs_diff"])
+
+
+def finish_ablations(ablations: dict[str, dict]) -> str | None:
+    """Sets each row's `removed_frac` (1 − left / baseline; None where either side is not finite, or the baseline
+    is 0: there is no fraction to remove) and returns `most_removed` over the finite ablations. A non-finite
+    baseline removes nothing and is lowered by nothing: it is reported, never turned into 0 %."""
+    base_row = ablations[BASELINE]
+    base = base_row["mismatch/log_ppl_abs_diff"]
+    for row in ablations.values():
+        left = row["mismatch/log_ppl_abs_diff"]
+        ok = _finite(base_row) and _finite(row) and base > 0
+        row["removed_frac"] = float(1.0 - left / base) if ok else None
+    if not _finite(base_row):
+        return None
+    return most_removed(base, {k: v for k, v in ablations.items() if k != BASELINE and _finite(v)})
 
 
 def most_removed(base: float, fixes: dict[str, dict]) -> str | None:
@@ -292,6 +315,15 @@ def most_removed(base: float, fixes: dict[str, dict]) -> str | None:
         return None
     best = min(fixes, key=lambda k: fixes[k]["mismatch/log_ppl_abs_diff"])
     return best if fixes[best]["mismatch/log_ppl_abs_diff"] < base else None
+
+
+def _nonfinite_text(row: dict) -> str:
+    bad = row.get("nonfinite_logp", {})
+    return ", ".join(f"{v} {k}" for k, v in bad.items() if v) or "0"
+
+
+def _num(v: float) -> str:
+    return f"{v:.3e}" if math.isfinite(v) else "n/a"
 
 
 def _embed_pair(eng_model, tr_model, tokens):
@@ -314,14 +346,20 @@ def tables(results: list[dict]) -> str:
             lines.append(f"| {layer} | " + " | ".join(f"{row[c]:.3e}" for c in CAPTURED) + " |")
         lines += ["", " · ".join(f"{k}: {v:.3e}" for k, v in res["divergence_model"].items()), "",
                   "Ablation (component in float32 on both sides):", "",
-                  "| fp32 component | log_ppl_abs_diff | rho_std | mismatch removed |", "|---|---|---|---|"]
+                  "| fp32 component | log_ppl_abs_diff | rho_std | mismatch removed | non-finite log-probs |",
+                  "|---|---|---|---|---|"]
         for setting, row in res["ablations"].items():
-            lines.append(f"| {setting} | {row['mismatch/log_ppl_abs_diff']:.3e} | {row['mismatch/rho_std']:.3e} | "
-                         f"{100 * row['removed_frac']:.1f} % |")
-        if res["most_removed"]:
+            frac = row["removed_frac"]
+            lines.append(f"| {setting} | {_num(row['mismatch/log_ppl_abs_diff'])} | {_num(row['mismatch/rho_std'])} "
+                         f"| {'n/a' if frac is None else f'{100 * frac:.1f} %'} | {_nonfinite_text(row)} |")
+        base_row = res["ablations"][BASELINE]
+        if not _finite(base_row):
+            lines += ["", f"The baseline's log-probs are not finite ({_nonfinite_text(base_row)}): its mismatch is "
+                          "not a number, so no ablation is compared with it."]
+        elif res["most_removed"]:
             lines += ["", f"Most mismatch removed by fp32 **{res['most_removed']}**."]
         elif len(res["ablations"]) > 1:
-            lines += ["", "No fp32 component lowered the mismatch."]
+            lines += ["", "No fp32 component with finite log-probs lowered the mismatch."]
         lines.append("")
     return "\n".join(lines)
 
@@ -354,6 +392,15 @@ def plot(results: list[dict], path: str) -> str:
     return path
 
 
+def write_attribution(path: str, obj: dict) -> None:
+    """attribution.json as strict JSON: a non-finite divergence or mismatch is the string "nan" / "inf" (as runlog
+    writes them), never the NaN / Infinity tokens JSON has not."""
+    from jaxrl_mismatch.report.summary import _json_safe
+
+    with open(path, "w") as f:
+        f.write(json.dumps(_json_safe(obj), indent=1, allow_nan=False))
+
+
 def run(a: argparse.Namespace) -> int:
     check_args(a)
     with staged_dir("--out", a.out, KIND, force=a.force) as tmp:
@@ -363,18 +410,22 @@ def run(a: argparse.Namespace) -> int:
             res = attribute_pair(a.model, trainer, engine, a.prompts, components=a.components, n=a.n,
                                  max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
             res["seconds"] = round(time.perf_counter() - t0, 1)
-            base = res["ablations"][BASELINE]["mismatch/log_ppl_abs_diff"]
+            base_row = res["ablations"][BASELINE]
             best = res["most_removed"]
-            print(f"attribute: {trainer}:{engine}: log_ppl_abs_diff {base:.3e}; " + (
-                f"fp32 {best} leaves {res['ablations'][best]['mismatch/log_ppl_abs_diff']:.3e}" if best
-                else "no fp32 component lowers it"), flush=True)
+            if not _finite(base_row):
+                print(f"attribute: {trainer}:{engine}: non-finite log-probs ({_nonfinite_text(base_row)}); "
+                      "log_ppl_abs_diff n/a", flush=True)
+            else:
+                print(f"attribute: {trainer}:{engine}: log_ppl_abs_diff {_num(base_row['mismatch/log_ppl_abs_diff'])}; "
+                      + (f"fp32 {best} leaves {_num(res['ablations'][best]['mismatch/log_ppl_abs_diff'])}" if best
+                         else "no fp32 component lowers it"), flush=True)
             results.append(res)
         md = tables(results)
         print(md, flush=True)
-        settings = {k: getattr(a, k) for k in ("model", "prompt_ids", "task", "split", "num_prompts", "n",
-                                                "max_tokens", "temperature", "seed", "components")}
-        with open(os.path.join(tmp, "attribution.json"), "w") as f:
-            json.dump({"settings": settings, "pairs": results}, f, indent=1)
+        settings = {k: getattr(a, k) for k in ("model", "prompt_ids", "task", "split", "file", "template",
+                                                "data_seed", "num_prompts", "n", "max_tokens", "temperature", "seed",
+                                                "components")}
+        write_attribution(os.path.join(tmp, "attribution.json"), {"settings": settings, "pairs": results})
         with open(os.path.join(tmp, "attribution.md"), "w") as f:
             f.write("# analyze attribute\n\n" + md)
         plot(results, os.path.join(tmp, "attribution.png"))

@@ -114,7 +114,8 @@ def test_rollouts_three_precision_pairs_end_to_end(tiny_model, tmp_path, capsys)
     assert fp16["mismatch/log_ppl_abs_diff"] > 10 * fp32["mismatch/log_ppl_abs_diff"]
     md = (out / "pairs.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert len(table) == 4 and all(line.count("|") == 8 for line in table)  # header + 3 pairs, 7 columns
+    assert len(table) == 4 and all(line.count("|") == 9 for line in table)  # header + 3 pairs, 8 columns
+    assert all(line.rstrip(" |").endswith(" 0") for line in table[1:])  # nonfinite_logp: every log-prob finite
     # the folder is the command's own (outputs.staged_dir): marked, server logs inside, no temporary sibling left
     assert (out / marker_name(analyze_rollouts.KIND)).is_file() and (out / "server_float16").is_dir()
     assert not list(out.glob("server_*/rollout_token"))  # the stopped servers' push tokens are not left behind
