@@ -18,8 +18,8 @@ import math
 import os
 
 from jaxrl_mismatch import usage
+from jaxrl_mismatch.usage import INT32_MAX  # noqa: F401 - the scripts' bound, re-exported (update_step_gpu)
 
-INT32_MAX = 2**31 - 1  # the largest token id, vocabulary, length or position a JAX int32 array holds
 
 
 def description(doc: str | None) -> str:
@@ -80,8 +80,8 @@ def _int(text: str, low: int) -> int:
 
 
 def memory_bytes() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """This machine's physical memory in bytes (`usage.physical_memory_bytes`; 0 where the OS does not say)."""
+    return usage.physical_memory_bytes() or 0
 
 
 def check_fits(ap: argparse.ArgumentParser, flags: str, nbytes: float, what: str) -> None:

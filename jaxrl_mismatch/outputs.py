@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from jaxrl_mismatch.usage import UsageError, listing
@@ -200,11 +201,24 @@ def staged_file(path: str) -> Iterator[str]:
         raise
 
 
+def json_safe(obj: Any) -> Any:
+    """`obj` with non-finite floats as the strings runlog writes ("nan", "inf", "-inf"): JSON has no NaN, and the
+    NaN / Infinity tokens Python writes by default are refused by strict parsers."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, Mapping):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: str, obj: Any) -> None:
-    """`obj` as indented JSON at `path`, written to a temporary sibling and renamed into place."""
+    """`obj` as indented strict JSON at `path` (`json_safe`), written to a temporary sibling renamed into place."""
     with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
+        json.dump(json_safe(obj), f, indent=2, allow_nan=False)
         f.write("\n")
 
 
-__all__ = ["MARKER_PREFIX", "check_out_dir", "check_out_file", "marker_name", "staged_dir", "staged_file", "write_json"]
+__all__ = ["MARKER_PREFIX", "check_out_dir", "check_out_file", "json_safe", "marker_name", "staged_dir", "staged_file",
+           "write_json"]

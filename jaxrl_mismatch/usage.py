@@ -94,6 +94,16 @@ def int_list(flag: str, text: str) -> list[int]:
 
 
 SEED_LIMIT = 2**31  # seeds key numpy generators, nnx.Rngs and the engines' int32 sampling streams
+INT32_MAX = 2**31 - 1  # the largest count a flag may give where it reaches an int32 (the rollout protocol, JAX arrays)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): what the jobs check a size flag's
+    arrays against before they are built, so a size that cannot fit is one line, not a MemoryError later."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_seed(flag: str, value: int) -> int:

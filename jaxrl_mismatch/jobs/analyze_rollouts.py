@@ -30,10 +30,10 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
 from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
-from jaxrl_mismatch.outputs import staged_dir
+from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.jobs._inputs import model_config, task_json
-from jaxrl_mismatch.usage import UsageError, check_seed, existing_file, int_list
+from jaxrl_mismatch.usage import INT32_MAX, UsageError, check_seed, existing_file, int_list, physical_memory_bytes
 
 TRAINER_PRECISIONS = precision.PRESETS  # fp32, bf16, fp16
 
@@ -318,16 +318,6 @@ def pair_result(trainer: str, engine: str, rows, logp_train: np.ndarray, prompt_
     return PairResult(trainer, engine, dump, summary)
 
 
-def write_json_finite(path: str, obj) -> None:
-    """`obj` as strict JSON: a non-finite float is written as the string runlog writes ("nan", "inf"), never as
-    the NaN / Infinity tokens JSON does not have (`report.summary._json_safe`)."""
-    import json
-
-    from jaxrl_mismatch.report.summary import _json_safe, write_atomic
-
-    write_atomic(path, json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
-
-
 TABLE_COLUMNS = (("log_ppl_abs_diff", "mismatch/log_ppl_abs_diff"), ("rho_std", "mismatch/rho_std"),
                  ("max_abs_dlogp", "analysis/logp_abs_diff_max"), ("pcc_pi_mu", "mismatch/prob_pearson"),
                  ("seq_log_ratio_abs_max", "analysis/seq_log_ratio_abs_max"))
@@ -410,7 +400,7 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
             pair_dir = os.path.join(out, f"{trainer}-{engine}")
             os.makedirs(pair_dir)
             np.savez(os.path.join(pair_dir, "tokens.npz"), **res.dump)
-            write_json_finite(os.path.join(pair_dir, "summary.json"), {"trainer": trainer, "engine": engine, **summary})
+            write_json(os.path.join(pair_dir, "summary.json"), {"trainer": trainer, "engine": engine, **summary})
             if res.nonfinite:
                 print(f"analyze: {res.name}: {res.nonfinite} of {int(summary['analysis/tokens'])} trainer log-probs "
                       f"are not finite (overflow in {trainer}?): its mismatch metrics are not finite and are "
@@ -460,15 +450,7 @@ def add_parser(sub) -> None:
     r.add_argument("--force", action="store_true", help="replace an earlier `analyze rollouts` output in --out")
 
 
-INT32_MAX = 2**31 - 1  # the rollout protocol sends n and max_tokens as int32
 BYTES_PER_SAMPLE_TOKEN = 64  # padded rows, both log-probs, masks and the dump: a generous bound per token
-
-
-def physical_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_sample_count(num_prompts: int, n: int, max_tokens: int) -> None:
@@ -535,7 +517,7 @@ def run(a: argparse.Namespace) -> int:
         settings = {k: getattr(a, k) for k in ("model", "task", "split", "file", "template", "data_seed", "prompt_ids",
                                                 "stop_ids", "engine", "num_prompts", "n", "max_tokens", "temperature",
                                                 "seed", "fp32_lm_head")}
-        write_json_finite(os.path.join(tmp, "summary.json"),
+        write_json(os.path.join(tmp, "summary.json"),
                           {"settings": settings, "pairs": {r.name: r.summary for r in results}})
         with open(os.path.join(tmp, "pairs.md"), "w") as f:
             f.write(md)

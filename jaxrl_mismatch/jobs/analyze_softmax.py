@@ -21,8 +21,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.outputs import staged_dir
-from jaxrl_mismatch.usage import UsageError, int_list
+from jaxrl_mismatch.outputs import staged_dir, write_json
+from jaxrl_mismatch.usage import INT32_MAX, UsageError, int_list, physical_memory_bytes
 
 KIND = "analyze bf16-softmax"  # --out's writer as typed; its marker: outputs.marker_name
 
@@ -267,9 +267,9 @@ def _check_args(a: argparse.Namespace) -> None:
                          f"{a.dtype} (largest {float(jnp.finfo(a.dtype).max):.4g}) into inf/NaN; use --scale <= "
                          f"{limit:.4g} with --dtype {a.dtype}")
     for flag, value in (("--vocab", a.vocab), ("--tokens", a.tokens)):
-        if value > 2**31 - 1:
+        if value > INT32_MAX:
             raise UsageError(f"{flag} must be <= 2^31 - 1 (JAX indexes it with int32), got {value}")
-    need, mem = simulation_bytes(a.vocab, a.tokens, a.logits == "shared"), _physical_memory()
+    need, mem = simulation_bytes(a.vocab, a.tokens, a.logits == "shared"), physical_memory_bytes()
     if mem and need > mem // 2:
         flag = "--vocab" if a.vocab * 4 * ARRAYS_PER_ROW >= a.tokens * 4 * ARRAYS_PER_TOKEN else "--tokens"
         raise UsageError(f"{flag} {getattr(a, flag[2:])}: the simulation would hold about {need / 2**30:.3g} GiB "
@@ -293,20 +293,6 @@ def simulation_bytes(vocab: int, tokens: int, shared: bool) -> int:
     return 4 * (rows * vocab * ARRAYS_PER_ROW + tokens * ARRAYS_PER_TOKEN)
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _write_json_finite(path: str, obj) -> None:
-    """Strict JSON: a non-finite statistic is the string "nan" / "inf" (as runlog writes it), never NaN/Infinity."""
-    from jaxrl_mismatch.jobs.analyze_rollouts import write_json_finite
-
-    write_json_finite(path, obj)
-
-
 def run(a: argparse.Namespace) -> int:
     """The subcommand: simulate every seed, print the table beside Table 2, write JSON, Markdown and a figure —
     into a temporary sibling of --out renamed into place (`outputs.staged_dir`; --out checked before simulating)."""
@@ -316,7 +302,7 @@ def run(a: argparse.Namespace) -> int:
                                         shared_logits=a.logits == "shared")
         text, md = softmax_tables(result)
         print(text, flush=True)
-        _write_json_finite(os.path.join(tmp, "bf16_softmax.json"),
+        write_json(os.path.join(tmp, "bf16_softmax.json"),
                    {"setting": result["setting"], "seeds": result["seeds"], "comparison": result["comparison"],
                     "paper_table2": {"source": "objective-level hacking paper, App. C.1, Table 2",
                                      "columns": ["seed", *SIM_STATS, "kl"], "rows": [list(r) for r in PAPER_TABLE2],

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import time
@@ -41,7 +40,7 @@ from jaxrl_mismatch.jobs import analyze_rollouts
 from jaxrl_mismatch.models import kv_cache, load_hf, make_scorer
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
 from jaxrl_mismatch.models.sharding import tree_path
-from jaxrl_mismatch.outputs import staged_dir
+from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
 from jaxrl_mismatch.jobs._inputs import model_config
@@ -392,15 +391,6 @@ def plot(results: list[dict], path: str) -> str:
     return path
 
 
-def write_attribution(path: str, obj: dict) -> None:
-    """attribution.json as strict JSON: a non-finite divergence or mismatch is the string "nan" / "inf" (as runlog
-    writes them), never the NaN / Infinity tokens JSON has not."""
-    from jaxrl_mismatch.report.summary import _json_safe
-
-    with open(path, "w") as f:
-        f.write(json.dumps(_json_safe(obj), indent=1, allow_nan=False))
-
-
 def run(a: argparse.Namespace) -> int:
     check_args(a)
     with staged_dir("--out", a.out, KIND, force=a.force) as tmp:
@@ -425,7 +415,7 @@ def run(a: argparse.Namespace) -> int:
         settings = {k: getattr(a, k) for k in ("model", "prompt_ids", "task", "split", "file", "template",
                                                 "data_seed", "num_prompts", "n", "max_tokens", "temperature", "seed",
                                                 "components")}
-        write_attribution(os.path.join(tmp, "attribution.json"), {"settings": settings, "pairs": results})
+        write_json(os.path.join(tmp, "attribution.json"), {"settings": settings, "pairs": results})
         with open(os.path.join(tmp, "attribution.md"), "w") as f:
             f.write("# analyze attribute\n\n" + md)
         plot(results, os.path.join(tmp, "attribution.png"))

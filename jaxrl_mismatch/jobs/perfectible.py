@@ -36,10 +36,10 @@ from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.outputs import check_out_file
 from jaxrl_mismatch.jobs._inputs import model_config, task_json
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, check_seed, existing_dir, existing_file, host_port
+from jaxrl_mismatch.usage import (INT32_MAX, ArgumentParser, UsageError, check_seed, existing_dir, existing_file,
+                                  host_port)
 
 PROG = "jaxrl-mismatch perfectible"
-INT32_MAX = 2**31 - 1
 
 
 def _config_field(c, label: str, field: str, kinds: tuple[type, ...]) -> Any:

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxrl_mismatch.data import arithmetic
 from jaxrl_mismatch.outputs import check_out_dir, staged_dir
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, check_seed
+from jaxrl_mismatch.usage import INT32_MAX, ArgumentParser, UsageError, check_seed, physical_memory_bytes
 
 # JAX, flax, optax and the model code are imported by the functions that use them: `--help` and a refused flag
 # import none of them (~2.5 s of imports before a one-line error), as `jobs/_inputs.py` promises for every job.
@@ -186,7 +186,6 @@ def write_generation_config(tok: TextTokenizer, out_dir: str, max_new_tokens: in
         json.dump(cfg, f, indent=2)
 
 
-INT32_MAX = 2**31 - 1
 # Counts and sizes at most INT32_MAX: step counts reach optax's int32 step counter, --max-len the int32 positions
 # (and a config.json that `serve` answers GetInfo with), sizes the arrays' dimensions; none is near it in use.
 _INT32_FLAGS = ("steps", "batch_size", "num_train", "layers", "hidden", "heads", "kv_heads", "intermediate",
@@ -220,20 +219,12 @@ def memory_estimate(args: argparse.Namespace) -> dict[str, int]:
             "training rows": 2 * 3 * 4 * args.num_train * (tokens + 1)}
 
 
-def _machine_memory() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_memory(args: argparse.Namespace, defaults: dict[str, int], available: int | None = None) -> None:
     """UsageError naming the size flag at fault (the one whose default in `defaults` would shrink the estimate
     most) when even `memory_estimate`'s lower bound exceeds this machine's memory (`available`, default: its
     physical memory): such a warm start failed with a MemoryError or XLA's RESOURCE_EXHAUSTED (exit 1) after
     its problems were generated."""
-    available = _machine_memory() if available is None else available
+    available = physical_memory_bytes() if available is None else available
     parts = memory_estimate(args)
     total = sum(parts.values())
     if available is None or total <= available:

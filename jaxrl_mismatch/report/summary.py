@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxrl_mismatch.outputs import staged_file
+from jaxrl_mismatch.outputs import json_safe, staged_file
 from jaxrl_mismatch.usage import UsageError
 
 # How many steps "start" and "end" of a run average over (response length), fewer in a shorter run.
@@ -312,17 +312,6 @@ def _nonfinite(stats: Mapping[str, Any]) -> list[str]:
     return [f"{k} = {v}" for k, v in stats.items() if isinstance(v, float) and not math.isfinite(v)]
 
 
-def _json_safe(obj: Any) -> Any:
-    """`obj` with non-finite floats as the strings runlog writes ("nan", "inf", "-inf"): JSON has no NaN."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return repr(obj)
-    if isinstance(obj, Mapping):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def write_atomic(path: str, text: str) -> None:
     """Write `path` through a temporary sibling renamed into place (`outputs.staged_file`): a reader or a crash
     sees the old file or the new one, never half of one, and a failed write leaves no temporary behind."""
@@ -346,6 +335,6 @@ def write_table(table: Mapping[str, Any], rule: CollapseRule, md_path: str, json
         from jaxrl_mismatch.report.paired import paired_controls
 
         content.update(controls=dict(controls), paired_controls=paired_controls(table, controls))
-    write_atomic(json_path, json.dumps(_json_safe(content), indent=1, allow_nan=False))
+    write_atomic(json_path, json.dumps(json_safe(content), indent=1, allow_nan=False))
     write_atomic(md_path, md)
     return md

@@ -19,11 +19,10 @@ from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
 from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, is_run_dir
-from jaxrl_mismatch.usage import SEED_LIMIT, UsageError, host_port, listing
+from jaxrl_mismatch.usage import INT32_MAX, SEED_LIMIT, UsageError, host_port, listing
 
 # The rollout protocol's int32 fields (rollout/rollout.proto: SamplingParams n, max_tokens, top_k); a larger value
 # fails protobuf's range check ("Value out of range") at the first Generate, after the model loaded.
-INT32_MAX = 2**31 - 1
 _INT32_FIELDS = ("rollout.top_k", "rollout.max_tokens", "rollout.group_size", "eval.k")
 # Deadlines and waits in seconds: beyond this, gRPC's deadline arithmetic overflows (every call DEADLINE_EXCEEDED
 # at once) or the wait is no wait at all; 30 days.

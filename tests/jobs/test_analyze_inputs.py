@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_mismatch.jobs import analyze, analyze_rollouts, analyze_softmax, attribute
+from jaxrl_mismatch.outputs import write_json
 from jaxrl_mismatch.usage import UsageError
 from tests.rollout.conftest import make_tiny_qwen3
 
@@ -106,7 +107,7 @@ def test_rollouts_pair_with_nonfinite_logprobs_is_kept_and_reported(tmp_path):
     line = next(ln for ln in text.splitlines() if ln.startswith("fp16:float16"))
     assert "n/a" in line and line.split()[-1] == "2" and "0.0" not in line
     path = tmp_path / "s.json"
-    analyze_rollouts.write_json_finite(str(path), {"pairs": {r.name: r.summary for r in (ok, bad)}})
+    write_json(str(path), {"pairs": {r.name: r.summary for r in (ok, bad)}})
     data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["pairs"]["fp16:float16"]["mismatch/log_ppl_abs_diff"] == "nan"
     assert data["pairs"]["fp16:float16"]["analysis/nonfinite_logp_train"] == 2
@@ -126,7 +127,7 @@ def test_attribute_nonfinite_baseline_is_not_zero_percent(tmp_path):
     assert "| none | n/a | n/a | n/a | 5 trainer |" in md and "0.0 %" not in md
     assert "No fp32 component" not in md and "not finite" in md
     path = tmp_path / "a.json"
-    attribute.write_attribution(str(path), {"pairs": [res], "inf": float("inf")})
+    write_json(str(path), {"pairs": [res], "inf": float("inf")})
     data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["pairs"][0]["ablations"]["none"]["mismatch/log_ppl_abs_diff"] == "nan" and data["inf"] == "inf"
     finite = {"none": {"mismatch/log_ppl_abs_diff": 2e-3, "mismatch/rho_std": 0.0, "nonfinite_logp": {"trainer": 0}},
