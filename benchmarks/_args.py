@@ -79,17 +79,13 @@ def _int(text: str, low: int) -> int:
     return x
 
 
-def memory_bytes() -> int:
-    """This machine's physical memory in bytes (`usage.physical_memory_bytes`; 0 where the OS does not say)."""
-    return usage.physical_memory_bytes() or 0
-
-
 def check_fits(ap: argparse.ArgumentParser, flags: str, nbytes: float, what: str) -> None:
     """One line naming `flags` (exit 2, through `ap.error`) when `what`, one array the flags size, needs more than
     this machine's physical memory on its own: the run could only end in a MemoryError (or the OOM killer) after
-    the flags were accepted. A lower bound on what the run needs, so it never refuses a run that fits."""
-    total = memory_bytes()
-    if nbytes > total:
+    the flags were accepted. A lower bound on what the run needs, so it never refuses a run that fits (nor any run
+    where the OS does not say its memory)."""
+    total = usage.physical_memory_bytes()
+    if total is not None and nbytes > total:
         ap.error(f"{flags}: {what} alone needs {_gb(nbytes)}, more than this machine's {_gb(total)} of memory")
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import _args
 from benchmarks._paths import write_json
+from jaxrl_mismatch import usage
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
@@ -50,7 +51,7 @@ def test_check_fits_refuses_an_array_larger_than_memory_in_one_line(capsys):
     ap = _args.ArgumentParser(prog="x.py")
     _args.check_fits(ap, "--vocab", 1024, "a small array")  # fits: nothing happens
     with pytest.raises(SystemExit) as e:
-        _args.check_fits(ap, "--vocab × --hidden", 2 * _args.memory_bytes(), "the LM head")
+        _args.check_fits(ap, "--vocab × --hidden", 2 * usage.physical_memory_bytes(), "the LM head")
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: x.py: --vocab × --hidden: the LM head alone needs ") and "of memory" in err
