@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def model_config(flag: str, path: str, *, weights: bool = True) -> ModelConfig:
     """The `ModelConfig` of the HF checkpoint folder `path` given by `flag`; with `weights`, its safetensors files
-    are checked to open too (`hf_io.check_model_files`). (Imported here: `--help` of a job imports no JAX.)"""
+    are checked to open and to hold the tensors, of the shapes, that config.json's model has
+    (`hf_io.check_model_files`). (Imported here: `--help` of a job imports no JAX.)"""
     from jaxrl_mismatch.models.config import ModelConfig
     from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
 
@@ -31,7 +32,7 @@ def model_config(flag: str, path: str, *, weights: bool = True) -> ModelConfig:
         raise UsageError(f"{flag} {path}: cannot read config.json ({type(e).__name__}: {e})") from None
     if weights:
         try:
-            check_model_files(path)
+            check_model_files(path, cfg)
         except ModelFilesError as e:
             raise UsageError(f"{flag} {path}: {e}") from None
     return cfg

@@ -267,18 +267,50 @@ class _LazyCheckpoint(Mapping):
     def __contains__(self, name: object) -> bool:
         return name in self._weight_map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape from its file's header, without reading its data."""
+        fname = self._weight_map[name]
+        try:
+            return tuple(self._handles[fname].get_slice(name).get_shape())
+        except Exception as e:  # noqa: BLE001 - an index naming a tensor its file does not hold
+            raise ModelFilesError(f"{fname}: tensor {name!r} cannot be read ({_first_line(e)})") from None
 
-def check_model_files(directory: str | os.PathLike) -> None:
+
+def _check_against_config(checkpoint: _LazyCheckpoint, cfg: ModelConfig) -> None:
+    """ValueError naming the first tensor `load_hf` would refuse: one the config's model needs that is missing or
+    has another shape, or one it would not use. From the headers and `nnx.eval_shape` alone (nothing is read or
+    allocated), so a folder whose weights were written for another config.json is refused before any work."""
+    expected = hf_tensor_shapes(nnx.split(abstract_model(cfg, DTypePolicy()), nnx.Param)[1])
+    for name, (shape, _) in expected.items():
+        if name not in checkpoint:
+            raise ValueError(f"checkpoint is missing tensor {name!r} (shape {shape}) that its config.json's "
+                             f"{cfg.architecture} model needs")
+        got = checkpoint.shape(name)
+        if got != shape:
+            raise ValueError(f"tensor {name!r} has shape {got}, expected {shape} for its config.json's "
+                             f"{cfg.architecture} model")
+    allowed = _expected_extras(cfg)
+    unexpected = sorted(n for n in checkpoint if n not in expected and n not in allowed and not _IGNORED.fullmatch(n))
+    if unexpected:
+        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(f"checkpoint has tensor {unexpected[0]!r}{more} that its config.json's "
+                         f"{cfg.architecture} model does not use")
+
+
+def check_model_files(directory: str | os.PathLike, cfg: ModelConfig | None = None) -> None:
     """ModelFilesError naming the file unless every safetensors file of `directory` (or its index) opens: a header
     that parses and data that covers it, so a truncated or garbled copy is found before any work, not after a
-    server started. The tensors' names and shapes are checked by `load_hf` (against config.json)."""
+    server started. Given the folder's `cfg` (its config.json), the tensors' names and header shapes are checked
+    against it too, as `load_hf` would when the job loads it (each rollout server loads it again)."""
     directory = os.fspath(directory)
     try:
         with contextlib.ExitStack() as stack:
-            _LazyCheckpoint(directory, stack)
+            checkpoint = _LazyCheckpoint(directory, stack)
+            if cfg is not None:
+                _check_against_config(checkpoint, cfg)
     except ModelFilesError:
         raise
-    except (ValueError, OSError, KeyError) as e:  # no weights, a listed file missing, a bad index
+    except (ValueError, OSError, KeyError) as e:  # no weights, a listed file missing, a bad index, a wrong tensor
         raise ModelFilesError(f"{directory}: {_first_line(e)}") from None
 
 

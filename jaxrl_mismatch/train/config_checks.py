@@ -435,7 +435,7 @@ def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
 
 def check_model_dir(c: ml_collections.ConfigDict) -> None:
     """The policy at `model.path` (after any warm start): its config.json reads (`check_model` on it) and its
-    weight files open (`hf_io.check_model_files`); ConfigError naming `model.path`. Run before the trainer creates
+    weight files open and hold config.json's tensors (`hf_io.check_model_files`); ConfigError naming `model.path`. Run before the trainer creates
     or locks the run directory."""
     from jaxrl_mismatch.models.config import ModelConfig
     from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
@@ -446,7 +446,7 @@ def check_model_dir(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.model.path: {c.model.path}: {e}") from None
     check_model(c, model_cfg)
     try:
-        check_model_files(c.model.path)
+        check_model_files(c.model.path, model_cfg)
     except ModelFilesError as e:
         raise ConfigError(f"config.model.path: {e}") from None
 

@@ -70,6 +70,38 @@ def test_a_damaged_config_or_weights_file_is_one_line_before_any_server(model, t
     _nothing_written(tmp_path)
 
 
+def test_weights_written_for_another_config_are_one_line_before_any_server(model, tmp_path, capsys):
+    """config.json changed after the weights were written (another width, one layer more, or a tensor the model
+    does not have): each was an exit 1 from load_hf after a rollout server had started (the analyze review's
+    finding 3). The check reads the safetensors headers only."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((model / "config.json").read_text())
+    argv = ("analyze", "rollouts", "--model", str(model), "--out", str(tmp_path / "o"))
+    for field, value, needle in (
+            ("intermediate_size", config["intermediate_size"] * 2, "has shape"),
+            ("num_hidden_layers", config["num_hidden_layers"] + 1,
+             f"checkpoint is missing tensor 'model.layers.{config['num_hidden_layers']}."),
+    ):
+        (model / "config.json").write_text(json.dumps({**config, field: value}))
+        _refused(capsys, [f"--model {model}", needle, "for its config.json's" if needle == "has shape" else
+                          "that its config.json's"], *argv)
+        _refused(capsys, [f"--model {model}", needle], "perfectible", "--model", str(model), "--max-tokens", "8",
+                 "--out", str(tmp_path / "p.jsonl"))
+    (model / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(model / "model.safetensors"))
+    save_file({**tensors, "model.extra.weight": tensors["model.norm.weight"]}, str(model / "model.safetensors"))
+    _refused(capsys, [f"--model {model}", "checkpoint has tensor 'model.extra.weight'", "does not use"], *argv)
+    save_file(tensors, str(model / "model.safetensors"))  # the untouched folder passes the check (the job starts)
+    from jaxrl_mismatch.models.config import ModelConfig
+    from jaxrl_mismatch.models.hf_io import check_model_files
+
+    check_model_files(model, ModelConfig.from_hf(str(model)))
+    _nothing_written(tmp_path)
+
+
 def test_seeds_stop_ids_and_prompt_flags_are_checked_up_front(model, tmp_path, capsys):
     ids = tmp_path / "ids.jsonl"
     ids.write_text("[3, 4, 5]\n")

@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from jaxrl_mismatch.models import hf_to_params, load_hf, params_to_hf, save_hf, token_logprobs
+from jaxrl_mismatch.models.hf_io import check_model_files
 from jaxrl_mismatch.precision import policy
 from tests.models.hf_tiny import VOCAB, hf_token_logprobs, make_hf_model, padded_batch, real_positions
 
@@ -62,6 +63,7 @@ def test_sharded_transformers_checkpoint_loads(qwen2_sharded):
 def test_save_loads_in_transformers_and_round_trips_bit_exact(qwen2_sharded, tmp_path):
     d, _ = qwen2_sharded
     cfg, model = load_hf(d, policy=policy("fp32"))
+    check_model_files(d, cfg)  # the headers-only check a job runs first agrees with load_hf on a sharded folder
     out = tmp_path / "ours"
     files = save_hf(model, cfg, out, max_shard_bytes=120_000)
     assert len(files) > 1 and os.path.exists(out / "model.safetensors.index.json")

@@ -19,7 +19,7 @@ from tests.models.hf_tiny import hf_token_logprobs, padded_batch, positions, rea
 from tests.models.moe_tiny import make_moe_model, tiny_moe_config
 
 from jaxrl_mismatch.models import ModelConfig, Transformer, load_hf, positions_from_mask, save_hf, token_logprobs
-from jaxrl_mismatch.models.hf_io import hf_to_params, params_to_hf
+from jaxrl_mismatch.models.hf_io import check_model_files, hf_to_params, params_to_hf
 from jaxrl_mismatch.models.kv_cache import decode_step, init_cache, prefill
 from jaxrl_mismatch.models.moe import grouped_experts, load_balancing_loss, route
 from jaxrl_mismatch.precision import policy
@@ -99,6 +99,7 @@ def test_checkpoint_round_trip_and_weight_sync(checkpoints, tmp_path):
     params_to_hf / hf_to_params (the weight-sync wire format) round-trip exactly."""
     d, hf = checkpoints("mlp_only_layers", False)
     cfg, model = load_hf(d, policy=policy("fp32"))
+    check_model_files(d, cfg)  # the headers-only check a job runs first agrees with load_hf on HF's MoE names
     save_hf(model, cfg, tmp_path / "out")
     with safe_open(str(d / "model.safetensors"), "np") as a, safe_open(str(tmp_path / "out/model.safetensors"), "np") as b:
         names = set(a.keys())
