@@ -2,7 +2,8 @@
 
 Dong et al., "Probing RLVR training instability through the lens of objective-level hacking" §4.1:
 Qwen3-30B-A3B on DAPO-Math-17k, AIME24 for validation; each step samples 128 problems × 16 responses,
-then 4 parameter updates (off-policy: 4 minibatches of 32 prompts); max response length 8K; GRPO with token-level clipping ε_low = ε_high = 0.2;
+then 4 parameter updates (off-policy: 4 minibatches of 32 prompts); max response length 8K; GRPO with token-level clipping ε_low = ε_high = 0.2
+and the per-response token mean of eq. 2;
 Fig. 2's green run adds truncated importance sampling (TIS, Yao et al. 2025) on ρ = π_train/π_infer (eq. 5).
 Inference ran in vLLM (BF16) and training in Megatron (BF16) on A100s — the mismatch the paper studies.
 
@@ -61,6 +62,9 @@ def get_config():
 
     c.objective.preset = "grpo"  # GRPO advantages, token clipping ε = 0.2 both sides (OLH §4.1)
     c.objective.overrides.correction = "token_tis"  # Fig. 2 green: TIS on ρ (OLH eq. 5)
+    # OLH eq. 2 (and eq. 16 for the GSPO arm) averages tokens within each response, then responses:
+    # 1/G Σ_i 1/|o_i| Σ_t, not the preset's DAPO token mean; the same aggregation for every arm.
+    c.objective.overrides.agg = "seq-mean-token-mean"
     c.objective.router_aux_coef = 0.0
 
     c.eval.every = 20

@@ -111,8 +111,9 @@ PRESETS: dict[str, dict] = {
     "grpo": dict(advantages="grpo", loss="ppo"),
     # DAPO (Yu et al. 2025): the same with clip-higher ε_high = 0.28.
     "dapo": dict(advantages="grpo", loss="ppo", eps_high=0.28),
-    # FP16 eq. 8 + footnote 1: Dr.GRPO (Liu et al. 2025c). Needs max_len (the constant L).
-    "drgrpo": dict(advantages="drgrpo", loss="ppo", agg="seq-mean-token-sum-norm"),
+    # FP16 eq. 8 + footnote 1: Dr.GRPO (Liu et al. 2025c), clip-higher 0.28 as the paper ran the GRPO family (§4.1)
+    # and as its eq. 9 / 10 arms below, so baseline vs correction changes the correction only. Needs max_len.
+    "drgrpo": dict(advantages="drgrpo", loss="ppo", eps_high=0.28, agg="seq-mean-token-sum-norm"),
     # FP16 eq. 9: Dr.GRPO with token TIS min(ρ_t, C) (Yao et al.), clip-higher 0.28, C = 3 (§4.1). Needs max_len.
     "drgrpo_token_tis": dict(advantages="drgrpo", loss="ppo", eps_high=0.28, correction="token_tis",
                              agg="seq-mean-token-sum-norm"),

@@ -97,6 +97,9 @@ def test_presets_set_their_advantages():
     for preset in ("drgrpo", "drgrpo_token_tis", "drgrpo_seq_mis"):
         cfg = objective_config(preset, max_len=64)
         assert (cfg.advantages, cfg.agg, cfg.loss) == ("drgrpo", "seq-mean-token-sum-norm", "ppo"), preset
+        # §4.1: clip-higher 0.28 for the whole GRPO family, baseline included (it was 0.2 for the baseline only,
+        # so baseline vs correction also compared two clips).
+        assert (cfg.eps_low, cfg.eps_high) == (0.2, 0.28), preset
     assert objective_config("drgrpo_token_tis", max_len=8).correction == "token_tis"
     assert objective_config("drgrpo_seq_mis", max_len=8).correction == "seq_sum_mis"
     for preset in PRESETS:

@@ -126,6 +126,11 @@ def test_qwen3_30b_a3b_config_mirrors_the_paper():
 
     obj = build_policy_loss(c)
     assert (obj.cfg.eps_low, obj.cfg.eps_high, obj.cfg.correction, obj.cfg.advantages) == (0.2, 0.2, "token_tis", "grpo")
+    # OLH eqs. 2 and 16: 1/G Σ_i 1/|o_i| Σ_t for the GRPO arms and the GSPO arm alike (the preset's is token-mean).
+    assert obj.cfg.agg == "seq-mean-token-mean"
+    apply_override(c, "objective.preset", "gspo")
+    assert build_policy_loss(c).cfg.agg == "seq-mean-token-mean"
+    apply_override(c, "objective.preset", "grpo")
     assert c.trainer.mesh["expert"] > 1 and c.trainer.routing_replay == "off"
     # Its documented R3 switch is valid only together with the jax engine.
     apply_override(c, "trainer.routing_replay", "R3")
