@@ -166,7 +166,8 @@ def check_out_file(flag: str, path: str, *, ours: Callable[[str], bool], what: s
     """UsageError unless `path` may receive an output file: new, or an existing file `ours(path)` accepts
     (the kind of file the command writes, e.g. a PNG), or any file with `force` (None: the command has no
     --force flag). A symbolic link is refused, even to such a file and with `force`: the rename into place
-    would replace the user's link with a file and leave its target as it was."""
+    would replace the user's link with a file and leave its target as it was. So is anything else that is not a
+    regular file (a FIFO, a socket, a device), before `ours` could open it."""
     if not path:
         raise UsageError(f"{flag}: empty path")
     if path.endswith(("/", os.sep)) or os.path.basename(path) in (".", ".."):
@@ -178,10 +179,30 @@ def check_out_file(flag: str, path: str, *, ours: Callable[[str], bool], what: s
                          f"({os.path.realpath(path)}) or a new path (nothing was changed)")
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a directory; expected a file path")
+    if os.path.exists(path) and not os.path.isfile(path):
+        # Before `ours` reads it: opening a FIFO blocks until a writer comes (report hung for good), a device is
+        # no output to replace; and the rename into place would put a file where the user's special file was.
+        raise UsageError(f"{flag} {path}: is {_special_kind(path)}, not a regular file; give a new file path "
+                         "(nothing was changed)")
     _parent_writable(flag, path)
     if os.path.lexists(path) and not force and not ours(path):
         raise UsageError(f"{flag} {path}: already exists" + (f" and is not {what}" if what else "")
                          + "; choose a new path" + (" or pass --force to replace it" if force is not None else ""))
+
+
+def _special_kind(path: str) -> str:
+    """What a path that exists and is neither a file nor a directory is, in words (for one line naming it)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "not readable"
+    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "a special file"
 
 
 @contextlib.contextmanager

@@ -43,6 +43,12 @@ class Task:
     def load(self, split: str, **options) -> list[dict]:
         return self.loader(split, **options)
 
+    def check_answer(self, answer: str) -> None:
+        """ValueError (the reward's words) when this task's reward cannot read the gold `answer`."""
+        from jaxrl_mismatch.data.rewards import check_gold_answer
+
+        check_gold_answer(self.reward_name, answer)
+
 
 def _load_arithmetic(split: str, *, n: int, seed: int = 0, **spec_fields) -> list[dict]:
     unknown = set(spec_fields) - arithmetic.SPEC_FIELDS
@@ -51,7 +57,10 @@ def _load_arithmetic(split: str, *, n: int, seed: int = 0, **spec_fields) -> lis
     return arithmetic.records(arithmetic.ArithmeticSpec(**spec_fields), split, n, seed)
 
 
-def _file_loader(fmt: str) -> Callable[..., list[dict]]:
+def _file_loader(fmt: str, reward_name: str) -> Callable[..., list[dict]]:
+    """The loader of a file-backed task: its records in format `fmt`, every gold answer checked against the task's
+    reward before the dataset is built (one line naming file and line, not a failure at the first step)."""
+
     def load(split: str, *, files: Mapping[str, str | Sequence[str]], data_dir: str) -> list[dict]:
         try:
             from jaxrl_mismatch.data import math_datasets  # deferred TFDS import
@@ -61,7 +70,10 @@ def _file_loader(fmt: str) -> Callable[..., list[dict]]:
             raise UsageError(f"task format {fmt!r} needs the math extra ({e.name} is not installed): "
                              "pip install -e '.[math]'") from None
 
-        return math_datasets.load_records(fmt, files, data_dir, split)
+        from jaxrl_mismatch.data.rewards import check_gold_answer
+
+        return math_datasets.load_records(fmt, files, data_dir, split,
+                                          check_answer=lambda answer: check_gold_answer(reward_name, answer))
 
     return load
 
@@ -70,12 +82,13 @@ TASKS: dict[str, Task] = {
     t.name: t
     for t in (
         Task(name="arithmetic", reward_name="arithmetic", template="arithmetic", loader=_load_arithmetic),
-        Task(name="gsm8k", reward_name="math", template="qwen_boxed", loader=_file_loader("gsm8k")),
-        Task(name="math", reward_name="math", template="r1_distill", loader=_file_loader("math")),
-        Task(name="dapo", reward_name="math", template="dapo", loader=_file_loader("dapo")),
+        Task(name="gsm8k", reward_name="math", template="qwen_boxed", loader=_file_loader("gsm8k", "math")),
+        Task(name="math", reward_name="math", template="r1_distill", loader=_file_loader("math", "math")),
+        Task(name="dapo", reward_name="math", template="dapo", loader=_file_loader("dapo", "math")),
         # Saved prompt sets (e.g. a perfectible subset), scored like the task they were drawn from.
-        Task(name="prompts", reward_name="math", template="raw", loader=_file_loader("prompts")),
-        Task(name="arithmetic_prompts", reward_name="arithmetic", template="arithmetic", loader=_file_loader("prompts")),
+        Task(name="prompts", reward_name="math", template="raw", loader=_file_loader("prompts", "math")),
+        Task(name="arithmetic_prompts", reward_name="arithmetic", template="arithmetic",
+             loader=_file_loader("prompts", "arithmetic")),
     )
 }
 

@@ -247,6 +247,15 @@ def is_well_formed(completion: str) -> bool:
     return _CHAIN_RE.match(completion.strip()) is not None
 
 
+def gold_answer(answer: str | int) -> int:
+    """The integer a gold answer stands for, as `reward` reads it; ValueError when it is none ("4.0", "abc"): the
+    loaders check every record's answer with it, so bad data fails at start-up naming its line, not at a step."""
+    try:
+        return int(str(answer).strip())
+    except ValueError as e:
+        raise ValueError(f"arithmetic reward: gold answer {answer!r} is not an integer") from e
+
+
 def reward(completion: str, answer: str | int, *, format_bonus: float = 0.0) -> float:
     """Exact-match reward: 1.0 if the final answer equals ``answer``, else ``format_bonus`` for a
     well-formed but wrong scratchpad, else 0.0.
@@ -255,10 +264,7 @@ def reward(completion: str, answer: str | int, *, format_bonus: float = 0.0) -> 
     (e.g. 0.1) can help a policy that has not learnt the format, at the price of a reward that is no
     longer a success indicator.
     """
-    try:
-        gold = int(str(answer).strip())
-    except ValueError as e:
-        raise ValueError(f"arithmetic reward: gold answer {answer!r} is not an integer") from e
+    gold = gold_answer(answer)
     pred = extract_answer(completion)
     if pred is not None and pred == gold:
         return 1.0

@@ -30,7 +30,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from jaxrl_mismatch.data.templates import get_template
-from jaxrl_mismatch.data.tokenizer import TextTokenizer
+from jaxrl_mismatch.data.tokenizer import TextTokenizer, UnknownCharactersError
 
 T = TypeVar("T")
 
@@ -107,27 +107,40 @@ def tokenize_prompts(
     *,
     template: str | None = None,
     max_prompt_len: int | None = None,
+    where: Sequence[str] | None = None,
 ) -> list[list[int]]:
     """Render (optionally through a registered template) and encode prompts to id lists.
 
     Special tokens are added the way the tokenizer's post-processor says (BOS for ours and R1, none
-    for Qwen) — the same ids a vLLM engine gets from the same text. Characters outside a closed
-    vocabulary and prompts longer than ``max_prompt_len`` raise, naming the prompt.
+    for Qwen) — the same ids a vLLM engine gets from the same text. A prompt with characters outside a
+    closed vocabulary, with no tokens at all (an engine has nothing to continue) or longer than
+    ``max_prompt_len`` raises a `PromptError` naming it: ``where[i]`` (its file and line) when given, else
+    its position ("prompt 3").
     """
     tmpl = get_template(template) if template is not None else None
     rendered = [tmpl.render(t) if tmpl is not None else t for t in texts]
-    for t in rendered:
-        tokenizer.check_known(t)
+    name = (lambda i: f"{where[i]}: prompt") if where is not None else (lambda i: f"prompt {i}")
+    for i, t in enumerate(rendered):
+        try:
+            tokenizer.check_known(t)
+        except UnknownCharactersError as e:
+            raise PromptError(f"{name(i)}: {e}") from None
     ids = tokenizer.encode_batch(rendered)
-    if max_prompt_len is not None:
-        for i, p in enumerate(ids):
-            if len(p) > max_prompt_len:
-                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens > max_prompt_len={max_prompt_len}: "
-                                         f"{rendered[i][:60]!r}")
+    for i, p in enumerate(ids):
+        if not p:
+            raise PromptError(f"{name(i)} {rendered[i][:60]!r} has no tokens (the tokenizer adds no BOS); a rollout "
+                              "engine cannot continue an empty prompt")
+        if max_prompt_len is not None and len(p) > max_prompt_len:
+            raise PromptTooLongError(f"{name(i)} has {len(p)} tokens > max_prompt_len={max_prompt_len}: "
+                                     f"{rendered[i][:60]!r}")
     return ids
 
 
-class PromptTooLongError(ValueError):
+class PromptError(ValueError):
+    """A prompt the policy cannot be given (`tokenize_prompts`); the message names it (file and line when known)."""
+
+
+class PromptTooLongError(PromptError):
     """A prompt has more tokens than `max_prompt_len` (`tokenize_prompts`)."""
 
 

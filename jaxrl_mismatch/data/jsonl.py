@@ -36,8 +36,11 @@ def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
 
 
 def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tuple[list[dict], list[dict]]:
-    """(uniform records {prompt_text, answer}, the original JSON objects) of a file-backed task's JSONL, in
-    file order, at most `num` (0: all) — what `perfectible` filters and `analyze rollouts --task` samples."""
+    """(uniform records {prompt_text, answer, where}, the original JSON objects) of a file-backed task's JSONL, in
+    file order, at most `num` (0: all) — what `perfectible` filters and `analyze rollouts --task` samples. `where`
+    is "FLAG path:line", what an error about the record (its prompt's tokens) names. A gold answer the task's
+    reward cannot read is refused here, naming file and line (it raised in the reward after a server started)."""
+    from jaxrl_mismatch.data import get_task
     from jaxrl_mismatch.data.math_datasets import CONVERTERS, DataFormatError
 
     fmt = {"arithmetic_prompts": "prompts"}.get(task, task)
@@ -51,7 +54,11 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
             text, answer, _ = CONVERTERS[fmt](obj, f"{path}:{lineno}")
         except DataFormatError as e:
             raise UsageError(f"{flag} {e}") from None
-        records.append({"prompt_text": text, "answer": answer})
+        try:
+            get_task(task).check_answer(answer)
+        except ValueError as e:
+            raise UsageError(f"{flag} {path}:{lineno}: {e}") from None
+        records.append({"prompt_text": text, "answer": answer, "where": f"{flag} {path}:{lineno}"})
         originals.append(obj)
         if num and len(records) == num:
             break

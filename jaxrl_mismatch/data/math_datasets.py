@@ -18,8 +18,8 @@ taken in the order given (records come back in hashed-key order; sort by ``index
 Formats (one JSON object per line):
 
 - ``gsm8k``: ``{"question", "answer"}``; the gold answer is the text after ``####`` in ``answer``.
-- ``math``: ``{"problem", "solution"}`` (Hendrycks MATH); the gold answer is the last ``\\boxed{}`` of
-  ``solution``, or the ``answer`` field when present (MATH-500 has one).
+- ``math``: ``{"problem", "solution"}`` (Hendrycks MATH); the gold answer is the ``answer`` field when
+  present (MATH-500 has one; a string or a number), else the last ``\\boxed{}`` of ``solution``.
 - ``dapo``: DAPO-Math-17k (``BytedTsinghua-SIA/DAPO-Math-17k``, the verl RL format), as we understand
   it: ``{"data_source", "prompt": [{"role": "user", "content": ...}], "ability",
   "reward_model": {"ground_truth": ..., "style": "rule-lax"}, "extra_info": {"index": ...}}``. The
@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -62,8 +63,29 @@ def _field(obj: Mapping, key: str, where: str, fmt: str, kind: type | tuple[type
     return value
 
 
+def _text(obj: Mapping, key: str, where: str, fmt: str) -> str:
+    """A prompt field: a string with something in it. An empty prompt reached the rollout server (no tokens at
+    all where the tokenizer adds no BOS) and failed the run there; a blank one asks the policy nothing."""
+    value = _field(obj, key, where, fmt)
+    if not value.strip():
+        raise DataFormatError(f"{where}: field {key!r} is empty")
+    return value
+
+
+def _answer_text(value: object, where: str, key: str) -> str:
+    """A gold answer given as a JSON scalar, as text: a non-empty string, or a number (`5`, `0.5`). A boolean, a
+    NaN or an infinity, a list or an object is no answer any reward reads (`true` became the answer "True")."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataFormatError(f"{where}: field {key!r} should be a string or a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DataFormatError(f"{where}: field {key!r} is {value}, not an answer")
+    if not str(value).strip():  # the reward raises on it, at whatever step first samples the prompt
+        raise DataFormatError(f"{where}: field {key!r} is empty")
+    return str(value)
+
+
 def _convert_gsm8k(obj: Mapping, where: str) -> tuple[str, str, dict]:
-    question = _field(obj, "question", where, "gsm8k")
+    question = _text(obj, "question", where, "gsm8k")
     solution = _field(obj, "answer", where, "gsm8k")
     try:
         answer = gsm8k_final_answer(solution)
@@ -73,9 +95,13 @@ def _convert_gsm8k(obj: Mapping, where: str) -> tuple[str, str, dict]:
 
 
 def _convert_math(obj: Mapping, where: str) -> tuple[str, str, dict]:
-    problem = _field(obj, "problem", where, "math")
-    if "answer" in obj and isinstance(obj["answer"], str) and obj["answer"].strip():
-        answer = obj["answer"].strip()
+    """The `answer` field wins when it holds one (a string or a number, as MATH-500's); a missing, null or blank
+    `answer` falls back to the last \\boxed{} of `solution`. A number was ignored for the solution's box (and
+    without a solution the record was refused); any other type is refused by name."""
+    problem = _text(obj, "problem", where, "math")
+    given = obj.get("answer")
+    if given is not None and not (isinstance(given, str) and not given.strip()):
+        answer = _answer_text(given, where, "answer").strip()
     else:
         solution = _field(obj, "solution", where, "math")
         answer = last_boxed(solution)
@@ -91,21 +117,22 @@ def _convert_dapo(obj: Mapping, where: str) -> tuple[str, str, dict]:
         if not users or not isinstance(users[-1].get("content"), str):
             raise DataFormatError(f"{where}: field 'prompt' has no user message with string 'content'")
         prompt = users[-1]["content"]
+    if not prompt.strip():
+        raise DataFormatError(f"{where}: field 'prompt' is empty")
     rm = _field(obj, "reward_model", where, "dapo", Mapping)
     truth = rm.get("ground_truth")
     if isinstance(truth, list) and len(truth) == 1:  # some verl exports wrap it in a list
         truth = truth[0]
-    if not isinstance(truth, (str, int, float)) or not str(truth).strip():
+    if truth is None or isinstance(truth, (list, Mapping)):
         raise DataFormatError(f"{where}: field 'reward_model.ground_truth' missing or not a scalar answer")
-    return prompt, str(truth).strip(), {k: v for k, v in obj.items() if k not in ("prompt", "reward_model")}
+    truth = _answer_text(truth, where, "reward_model.ground_truth")
+    return prompt, truth.strip(), {k: v for k, v in obj.items() if k not in ("prompt", "reward_model")}
 
 
 def _convert_prompts(obj: Mapping, where: str) -> tuple[str, str, dict]:
-    text = _field(obj, "prompt_text", where, "prompts")
-    answer = _field(obj, "answer", where, "prompts", (str, int, float))
-    if not str(answer).strip():  # the reward raises on it, at whatever step first samples the prompt
-        raise DataFormatError(f"{where}: field 'answer' is empty")
-    return text, str(answer), {k: v for k, v in obj.items() if k not in ("prompt_text", "answer")}
+    text = _text(obj, "prompt_text", where, "prompts")
+    answer = _answer_text(_field(obj, "answer", where, "prompts", object), where, "answer")
+    return text, answer, {k: v for k, v in obj.items() if k not in ("prompt_text", "answer")}
 
 
 CONVERTERS: dict[str, Callable[[Mapping, str], tuple[str, str, dict]]] = {
@@ -122,6 +149,20 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
     if fmt not in CONVERTERS:
         raise ValueError(f"unknown data format {fmt!r}; valid: {sorted(CONVERTERS)}")
     convert = CONVERTERS[fmt]
+    for lineno, where, line in _lines(path):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        text, answer, extra = convert(obj, where)
+        yield {"prompt_text": text, "answer": answer, "index": lineno - 1, "extra": json.dumps(extra, sort_keys=True)}
+
+
+def _lines(path: str) -> Iterator[tuple[int, str, str]]:
+    """(line number, "path:line", text) of each non-blank line: what holds one record each (`read_jsonl`,
+    `record_locations`); a line that is not UTF-8 is a DataFormatError naming file and line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -129,16 +170,14 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataFormatError(f"{where}: not UTF-8 (byte {e.start} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            text, answer, extra = convert(obj, where)
-            yield {"prompt_text": text, "answer": answer, "index": lineno - 1, "extra": json.dumps(extra, sort_keys=True)}
+            if line.strip():
+                yield lineno, where, line
+
+
+def record_locations(paths: Sequence[str]) -> list[str]:
+    """"path:line" of each record of a split read from `paths` in that order: entry `index` is where the record
+    with that `index` came from, so a check after loading (a gold answer, a prompt's tokens) names file and line."""
+    return [where for p in paths for _, where, _ in _lines(p)]
 
 
 def _fingerprint(files: Mapping[str, Sequence[str]]) -> str:
@@ -288,22 +327,37 @@ def _decode(ex: Mapping) -> Record:
     return {"prompt_text": s(ex["prompt_text"]), "answer": s(ex["answer"]), "index": int(ex["index"]), "extra": s(ex["extra"])}
 
 
-def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str) -> BuiltDataset:
+def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
+          check_answer: Callable[[str], object] | None = None) -> BuiltDataset:
     """Build (once; later calls reuse it) the ``array_record`` dataset of ``files`` under ``data_dir``.
 
     ``files`` maps split name → JSONL path(s). Bad lines raise :class:`DataFormatError` naming the
-    file, line and field before anything is written.
+    file, line and field before anything is written: so do a file without records, and a gold answer
+    ``check_answer`` (the task's reward's reading of one, `rewards.check_gold_answer`) raises on.
     """
     files = _normalise_files(files)
     for paths in files.values():  # validate every line up front: a clear error, no half-built dataset
         for p in paths:
-            for _ in read_jsonl(p, fmt):
-                pass
+            n = 0
+            for rec in read_jsonl(p, fmt):
+                n += 1
+                if check_answer is not None:
+                    try:
+                        check_answer(rec["answer"])
+                    except ValueError as e:  # the reward raised it at the first step that sampled the prompt
+                        raise DataFormatError(f"{p}:{rec['index'] + 1}: {e}") from None
+            if not n:  # TFDS failed on it after building had begun: "No examples were yielded"
+                raise DataFormatError(f"{p}: no records (the file is empty or holds only blank lines)")
     builder = builder_class(fmt)(files=files, data_dir=data_dir)
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
     return BuiltDataset(builder=builder, splits=tuple(files))
 
 
-def load_records(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, split: str) -> list[Record]:
-    """Build if needed and return ``split``'s uniform records in file order."""
-    return build(fmt, files, data_dir).records(split)
+def load_records(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, split: str, *,
+                 check_answer: Callable[[str], object] | None = None) -> list[Record]:
+    """Build if needed (`build`) and return ``split``'s uniform records in file order, each with ``where``: the
+    ``path:line`` it was read from (what an error about the record names)."""
+    recs = build(fmt, files, data_dir, check_answer=check_answer).records(split)
+    for rec, where in zip(recs, record_locations(_normalise_files(files)[split])):
+        rec["where"] = where
+    return recs

@@ -139,11 +139,18 @@ def math_reward(completion: str, answer: str) -> float:
     return _math_reward(completion, answer)
 
 
+def math_gold_answer(answer: str) -> str:
+    """The gold answer as `math_reward` reads it; ValueError when it is empty (whatever else math-verify cannot
+    parse it still compares literally, so that is the one gold answer it cannot grade)."""
+    if not str(answer).strip():
+        raise ValueError(f"math reward: gold answer {answer!r} is empty")
+    return str(answer)
+
+
 def _math_reward(completion: str, answer: str) -> float:
     import math_verify
 
-    if not str(answer).strip():
-        raise ValueError(f"math reward: gold answer {answer!r} is empty")
+    math_gold_answer(answer)
     span = extract_math_answer(completion)
     if span is None or not span.strip():
         return 0.0
@@ -163,6 +170,20 @@ REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic.reward,
     "math": math_reward,
 }
+
+
+# Each reward's reading of a gold answer (it raises ValueError, in the reward's words, on one it cannot read): the
+# task loaders check every record with it before a run or a filter starts.
+GOLD_ANSWERS: dict[str, Callable[[str], object]] = {
+    "arithmetic": arithmetic.gold_answer,
+    "math": math_gold_answer,
+}
+
+
+def check_gold_answer(name: str, answer: str) -> None:
+    """Raise ValueError (the reward's own message) when reward `name` could not read the gold `answer`: it raised
+    at the first step that sampled the prompt, after the rollout server had started."""
+    GOLD_ANSWERS[name](answer)
 
 
 def get_reward(name: str) -> RewardFn:

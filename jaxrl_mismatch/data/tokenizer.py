@@ -92,7 +92,12 @@ class TextTokenizer:
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         bad = sorted({text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk})
         if bad:
-            raise ValueError(f"text {text[:60]!r} has characters outside the tokenizer's vocabulary: {bad}")
+            raise UnknownCharactersError(f"text {text[:60]!r} has characters outside the tokenizer's vocabulary: {bad}")
+
+
+class UnknownCharactersError(ValueError):
+    """Text with characters a closed vocabulary maps to ``<unk>`` (`TextTokenizer.check_known`): bad input, which the
+    loaders report naming the prompt's file and line."""
 
 
 def build_arithmetic_tokenizer(chars: str = ARITHMETIC_CHARS) -> TextTokenizer:
@@ -166,6 +171,8 @@ def load_tokenizer(path: str) -> TextTokenizer:
         p = os.path.join(d, fname)
         if os.path.exists(p):
             cfg = _read_json(p)
+            if not isinstance(cfg, dict):  # a list or a string: `key in cfg` and cfg[key] were a TypeError
+                raise ValueError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
             for key in ("pad_token", "bos_token", "eos_token"):
                 if key in cfg:
                     names[key] = _token_str(cfg[key])
@@ -191,12 +198,18 @@ def load_tokenizer(path: str) -> TextTokenizer:
 
 
 def _read_json(path: str):
-    """The JSON value in `path`; ValueError naming the file and line when it is not JSON."""
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    """The JSON value in `path`; ValueError naming the file (and line) when it is not UTF-8 JSON (the locale's
+    encoding was used, and a byte it could not decode was a UnicodeDecodeError: exit 1)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
 
 
 def _generation_eos_ids(d: str, vocab_size: int) -> tuple[int, ...]:

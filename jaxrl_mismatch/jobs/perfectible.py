@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import grpc
 
 from jaxrl_mismatch.data import get_task
-from jaxrl_mismatch.data.batching import generation_stop_ids, response_text, tokenize_prompts
+from jaxrl_mismatch.data.batching import PromptError, generation_stop_ids, response_text, tokenize_prompts
 from jaxrl_mismatch.data.jsonl import read_task_file, write_jsonl
 from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
@@ -162,10 +162,12 @@ def parse_args(argv: Sequence[str]):
         host_port("--address", a.address)
     if a.file and os.path.lexists(a.out) and os.path.exists(a.file) and os.path.samefile(a.out, a.file):
         raise UsageError(f"--out {a.out}: is the input --file; write the kept prompts to a new file")
-    if a.force and os.path.isfile(a.out) and not os.path.islink(a.out) and not _has_content(a.out):
+    # Only a regular file is opened here: a link, a FIFO (reading it blocks) or a device is refused by check_out_file.
+    regular = os.path.isfile(a.out) and not os.path.islink(a.out)
+    if a.force and regular and not _has_content(a.out):
         raise UsageError(f"--out {a.out}: is an empty file, and nothing in it shows it is an earlier output of "
                          "perfectible (--force replaces only that); remove it yourself or choose a new path")
-    if a.force and os.path.lexists(a.out) and not os.path.isdir(a.out) and not _is_perfectible_output(a.out):
+    if a.force and regular and not _is_perfectible_output(a.out):
         raise UsageError(f"--out {a.out}: --force replaces only an earlier output of perfectible (every line a JSON "
                          f"object with {OUTPUT_FIELDS[0]!r} and {OUTPUT_FIELDS[1]!r}); this file is not one, "
                          "choose a new path")
@@ -248,7 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UsageError(f"--model {a.model}: {e}") from None
     template = a.template or task.template
     stop_ids = generation_stop_ids(tok, template)
-    longest = max(len(ids) for ids in tokenize_prompts(tok, [r["prompt_text"] for r in records], template=template))
+    try:  # before a server starts: a prompt the tokenizer cannot take is one line naming its file and line
+        where = [r["where"] for r in records] if a.task != "arithmetic" else None
+        ids = tokenize_prompts(tok, [r["prompt_text"] for r in records], template=template, where=where)
+    except PromptError as e:
+        raise UsageError(str(e) if where else f"--task arithmetic (--seed {a.seed}): {e}") from None
+    longest = max(len(p) for p in ids)
     if not a.address:  # the server it starts serves --model's whole context, with the default request limits
         check_request(a, longest, a.model_cfg.max_position_embeddings, Limits(),
                       f"--model {a.model}: max_position_embeddings")

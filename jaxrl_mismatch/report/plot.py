@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import matplotlib
@@ -35,8 +36,10 @@ _MAX_FIGURE_BYTES = 64 << 20  # larger than any figure written here: not read
 
 
 def _is_our_figure(path: str) -> bool:
-    """Whether `path` holds a figure of the format its name says, written by `save_figure` (it has the mark)."""
-    signatures = _SIGNATURES.get(os.path.splitext(path)[1].lower().lstrip("."), ())
+    """Whether `path` holds a figure of the format its name says whose metadata carries the mark `save_figure`
+    writes: the PNG `Software` text chunk, the SVG `<metadata>` creator, the PDF document-information `/Creator`.
+    Only that metadata is read: a user's figure that merely shows the words (a title, a comment) is not ours."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
     try:
         if os.path.getsize(path) > _MAX_FIGURE_BYTES:
             return False
@@ -44,7 +47,65 @@ def _is_our_figure(path: str) -> bool:
             data = f.read()
     except OSError:
         return False
-    return any(data.startswith(sig) for sig in signatures) and FIGURE_MARK.encode() in data
+    if not any(data.startswith(sig) for sig in _SIGNATURES.get(ext, ())):
+        return False
+    reader = {"png": _png_software, "svg": _svg_creator, "pdf": _pdf_creator}[ext]
+    try:
+        return reader(data) == FIGURE_MARK
+    except Exception:  # noqa: BLE001 - damaged or foreign content is simply not our figure
+        return False
+
+
+def _png_software(data: bytes) -> str | None:
+    """The `Software` text of a PNG (matplotlib writes `metadata` as tEXt chunks), read by Pillow, matplotlib's own
+    image library; None when it has none."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return getattr(im, "text", {}).get("Software")
+
+
+_SVG, _DC = "{http://www.w3.org/2000/svg}", "{http://purl.org/dc/elements/1.1/}"
+
+
+def _svg_creator(data: bytes) -> str | None:
+    """The creator matplotlib writes in an SVG's top-level `<metadata>` (RDF `dc:creator/cc:Agent/dc:title`)."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(data)
+    if root.tag != f"{_SVG}svg":
+        return None
+    for meta in root.findall(f"{_SVG}metadata"):
+        for title in meta.iterfind(f".//{_DC}creator//{_DC}title"):
+            return (title.text or "").strip()
+    return None
+
+
+_PDF_INFO = re.compile(rb"/Info\s+(\d+)\s+(\d+)\s+R")
+
+
+def _pdf_creator(data: bytes) -> str | None:
+    """The `/Creator` string of the document-information dictionary the PDF's last trailer names (`/Info N G R`):
+    the object is found through the cross-reference table matplotlib writes, so text anywhere else does not count."""
+    trailer = data.rfind(b"trailer")
+    info = _PDF_INFO.search(data, trailer) if trailer >= 0 else None
+    start = data.rfind(b"startxref")
+    if info is None or start < 0:
+        return None
+    xref = int(data[start + len(b"startxref"):].split()[0])
+    if not data.startswith(b"xref", xref):
+        return None
+    num, gen = int(info.group(1)), int(info.group(2))
+    lines = data[xref:trailer].split(b"\n")
+    first, count = (int(v) for v in lines[1].split()[:2])  # one subsection, "0 N", as matplotlib writes
+    if not first <= num < first + count:
+        return None
+    offset = int(lines[2 + num - first].split()[0])
+    head = re.match(rb"\s*%d\s+%d\s+obj\s*<<(.*?)>>" % (num, gen), data[offset:offset + 4096], re.S)
+    creator = re.search(rb"/Creator\s*\(((?:[^()\\]|\\.)*)\)", head.group(1), re.S) if head else None
+    return creator.group(1).decode("latin-1") if creator else None
 
 
 def check_figure_out(flag: str, out: str) -> None:

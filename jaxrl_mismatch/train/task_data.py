@@ -14,8 +14,8 @@ import ml_collections
 
 from jaxrl_mismatch.data import get_task
 from jaxrl_mismatch.data.arithmetic import read_task_json
-from jaxrl_mismatch.data.batching import (PromptIterator, PromptTooLongError, generation_stop_ids, response_text,
-                                         tokenize_prompts)
+from jaxrl_mismatch.data.batching import (PromptError, PromptIterator, PromptTooLongError, generation_stop_ids,
+                                         response_text, tokenize_prompts)
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.train.config import ConfigError
 
@@ -33,13 +33,21 @@ def task_options(c: ml_collections.ConfigDict, split: str, n: int) -> dict[str, 
     return {"files": c.task.files.to_dict(), "data_dir": c.task.data_dir or os.path.join(c.run_dir, "tfds")}
 
 
+def _places(records: list[dict]) -> list[str] | None:
+    """The "path:line" of each record of a file task (what `tokenize_prompts` names), else None ("prompt i")."""
+    return [r["where"] for r in records] if records and all("where" in r for r in records) else None
+
+
 class TaskData:
     def __init__(self, c: ml_collections.ConfigDict, model_vocab_size: int) -> None:
         try:
             self.tok = load_tokenizer(c.model.path)
         except (ValueError, OSError) as e:  # a damaged or missing tokenizer: one line naming the field and file
             raise ConfigError(f"config.model.path: {e}") from None
-        self.tok.check_model_vocab(model_vocab_size)
+        try:
+            self.tok.check_model_vocab(model_vocab_size)
+        except ValueError as e:  # another model's tokenizer: a ValueError (exit 1) before it was caught here
+            raise ConfigError(f"config.model.path: {os.path.join(c.model.path, 'tokenizer.json')}: {e}") from None
         self.task = get_task(c.task.name)
         self.template = c.task.template or self.task.template
         self.stop_ids = generation_stop_ids(self.tok, self.template)  # what ends a rollout and what the reward strips
@@ -56,19 +64,25 @@ class TaskData:
         for split, records in ((c.task.train_split, train), (c.task.val_split, val)):
             if not records:
                 raise ConfigError(f"config.task: split {split!r} of task {c.task.name!r} is empty")
+        val = val[: c.task.num_val]
+        # Every prompt a run uses is tokenised before any weight is pushed or rollout made, an error naming the
+        # prompt's file and line (a file task's records carry `where`; the loader checked the gold answers).
+        source = "config.task.files" if c.task.name != "arithmetic" else "config.task"
         try:
-            ids = self.tokenize([r["prompt_text"] for r in train])
-            val_ids = self.tokenize([r["prompt_text"] for r in val[: c.task.num_val]])
-        except PromptTooLongError as e:  # before any weight is pushed or rollout made: one line naming the field
+            ids = self.tokenize([r["prompt_text"] for r in train], _places(train))
+            val_ids = self.tokenize([r["prompt_text"] for r in val], _places(val))
+        except PromptTooLongError as e:  # one line naming the field, and the prompt's file and line
             raise ConfigError(f"config.task.max_prompt_len: {e}") from None
+        except PromptError as e:  # characters outside the vocabulary, no tokens at all
+            raise ConfigError(f"{source}: {e}") from None
         self.prompts = PromptIterator([{"prompt_ids": p, "answer": r["answer"]} for p, r in zip(ids, train)],
                                       c.batch.prompts_per_step, seed=c.seed)
-        val = val[: c.task.num_val]
         self.val_ids = val_ids
         self.val_answers = [r["answer"] for r in val]
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return tokenize_prompts(self.tok, texts, template=self.template, max_prompt_len=self.max_prompt_len)
+    def tokenize(self, texts: list[str], where: list[str] | None = None) -> list[list[int]]:
+        return tokenize_prompts(self.tok, texts, template=self.template, max_prompt_len=self.max_prompt_len,
+                                where=where)
 
     def next_prompts(self) -> tuple[list[list[int]], list[str]]:
         recs = self.prompts.next_batch()
