@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,6 +49,17 @@ from etils import epath
 from jaxrl_mismatch.data.rewards import gsm8k_final_answer, last_boxed
 
 Record = dict[str, object]
+
+
+class _ExpectedConfigNotice(logging.Filter):
+    """Drops TFDS's "Using custom data configuration" warning: every dataset here is built from a custom config (the
+    user's files), so it says nothing, and it came before a one-line data error on stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Using custom data configuration")
+
+
+logging.getLogger("absl").addFilter(_ExpectedConfigNotice())
 
 
 class DataFormatError(ValueError):
@@ -349,6 +361,9 @@ def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
             if not n:  # TFDS failed on it after building had begun: "No examples were yielded"
                 raise DataFormatError(f"{p}: no records (the file is empty or holds only blank lines)")
     builder = builder_class(fmt)(files=files, data_dir=data_dir)
+    # No TFDS progress bars: building a JSONL task takes seconds, and on stderr they came before (and buried) the
+    # one line a bad prompt found after the build is reported in; the trainer logs its own progress.
+    tfds.disable_progress_bar()
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
     return BuiltDataset(builder=builder, splits=tuple(files))
 

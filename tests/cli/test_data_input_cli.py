@@ -83,6 +83,20 @@ def test_train_refuses_bad_task_data_before_any_rollout(tiny_base_model, tmp_pat
     assert not (tmp_path / "run" / "tfds").exists()  # refused before the dataset was built
 
 
+@pytest.mark.slow
+def test_train_names_a_prompt_outside_the_vocabulary_in_one_line_after_the_build(tiny_base_model, tmp_path):
+    """Found only once the dataset is built (it needs the tokenizer): TFDS's progress bars and its "custom data
+    configuration" warning came first on stderr, so the error was the last of a dozen lines."""
+    train = _jsonl(tmp_path / "train.jsonl", GOOD, GOOD)
+    val = _jsonl(tmp_path / "val.jsonl", GOOD, {"prompt_text": "x+1=", "answer": "3"})
+    config = tmp_path / "cfg.py"
+    config.write_text(TRAIN_CONFIG.format(repo=str(REPO), run=str(tmp_path / "run"), model=str(tiny_base_model),
+                                          train=train, val=val))
+    out = cli("train", "--config", str(config), timeout=240)
+    one_line_error(out.returncode, out.stderr, f"config.task.files: {val}:2: prompt: text 'x+1=' has characters "
+                                               "outside the tokenizer's vocabulary")
+
+
 @pytest.fixture
 def tokenizer_dir(tmp_path) -> str:
     d = tmp_path / "model"
