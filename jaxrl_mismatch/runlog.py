@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -33,7 +34,8 @@ class RunWriter:
     """Writes each step's scalars to `<run_dir>/metrics.jsonl` and TensorBoard event files.
 
     On resume the JSONL file is cut back to the lines before the resumed step, so a restarted run never shows
-    a step twice; every other line is kept as it was (`_lines_before`).
+    a step twice; every other line is kept as it was (`_lines_before`). A fresh start (no step to resume) in a
+    directory that already holds a metrics.jsonl renames that file to `metrics.jsonl.replaced-<ns>` (kept).
     """
 
     def __init__(self, run_dir: str, *, resume_from_step: int | None = None, tensorboard: bool = True) -> None:
@@ -52,8 +54,12 @@ class RunWriter:
                 if os.path.exists(tmp):
                     os.remove(tmp)  # our own temporary
                 raise
-        elif resume_from_step is None and os.path.exists(self.path):
-            os.remove(self.path)
+        elif resume_from_step is None and os.path.lexists(self.path):
+            # A fresh start never deletes an earlier log: it is kept beside the new one, renamed.
+            aside = f"{self.path}.replaced-{time.time_ns()}"
+            os.rename(self.path, aside)
+            print(f"warning: {self.path}: an earlier log of this run directory; kept as {os.path.basename(aside)}",
+                  file=sys.stderr, flush=True)
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:

@@ -16,9 +16,10 @@ import ml_collections
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
-from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, ConfigError, check_schema, exact_forward_enabled
+from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS, ConfigError, check_schema,
+                                         exact_forward_enabled, flatten)
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
-from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, is_run_dir
+from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE, is_run_dir
 from jaxrl_mismatch.usage import INT32_MAX, SEED_LIMIT, UsageError, host_port, listing
 
 # The rollout protocol's int32 fields (rollout/rollout.proto: SamplingParams n, max_tokens, top_k); a larger value
@@ -113,10 +114,25 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
         v = _get(c, path)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v <= MAX_TIMEOUT_S:  # inf and NaN too
             raise ConfigError(f"config.{path}: must be a number of seconds <= {MAX_TIMEOUT_S} (30 days), got {v!r}")
+    _check_finite_and_int32(c)
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
     if c.rollout.max_staleness != int(c.rollout.max_staleness):
         raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
+
+
+def _check_finite_and_int32(c: ml_collections.ConfigDict) -> None:
+    """Every number of the fixed schema (open sections are their constructors' to check): a float is finite
+    and an integer fits an int32. inf passed the `>= 0` checks (temperatures, coefficients, noise) and broke
+    the run later; an integer past int32 (optim.warmup_steps = 2^40, steps = 10^20) overflowed in a jitted
+    computation after the model loaded, or never ended."""
+    for path, v in flatten(c).items():
+        if path in OPEN_SECTIONS or isinstance(v, bool):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"config.{path}: must be a finite number, got {v!r}")
+        if isinstance(v, int) and not -INT32_MAX - 1 <= v <= INT32_MAX:
+            raise ConfigError(f"config.{path}: must be within the int32 range (|value| <= {INT32_MAX}), got {v!r}")
 
 
 FP16_LOGITS_MIN_TEMPERATURE = 0.01
@@ -292,6 +308,14 @@ def _check_registries(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.task.template: unknown prompt template {c.task.template!r}; valid: "
                           f"{sorted(TEMPLATES)} (or '' for the task's default)")
     if c.task.name == "arithmetic":  # generated problems: the splits the generator hashes prompts into
+        # it reads no files: task.files / task.data_dir would be silently ignored
+        if c.task.files:
+            raise ConfigError(f"config.task.files: {sorted(c.task.files.keys())} do nothing for task 'arithmetic', "
+                              "which generates its problems; use a file-backed task (e.g. task.name = 'prompts') or "
+                              "clear them (--config.task.files={})")
+        if c.task.data_dir:
+            raise ConfigError(f"config.task.data_dir: {c.task.data_dir!r} does nothing for task 'arithmetic', which "
+                              "generates its problems; leave it empty")
         for field in ("train_split", "val_split"):
             if c.task[field] not in SPLITS:
                 raise ConfigError(f"config.task.{field}: unknown split {c.task[field]!r}; valid: {list(SPLITS)}")
@@ -319,13 +343,22 @@ def _check_registries(c: ml_collections.ConfigDict) -> None:
     if c.optim.schedule not in SCHEDULES:
         raise ConfigError(f"config.optim.schedule: unknown schedule {c.optim.schedule!r}; valid: {sorted(SCHEDULES)}")
     try:
-        build_schedule(c.optim)
+        schedule = build_schedule(c.optim)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.optim.schedule_kwargs: {e}") from None
+    try:  # the jitted schedule at the first step: a step count past int32 (warmup_steps, decay_steps) overflows
+        if callable(schedule):
+            schedule(0)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise ConfigError(f"config.optim: the LR schedule cannot be evaluated ({' '.join(str(e).split())[:200]}); "
+                          "check optim.warmup_steps and optim.schedule_kwargs") from None
     try:
         build_optimizer(c.optim)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.optim: {e}") from None
+    if c.controller.name == "none" and c.controller.kwargs:  # build_controller reads them only for a controller
+        raise ConfigError(f"config.controller.kwargs: {sorted(c.controller.kwargs.keys())} do nothing with "
+                          "controller.name = 'none'; choose a controller or clear them (--config.controller.kwargs={})")
     if c.controller.name != "none" and c.controller.name not in CONTROLLERS:
         raise ConfigError(
             f"config.controller.name: unknown controller {c.controller.name!r}; valid: ['none'] + {sorted(CONTROLLERS)}"
@@ -347,8 +380,16 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
     """
     if not str(c.run_dir).strip():
         raise ConfigError("config.run_dir: empty; give the run directory (new, empty, or an earlier run's)")
+    if os.path.islink(c.run_dir) and not os.path.exists(c.run_dir):
+        raise ConfigError(f"config.run_dir: {c.run_dir} is a symbolic link to a missing path "
+                          f"({os.readlink(c.run_dir)}); expected a (new or existing) run directory")
     if os.path.lexists(c.run_dir) and not os.path.isdir(c.run_dir):
         raise ConfigError(f"config.run_dir: {c.run_dir} is a file; expected a (new or existing) run directory")
+    lock = os.path.join(c.run_dir, LOCK_FILE)
+    if os.path.lexists(lock) and (os.path.islink(lock) or not os.path.isfile(lock)):
+        raise ConfigError(f"config.run_dir: its run lock {lock} is "
+                          f"{'a symbolic link' if os.path.islink(lock) else 'not a regular file'}; the trainer "
+                          "writes its PID there: remove it or use another run_dir")
     if os.path.isdir(c.run_dir):  # a run starts in a new or empty folder, or resumes its own
         entries = sorted(os.listdir(c.run_dir))
         if not is_run_dir(c.run_dir) and not set(entries) <= {HARNESS_LOG_FILE, HARNESS_STATUS_FILE}:
@@ -372,6 +413,10 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
                 if not os.path.isfile(p):
                     what = "is a directory; expected a JSONL file" if os.path.isdir(p) else "does not exist"
                     raise ConfigError(f"config.task.files.{split}: {p} {what}")
+    token = c.rollout.token_file
+    if token and not os.path.isfile(token):  # read only when the server is attached: after the model loaded
+        what = "is a directory" if os.path.isdir(token) else "does not exist"
+        raise ConfigError(f"config.rollout.token_file: {token} {what}; give the file holding the server's token")
     if c.task.name == "arithmetic" and has_model:  # a warm start's arguments: jobs/_inputs.check_warmstart_args
         from jaxrl_mismatch.data.arithmetic import ArithmeticSpec, read_task_json
 

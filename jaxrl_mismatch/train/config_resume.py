@@ -27,6 +27,11 @@ def config_changes(saved: dict, current: dict) -> list[str]:
         for path, value in flat.items():
             if base.get(path, 0) is None and isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
                 flat[path] = value.lower() in TRUE_WORDS
+    # trainer.exact_forward None (its default, also for runs from before the field) follows rollout.exact:
+    # compare what each run does, so `None → False` with rollout.exact False is no change.
+    for flat in (old, new):
+        if flat.get("trainer.exact_forward") is None:
+            flat["trainer.exact_forward"] = bool(flat.get("rollout.exact", False))
     if "task.data_seed" not in old and "seed" in old:
         old["task.data_seed"] = old["seed"]  # a run from before the field drew its problems from `seed`
     out = []

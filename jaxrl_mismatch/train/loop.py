@@ -37,9 +37,9 @@ from jaxrl_mismatch.train.learner import Learner
 from jaxrl_mismatch.train.learner_config import learner_config
 from jaxrl_mismatch.train.optimizer import build_controller
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
-from jaxrl_mismatch.train.runlock import RunDirLock
+from jaxrl_mismatch.train.runlock import LOCK_FILE, RunDirLock
 from jaxrl_mismatch.train.task_data import TaskData
-from jaxrl_mismatch.usage import listing
+from jaxrl_mismatch.usage import UsageError, listing
 
 log = logging.getLogger(__name__)
 VAL_KEYS = ("val/accuracy", "val/greedy_accuracy")
@@ -77,9 +77,22 @@ class Trainer:
         """`c` has passed `config_checks.validate` and `check_paths` (where it was read: `jobs/train.py`)."""
         self.c, self.accept_config_changes = c, accept_config_changes
         self.is_lead = jax.process_index() == 0
+        created = _missing_dirs(c.run_dir)  # what this command creates: removed again if it stops on bad input
         os.makedirs(c.run_dir, exist_ok=True)
         # Before anything touches the directory (the checkpointer tidies it): one trainer per run_dir.
         self.lock = RunDirLock(c.run_dir).acquire() if self.is_lead else None
+        try:
+            self._build(c)
+        except UsageError:
+            # A usage error (a prompt longer than task.max_prompt_len, ...) left nothing worth keeping in a run
+            # directory this command created: its lock and empty folders go, so a rerun starts as before.
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+            _remove_created(c.run_dir, created)
+            raise
+
+    def _build(self, c: ml_collections.ConfigDict) -> None:
         try:
             self.learner = Learner(learner_config(c))
         except ModelFilesError as e:  # a damaged or incomplete base model: one line naming the field and file
@@ -356,6 +369,7 @@ class Trainer:
     def _restore(self) -> None:
         latest = self.ckpt.latest_step()
         if latest is None:
+            check_fresh_start(self.c.run_dir, self.ckpt.directory)
             return
         if not self.c.resume:
             raise ConfigError(f"config.resume: False but {self.ckpt.directory} holds checkpoints (latest step "
@@ -421,6 +435,52 @@ class Trainer:
     def _write(self, step: int, record: dict[str, float]) -> None:
         if self.writer is not None:
             self.writer.write(step, record)
+
+
+def check_fresh_start(run_dir: str, ckpt_dir: str) -> None:
+    """A run directory with no checkpoint to restore starts at step 0 (its earlier metrics.jsonl is kept aside by
+    `RunWriter`, renamed). Refused, one line naming the directory, when `checkpoints/` holds steps set aside as
+    damaged: the user reruns to resume after "no checkpoint can be restored", and the rerun silently started
+    over (it deleted the earlier metrics.jsonl, then). A run killed before its first checkpoint starts over."""
+    from jaxrl_mismatch.train.checkpoint import CheckpointDamagedError
+
+    damaged = sorted(n for n in os.listdir(ckpt_dir) if ".damaged-" in n) if os.path.isdir(ckpt_dir) else []
+    if damaged:
+        raise CheckpointDamagedError(
+            f"{run_dir}: no checkpoint can be restored (the damaged ones were moved aside: {listing(damaged)}); "
+            "starting over would replace this run's metrics.jsonl and report; use a new run_dir or restore the "
+            "checkpoints from a backup")
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The folders `os.makedirs(path)` will create, deepest first."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    return missing
+
+
+def _remove_created(run_dir: str, created: list[str]) -> None:
+    """Remove what a stopped start left in the folders it created (`created`, deepest first): its own lock and
+    empty folders only. Anything else found there (nothing, in practice) keeps its folder."""
+    if not created:
+        return
+    lock = os.path.join(os.path.abspath(run_dir), LOCK_FILE)
+    if os.path.isfile(lock) and not os.path.islink(lock):
+        os.remove(lock)
+    for top in created[:1]:  # the run directory: its empty subfolders (checkpoints/), bottom-up
+        for root, dirs, files in os.walk(top, topdown=False):
+            if not files and not os.path.islink(root):
+                try:
+                    os.rmdir(root)
+                except OSError:
+                    pass
+    for d in created[1:]:  # the parents makedirs created, if now empty
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
 
 
 def _read_token(token_file: str) -> str:

@@ -335,6 +335,19 @@ def test_train_moves_a_damaged_newest_checkpoint_aside_and_resumes_bit_for_bit(r
     assert len(out.stderr.splitlines()) < 40, out.stderr  # a few lines, no background tracebacks
 
 
+def test_a_rerun_after_every_checkpoint_was_damaged_is_refused_and_keeps_the_log(reference, tmp_path):
+    """After "no checkpoint can be restored" (every step moved aside as `N.damaged-<ns>`), rerunning the same command
+    started a new run at step 0: it deleted the earlier metrics.jsonl (38 records → 2) and replaced report.png."""
+    run = copy_run(reference["run_dir"], tmp_path / "run")
+    for step in ("2", "4"):  # what `Checkpointer.set_aside` leaves
+        os.rename(run / "checkpoints" / step, run / "checkpoints" / f"{step}.damaged-1795823024353038113")
+    before = {k: v for k, v in snapshot(run).items() if k != "train.lock"}
+    cfg = config_file(tmp_path / "cfg.py", _model_of(reference), run)
+    out = cli("train", "--config", str(cfg), "--config.log.report=true")
+    error_line(out, EXIT_STORAGE, f"{run}: no checkpoint can be restored", "2.damaged-", "use a new run_dir")
+    assert {k: v for k, v in snapshot(run).items() if k != "train.lock"} == before
+
+
 # ---- checkpoint write failures -------------------------------------------------------------------------------
 def _file_size_limit(limit: int):
     def apply():

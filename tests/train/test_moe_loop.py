@@ -46,7 +46,7 @@ def moe_policy(tmp_path_factory) -> Path:
 def test_moe_policy_runs_the_loop(moe_policy, tmp_path, replay):
     c = tiny_config(moe_policy, tmp_path / "run", max_tokens=16)
     c.steps = 2
-    c.controller.name = "none"
+    c.controller.name, c.controller.kwargs = "none", {}  # tiny_config's controller off (its kwargs would do nothing)
     c.batch.dynamic_sampling = False
     c.eval.every, c.eval.k, c.eval.greedy = 0, 1, False
     c.checkpoint.every = 0
