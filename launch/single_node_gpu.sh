@@ -30,6 +30,9 @@
 # shares a GPU with the server, XLA_PYTHON_CLIENT_PREALLOCATE=false (allocate on demand, up to that fraction).
 # The server starts first and takes its share before the trainer allocates anything.
 # Needs the GPU stack: bash scripts/setup_gpu.sh.
+#
+# Signals: SIGTERM, SIGINT or SIGHUP to the launcher is passed to the trainer as SIGTERM (it writes a checkpoint
+# and exits 143); the launcher waits for it, then stops the rollout server and exits with the trainer's code.
 set -euo pipefail
 me=single_node_gpu.sh
 die() { echo "$me: $*" >&2; exit 2; }
@@ -75,7 +78,16 @@ fi
 cd "$repo"
 [ -x .venv/bin/python ] || die ".venv/bin/python: missing; set up the GPU stack first (bash scripts/setup_gpu.sh)"
 command -v nvidia-smi >/dev/null 2>&1 || die "nvidia-smi: not found; this launcher needs an NVIDIA GPU node"
-mapfile -t all_gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader | tr -d ' ')
+# nvidia-smi's own exit status counts (a process substitution would lose it), and each line must be an index.
+listing=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null) \
+  || die "nvidia-smi --query-gpu=index failed; check the NVIDIA driver (nvidia-smi -L)"
+all_gpus=()
+while IFS= read -r line; do
+  line=${line//[[:space:]]/}
+  [ -n "$line" ] || continue
+  [[ $line =~ $gpu_index ]] || die "nvidia-smi --query-gpu=index printed '$line', not a GPU index; check the NVIDIA driver"
+  all_gpus+=("$line")
+done <<< "$listing"
 n=${#all_gpus[@]}
 [ "$n" -gt 0 ] || die "nvidia-smi lists no GPU"
 if [ "$n" -eq 1 ]; then
@@ -104,23 +116,7 @@ fi
 
 # The checkpoint the server starts from: the config's model.path after the overrides (as `train` reads them),
 # loaded by the project's own config loader; a bad config or override is one line naming it, exit 2.
-model=$(.venv/bin/python - "$me" "$config" "$@" <<'PYEOF'
-import sys
-
-me, config, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-try:
-    from jaxrl_mismatch.train.config_overrides import load_config, parse_overrides
-
-    path = load_config(config, parse_overrides(rest, me)).model.path
-except Exception as e:  # noqa: BLE001 - the launcher's one line, naming the config
-    message = " ".join(str(e).split())
-    if not message.startswith((me + ":", "--config")):
-        message = f"--config {config}: {message}"
-    print(message if message.startswith(me + ":") else f"{me}: {message}", file=sys.stderr)
-    sys.exit(2)
-print(path)
-PYEOF
-)
+model=$(.venv/bin/python launch/config_model_path.py "$me" "$config" "$@")
 model=${model##*$'\n'}  # the last line: whatever get_config() printed comes before it
 [ -f "$model/config.json" ] || die "model.path '$model' holds no HF checkpoint (config.json); set --config.model.path"
 if [ ! -s "$TOKEN_FILE" ]; then
@@ -148,6 +144,8 @@ stop_server() {
   rm -f "$ready"
 }
 trap stop_server EXIT
+# A signal before the trainer starts: exit (the EXIT trap stops the server) with the shell's 128+N.
+trap 'exit 143' TERM; trap 'exit 130' INT; trap 'exit 129' HUP
 for _ in $(seq 1 1200); do  # up to 20 min: vLLM compiles CUDA graphs at start-up
   [ -s "$ready" ] && break
   if ! kill -0 "$server_pid" 2>/dev/null; then
@@ -161,5 +159,28 @@ done
 trainer_env=(CUDA_VISIBLE_DEVICES="$TRAINER_GPUS" JAX_PLATFORMS="$platforms" XLA_PYTHON_CLIENT_MEM_FRACTION="$TRAINER_MEM")
 [ "$shared" -eq 1 ] && trainer_env+=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
 echo "trainer: GPUs $TRAINER_GPUS (memory fraction $TRAINER_MEM$([ "$shared" -eq 1 ] && echo ', no preallocation'))"
+# The trainer runs in the background so that a signal to the launcher reaches it: TERM, INT and HUP are
+# forwarded as SIGTERM (the trainer checkpoints and exits 143; a background job of a script ignores SIGINT, and
+# the trainer handles SIGTERM only). The launcher waits for it, then stops the server and exits with its code.
+trainer_pid="" pending=0 signalled=0
+forward() {
+  signalled=1
+  if [ -n "$trainer_pid" ]; then kill -TERM "$trainer_pid" 2>/dev/null || true; else pending=1; fi
+}
+trap forward TERM INT HUP  # before the trainer starts: a signal in between is forwarded once it has a pid
 env "${trainer_env[@]}" .venv/bin/jaxrl-mismatch train --config "$config" \
-  --config.rollout.address="127.0.0.1:$PORT" --config.rollout.token_file="$TOKEN_FILE" "$@"
+  --config.rollout.address="127.0.0.1:$PORT" --config.rollout.token_file="$TOKEN_FILE" "$@" &
+trainer_pid=$!
+[ "$pending" -eq 0 ] || forward
+code=""
+while :; do  # a trapped signal interrupts `wait` (128+N): wait again for the trainer's own status
+  signalled=0
+  set +e
+  wait "$trainer_pid" 2>/dev/null
+  c=$?
+  set -e
+  [ "$c" -ne 127 ] || [ -z "$code" ] || break  # its status was already collected
+  code=$c
+  [ "$signalled" -eq 1 ] || break
+done
+exit "$code"

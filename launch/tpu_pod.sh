@@ -12,12 +12,19 @@
 #
 # Environment:
 #   REPO_DIR  the repo's directory on the workers; default $HOME/jaxrl_mismatch (the workers' $HOME); a
-#             leading ~/ or $HOME/ is the workers' home too, the rest is taken literally
+#             leading ~/ or $HOME/ is the workers' home too, the rest is taken literally; set but empty is
+#             an error (unset it for the default)
+# TPU_NAME, ZONE and CONFIG must be non-empty, and gcloud must be on PATH (checked before it runs: one line,
+# exit 2).
 set -euo pipefail
 [ $# -ge 3 ] || { echo "usage: $0 TPU_NAME ZONE CONFIG [overrides...]" >&2; exit 2; }
 name=$1 zone=$2 config=$3; shift 3
-repo=${REPO_DIR:-\$HOME/jaxrl_mismatch}
-[ -n "$repo" ] || { echo "tpu_pod.sh: REPO_DIR is empty" >&2; exit 2; }
+[ -n "$name" ] || { echo "tpu_pod.sh: TPU_NAME (argument 1) is empty" >&2; exit 2; }
+[ -n "$zone" ] || { echo "tpu_pod.sh: ZONE (argument 2) is empty" >&2; exit 2; }
+[ -n "$config" ] || { echo "tpu_pod.sh: CONFIG (argument 3) is empty" >&2; exit 2; }
+repo=${REPO_DIR-\$HOME/jaxrl_mismatch}
+[ -n "$repo" ] || { echo "tpu_pod.sh: REPO_DIR is set but empty; unset it for the default \$HOME/jaxrl_mismatch" >&2; exit 2; }
+command -v gcloud >/dev/null 2>&1 || { echo "tpu_pod.sh: gcloud: not found; install the Google Cloud CLI" >&2; exit 2; }
 case "$repo" in  # the workers' home expands on the workers; everything else is quoted
   '~/'*) remote_repo="\"\$HOME\"/$(printf '%q' "${repo#'~/'}")" ;;
   '$HOME/'*) remote_repo="\"\$HOME\"/$(printf '%q' "${repo#'$HOME/'}")" ;;

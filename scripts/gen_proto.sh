@@ -5,7 +5,11 @@
 # other as `jaxrl_mismatch.rollout.rollout_pb2`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
+PY="${PYTHON:-.venv/bin/python}"  # PYTHON: an interpreter with grpcio-tools; default the repo's .venv/bin/python
+command -v "$PY" >/dev/null 2>&1 \
+  || { echo "gen_proto.sh: PYTHON '$PY': no such interpreter; set PYTHON, or run bash scripts/setup_env.sh test" >&2; exit 2; }
+"$PY" -c 'import grpc_tools.protoc' >/dev/null 2>&1 \
+  || { echo "gen_proto.sh: PYTHON '$PY' cannot import grpc_tools (grpcio-tools, the test extra); run bash scripts/setup_env.sh test" >&2; exit 2; }
 "$PY" -m grpc_tools.protoc -I. \
   --python_out=. --pyi_out=. --grpc_python_out=. \
   jaxrl_mismatch/rollout/rollout.proto

