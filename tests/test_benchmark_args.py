@@ -89,10 +89,18 @@ def bad_models(tmp_path) -> dict[str, tuple[Path, str]]:
     foo = tmp_path / "foo"  # a config.json that is no model's
     foo.mkdir()
     (foo / "config.json").write_text('{"foo": 1}')
-    bare = tmp_path / "bare"  # a saved model without its tokenizer (header-valid weights: names are load_hf's)
+    bare = tmp_path / "bare"  # a saved model without its tokenizer (its weights are the ones config.json needs)
     bare.mkdir()
     (bare / "config.json").write_text(json.dumps(QWEN3))
-    save_file({"x": np.zeros(1, np.float32)}, str(bare / "model.safetensors"))
+    from flax import nnx
+
+    from jaxrl_mismatch.models.config import ModelConfig
+    from jaxrl_mismatch.models.hf_io import abstract_model, hf_tensor_shapes
+    from jaxrl_mismatch.precision import DTypePolicy
+
+    params = nnx.split(abstract_model(ModelConfig.from_hf(str(bare)), DTypePolicy()), nnx.Param)[1]
+    save_file({n: np.zeros(shape, np.float32) for n, (shape, _) in hf_tensor_shapes(params).items()},
+              str(bare / "model.safetensors"))
     afile = tmp_path / "afile"
     afile.write_text("not a model\n")
     return {"foo": (foo, "cannot read config.json"), "bare": (bare, "no tokenizer.json at"),
