@@ -42,6 +42,7 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
     reward cannot read is refused here, naming file and line (it raised in the reward after a server started)."""
     from jaxrl_mismatch.data import get_task
     from jaxrl_mismatch.data.math_datasets import CONVERTERS, DataFormatError
+    from jaxrl_mismatch.data.rewards import check_gold_answer
 
     fmt = {"arithmetic_prompts": "prompts"}.get(task, task)
     if fmt not in CONVERTERS:
@@ -55,7 +56,7 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
         except DataFormatError as e:
             raise UsageError(f"{flag} {e}") from None
         try:
-            get_task(task).check_answer(answer)
+            check_gold_answer(get_task(task).reward_name, answer)
         except ValueError as e:
             raise UsageError(f"{flag} {path}:{lineno}: {e}") from None
         records.append({"prompt_text": text, "answer": answer, "where": f"{flag} {path}:{lineno}"})

@@ -173,8 +173,8 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
 
 
 def _lines(path: str) -> Iterator[tuple[int, str, str]]:
-    """(line number, "path:line", text) of each non-blank line: what holds one record each (`read_jsonl`,
-    `record_locations`); a line that is not UTF-8 is a DataFormatError naming file and line."""
+    """(line number, "path:line", text) of each non-blank line, one record each (`read_jsonl`); a line that is
+    not UTF-8 is a DataFormatError naming file and line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
@@ -184,12 +184,6 @@ def _lines(path: str) -> Iterator[tuple[int, str, str]]:
                 raise DataFormatError(f"{where}: not UTF-8 (byte {e.start} of the line)") from None
             if line.strip():
                 yield lineno, where, line
-
-
-def record_locations(paths: Sequence[str]) -> list[str]:
-    """"path:line" of each record of a split read from `paths` in that order: entry `index` is where the record
-    with that `index` came from, so a check after loading (a gold answer, a prompt's tokens) names file and line."""
-    return [where for p in paths for _, where, _ in _lines(p)]
 
 
 def _fingerprint(files: Mapping[str, Sequence[str]]) -> str:
@@ -309,10 +303,12 @@ def builder_class(fmt: str) -> type:
 
 @dataclasses.dataclass(frozen=True)
 class BuiltDataset:
-    """A prepared dataset: the TFDS builder and its splits."""
+    """A prepared dataset: the TFDS builder, its splits, and each split's record locations in file order
+    ("path:line", from `build`'s validation pass: what an error about a record names)."""
 
     builder: object
     splits: tuple[str, ...]
+    locations: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -348,11 +344,14 @@ def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
     ``check_answer`` (the task's reward's reading of one, `rewards.check_gold_answer`) raises on.
     """
     files = _normalise_files(files)
-    for paths in files.values():  # validate every line up front: a clear error, no half-built dataset
+    locations: dict[str, list[str]] = {}
+    for split, paths in files.items():  # validate every line up front: a clear error, no half-built dataset
+        locations[split] = []
         for p in paths:
             n = 0
             for rec in read_jsonl(p, fmt):
                 n += 1
+                locations[split].append(f"{p}:{rec['index'] + 1}")
                 if check_answer is not None:
                     try:
                         check_answer(rec["answer"])
@@ -365,14 +364,15 @@ def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
     # one line a bad prompt found after the build is reported in; the trainer logs its own progress.
     tfds.disable_progress_bar()
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
-    return BuiltDataset(builder=builder, splits=tuple(files))
+    return BuiltDataset(builder=builder, splits=tuple(files), locations=locations)
 
 
 def load_records(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, split: str, *,
                  check_answer: Callable[[str], object] | None = None) -> list[Record]:
     """Build if needed (`build`) and return ``split``'s uniform records in file order, each with ``where``: the
     ``path:line`` it was read from (what an error about the record names)."""
-    recs = build(fmt, files, data_dir, check_answer=check_answer).records(split)
-    for rec, where in zip(recs, record_locations(_normalise_files(files)[split])):
+    built = build(fmt, files, data_dir, check_answer=check_answer)
+    recs = built.records(split)
+    for rec, where in zip(recs, built.locations[split]):
         rec["where"] = where
     return recs

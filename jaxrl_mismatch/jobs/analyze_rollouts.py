@@ -184,7 +184,7 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
     file-backed task takes the first `--num-prompts` records of `--file`. A problem with the prompts (more asked
     than the task holds, characters the tokenizer does not know) is a UsageError naming the flag, file and line."""
     from jaxrl_mismatch.data import get_task
-    from jaxrl_mismatch.data.batching import generation_stop_ids, tokenize_prompts
+    from jaxrl_mismatch.data.batching import PromptError, generation_stop_ids, tokenize_prompts
     from jaxrl_mismatch.data.tokenizer import load_tokenizer
 
     task = get_task(a.task)
@@ -199,35 +199,20 @@ def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...
         except ValueError as e:
             raise UsageError(f"--num-prompts {a.num_prompts}: task arithmetic (split {a.split}, the spec of "
                              f"{a.model}/task.json): {e}") from None
+        where = [f"--task arithmetic: problem {k} (--data-seed {a.data_seed})" for k in range(len(texts))]
     else:
         from jaxrl_mismatch.data.jsonl import read_task_file
 
-        texts = [r["prompt_text"] for r in read_task_file(a.task, existing_file("--file", a.file), a.num_prompts)[0]]
+        records = read_task_file(a.task, existing_file("--file", a.file), a.num_prompts)[0]
+        texts, where = [r["prompt_text"] for r in records], [r["where"] for r in records]
     if not texts:
         raise UsageError(f"--task {a.task}: no prompts")
     template = a.template or task.template
-    try:
-        ids = tokenize_prompts(tok, texts, template=template)
-    except ValueError as e:
-        raise UsageError(_untokenizable(a, tok, texts, template) or f"--task {a.task}: {e}") from None
+    try:  # the first prompt the tokenizer refuses, by its file and line (or problem index)
+        ids = tokenize_prompts(tok, texts, template=template, where=where)
+    except PromptError as e:
+        raise UsageError(str(e)) from None
     return ids, generation_stop_ids(tok, template), tok.vocab_size
-
-
-def _untokenizable(a: argparse.Namespace, tok, texts: list[str], template: str) -> str | None:
-    """The message naming the first prompt the tokenizer refuses: the file and line of a file-backed task, the
-    problem's index (and --data-seed) of the arithmetic task."""
-    from jaxrl_mismatch.data.batching import tokenize_prompts
-    from jaxrl_mismatch.data.jsonl import iter_jsonl
-
-    for k, text in enumerate(texts):
-        try:
-            tokenize_prompts(tok, [text], template=template)
-        except ValueError as e:
-            if a.task == "arithmetic":
-                return f"--task arithmetic: problem {k} (--data-seed {a.data_seed}): {e}"
-            lineno = next(ln for j, (ln, _) in enumerate(iter_jsonl(a.file, "--file")) if j == k)
-            return f"--file {a.file}:{lineno}: {e}"
-    return None
 
 
 DEFAULT_MAX_TOKENS = 128  # without --max-tokens and without a warm start's task.json naming its own

@@ -469,13 +469,12 @@ def _remove_created(run_dir: str, created: list[str]) -> None:
     lock = os.path.join(os.path.abspath(run_dir), LOCK_FILE)
     if os.path.isfile(lock) and not os.path.islink(lock):
         os.remove(lock)
-    for top in created[:1]:  # the run directory: its empty subfolders (checkpoints/), bottom-up
-        for root, dirs, files in os.walk(top, topdown=False):
-            if not files and not os.path.islink(root):
-                try:
-                    os.rmdir(root)
-                except OSError:
-                    pass
+    for root, _, files in os.walk(created[0], topdown=False):  # the run directory and its empty subfolders
+        if not files:
+            try:
+                os.rmdir(root)
+            except OSError:  # a folder still holding something (a subfolder with files)
+                pass
     for d in created[1:]:  # the parents makedirs created, if now empty
         try:
             os.rmdir(d)

@@ -57,13 +57,11 @@ class RunDirLock:
     def acquire(self) -> "RunDirLock":
         # Never through a link (its target would be truncated and overwritten with our PID) nor into a FIFO,
         # device or folder: O_NOFOLLOW refuses a link, O_NONBLOCK a FIFO without a writer, fstat the rest.
-        if os.path.islink(self.path):
-            raise UsageError(f"config.run_dir: the run lock {self.path} is a symbolic link; remove it or use another "
-                             "run_dir")
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as e:
-            what = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be created or opened: {e.strerror}"
+            what = ("is a symbolic link; remove it or use another run_dir" if e.errno == errno.ELOOP else
+                    f"cannot be created or opened: {e.strerror}")
             raise UsageError(f"config.run_dir: the run lock {self.path} {what}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
