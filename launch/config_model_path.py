@@ -11,6 +11,10 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python launch/config_model_path.py LAUNCHER_NAME CONFIG [--config.FIELD=VALUE ...]",
+              file=sys.stderr)
+        return 2
     me, config, rest = argv[0], argv[1], argv[2:]
     try:
         from jaxrl_mismatch.train.config_overrides import load_config, parse_overrides
