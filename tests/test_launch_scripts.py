@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import shutil
 import stat
 import subprocess
@@ -378,7 +379,15 @@ def _popen(cmd, tmp_path: Path, cwd: Path, **env_vars) -> subprocess.Popen:
     env["PATH"] = f"{_fake_bin(tmp_path)}:{env['PATH']}"
     env.update(env_vars)
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signals)
+
+
+def _default_signals() -> None:
+    """Start the launcher with INT and HUP at their defaults, as a terminal or sbatch does. A suite run under
+    `nohup` or as a background job without job control hands its children HUP / INT ignored, and bash cannot trap
+    a signal ignored on entry: the launcher then (rightly) keeps ignoring it, which is not what these tests ask."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _reap(proc: subprocess.Popen, pids=()):
