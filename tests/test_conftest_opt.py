@@ -44,3 +44,33 @@ def test_marked_tests_compile_at_full_optimization_without_reusing_the_other_lev
         level_probe(jnp.arange(5.0)).block_until_ready()
     # Compiled here unless the unmarked test above compiled it at this same level (a run with the flag off).
     assert c["compiles"] == (0 if _RAN_UNMARKED and not low_opt_suite else 1)
+
+
+def _legacy_emitters_in(options) -> bool:
+    return ("xla_cpu_use_fusion_emitters", False) in [tuple(o) for o in options.env_option_overrides]
+
+
+def test_unmarked_tests_compile_with_the_older_cpu_emitters(low_opt_suite):
+    """The low level also takes XLA:CPU's older emitters (tests/conftest.py), per compilation; the option reaches
+    a real compile (a cache key differs with it) unless JAXRL_TEST_FUSION_EMITTERS=1."""
+    import os
+
+    import numpy as np
+    from jax._src import cache_key, compiler
+
+    legacy = low_opt_suite and os.environ.get("JAXRL_TEST_FUSION_EMITTERS", "0") != "1"
+    options = compiler.get_compile_options(1, 1)
+    assert _legacy_emitters_in(options) is legacy
+    plain = compiler.get_compile_options(1, 1)
+    plain.env_option_overrides = [o for o in plain.env_option_overrides if o[0] != "xla_cpu_use_fusion_emitters"]
+    module = jax.jit(level_probe.__wrapped__).lower(jnp.arange(5.0)).compiler_ir()
+    backend = jax.devices()[0].client
+    keys = {cache_key.get(module, np.array(jax.devices()[:1]), o, backend) for o in (options, plain)}
+    assert len(keys) == (2 if legacy else 1)  # part of the persistent cache's key: no mixing of the two
+
+
+@pytest.mark.xla_full_opt
+def test_marked_tests_keep_the_fusion_emitters():
+    from jax._src import compiler
+
+    assert not _legacy_emitters_in(compiler.get_compile_options(1, 1))
