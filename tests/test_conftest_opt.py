@@ -51,8 +51,8 @@ def _legacy_emitters_in(options) -> bool:
 
 
 def test_unmarked_tests_compile_with_the_older_cpu_emitters(low_opt_suite):
-    """The low level also takes XLA:CPU's older emitters (tests/conftest.py), per compilation; the option reaches
-    a real compile (a cache key differs with it) unless JAXRL_TEST_FUSION_EMITTERS=1."""
+    """The low level also takes XLA:CPU's older emitters (tests/conftest.py): the compile options jax builds carry
+    the option, and it changes the persistent cache's key, unless JAXRL_TEST_FUSION_EMITTERS=1."""
     import os
 
     import numpy as np

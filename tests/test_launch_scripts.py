@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import shutil
+import signal
 import stat
 import subprocess
 import sys
