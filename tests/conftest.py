@@ -86,7 +86,6 @@ def _with_legacy_emitters(get_compile_options):
             options.env_option_overrides = [*options.env_option_overrides, ("xla_cpu_use_fusion_emitters", False)]
         return options
 
-    wrapped.legacy_emitters = True
     return wrapped
 
 
