@@ -23,21 +23,9 @@ if [ -e .venv/.installed-gpu ]; then
 fi
 PY=${PYTHON:-python3}
 die() { echo "setup_env.sh: $*" >&2; exit 2; }
-py_version() {  # "3.11" for an interpreter $1 that runs (python 2 included); empty otherwise
-  "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
-}
-if [ -e .venv ] || [ -L .venv ]; then
-  [ -f .venv/pyvenv.cfg ] || die ".venv exists but is not a virtual environment (no .venv/pyvenv.cfg); move it away or remove it, and rerun"
-fi
-if [ -x .venv/bin/python ]; then
-  v=$(py_version .venv/bin/python)
-  [ "$v" = 3.11 ] || die ".venv/bin/python is Python ${v:-(does not run)}, this project needs 3.11; remove .venv and rerun (PYTHON, default python3, a Python 3.11, creates it)"
-else
-  command -v "$PY" >/dev/null 2>&1 || die "PYTHON '$PY': no such interpreter; set PYTHON to a Python 3.11"
-  v=$(py_version "$PY")
-  [ "$v" = 3.11 ] || die "PYTHON '$PY' is Python ${v:-(does not run)}, this project needs 3.11 (>=3.11,<3.12); set PYTHON to a Python 3.11"
-  "$PY" -m venv .venv
-fi
+. scripts/_python_checks.sh
+check_venv_and_python
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
 want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
 for done_mode in test "$mode"; do  # the test install is a superset of the demo's
   if [ -f ".venv/.installed-$done_mode" ] && [ "$(cat ".venv/.installed-$done_mode")" = "$want" ]; then

@@ -12,19 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 die() { echo "setup_gpu.sh: $*" >&2; exit 2; }
-py_version() {  # "3.11" for an interpreter $1 that runs (python 2 included); empty otherwise
-  "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
-}
-# As scripts/setup_env.sh: a .venv that is not a virtual environment, and a PYTHON that is missing or not
-# Python 3.11 (pyproject.toml: >=3.11,<3.12) when it would create .venv, are refused (one line, exit 2).
-if [ -e .venv ] || [ -L .venv ]; then
-  [ -f .venv/pyvenv.cfg ] || die ".venv exists but is not a virtual environment (no .venv/pyvenv.cfg); move it away or remove it, and rerun"
-fi
-if [ ! -x .venv/bin/python ]; then
-  command -v "$PY" >/dev/null 2>&1 || die "PYTHON '$PY': no such interpreter; set PYTHON to a Python 3.11"
-  v=$(py_version "$PY")
-  [ "$v" = 3.11 ] || die "PYTHON '$PY' is Python ${v:-(does not run)}, this project needs 3.11 (>=3.11,<3.12); set PYTHON to a Python 3.11"
-fi
+# As scripts/setup_env.sh: a .venv that is not a virtual environment or not Python 3.11, and a PYTHON that is
+# missing or not Python 3.11 when it would create .venv, are refused (one line, exit 2).
+. scripts/_python_checks.sh
+check_venv_and_python
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "setup_gpu.sh: no NVIDIA GPU visible (nvidia-smi -L failed); on CPU use scripts/setup_env.sh" >&2
   exit 2

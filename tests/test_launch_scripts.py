@@ -570,16 +570,15 @@ def test_tpu_pod_without_gcloud(tmp_path):
 def _checkout(tmp_path: Path, *names: str) -> Path:
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
-    for name in names:
+    for name in (*names, "_python_checks.sh"):  # both setups source the shared checks
         shutil.copy(REPO / "scripts" / name, root / "scripts" / name)
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
 
 
-# setup_gpu.sh updates an existing .venv in place (its Python is not checked): no venv312 case for it.
-@pytest.mark.parametrize("script,case", [(script, case) for script in ("setup_env.sh", "setup_gpu.sh")
-                                         for case in ("notes", "py27", "missing", "venv312")
-                                         if (script, case) != ("setup_gpu.sh", "venv312")])
+# Both setups source scripts/_python_checks.sh; each is run here, so a setup that stops sourcing it is caught.
+@pytest.mark.parametrize("script", ["setup_env.sh", "setup_gpu.sh"])
+@pytest.mark.parametrize("case", ["notes", "py27", "missing", "venv312"])
 def test_setup_refuses_foreign_venv_and_wrong_python(tmp_path, script, case):
     root = _checkout(tmp_path, script)
     env = {"PYTHON": str(REAL_PYTHON)}
