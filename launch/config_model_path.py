@@ -21,13 +21,20 @@ def main(argv: list[str]) -> int:
 
         path = load_config(config, parse_overrides(rest, me)).model.path
     except Exception as e:  # noqa: BLE001 - the launcher's one line, naming the config
-        message = " ".join(str(e).split())
-        if not message.startswith((me + ":", "--config")):
-            message = f"--config {config}: {message}"
-        print(message if message.startswith(me + ":") else f"{me}: {message}", file=sys.stderr)
+        print(_one_line(me, config, e), file=sys.stderr)
         return 2
     print(path)
     return 0
+
+
+def _one_line(me: str, config: str, e: Exception) -> str:
+    """`LAUNCHER: ...`, naming the config file unless the message already names a `--config` flag or override."""
+    message = " ".join(str(e).split())
+    if message.startswith(me + ":"):
+        return message
+    if message.startswith("--config"):
+        return f"{me}: {message}"
+    return f"{me}: --config {config}: {message}"
 
 
 if __name__ == "__main__":
