@@ -35,8 +35,11 @@ Capacity. At most `max_concurrent_generates` Generate calls run at once (`--max-
 is answered RESOURCE_EXHAUSTED with `jaxrl-error: server-busy` (the client retries it with backoff). The thread
 pool has `RESERVED_WORKERS` threads beyond that cap, so health checks, GetInfo, weight pushes and Shutdown are
 answered however long the generations run (before, all RPCs shared 8 threads: 8 long Generates made the health
-check time out, as if the server were dead, and the trainer could not push). A push waits for the update lock
-only while its caller still waits: one whose caller went away (deadline, cancel) is dropped, never applied late.
+check time out, as if the server were dead, and the trainer could not push). At most `MAX_CONCURRENT_PUSHES`
+authenticated pushes are in the server at once, one more is answered `server-busy` the same way, so waiting pushes
+cannot take those threads either (open health Watch streams take none: grpc answers them without blocking). A push
+waits for the update lock only while its caller still waits: one whose caller went away (deadline, cancel) is
+dropped, never applied late.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENT_GENERATES = 8  # the old pool's size: whatever ran concurrently before still does
 RESERVED_WORKERS = 8  # threads beyond the Generate cap: health, GetInfo, pushes (one applies, others wait), Shutdown
+# Weight pushes in the server at once (streaming, waiting for the update lock, or applying): half the reserved
+# threads, so pushes alone can never take the threads health checks, GetInfo and Shutdown answer on.
+MAX_CONCURRENT_PUSHES = RESERVED_WORKERS // 2
 _LOCK_POLL_S = 0.05  # how often a push waiting for the update lock checks that its caller still waits
 
 GRPC_OPTIONS = [
@@ -135,6 +141,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._shm_reader = shm.ShmReader()
         self._generating = 0  # Generate handlers admitted (at most the cap), which `wait_generations` waits out
         self._generating_cv = threading.Condition()
+        self._pushes = 0  # pushes admitted (at most MAX_CONCURRENT_PUSHES)
+        self._pushes_lock = threading.Lock()
 
     def attach(self, engine: Engine) -> None:
         self._engine = engine
@@ -180,7 +188,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def _update_turn(self, context: grpc.ServicerContext, rpc: str) -> Iterator[None]:
         """Hold the update lock (one push at a time keeps versions monotone), waiting for it only while the caller
         still waits: a push whose caller gave up behind a slow push is dropped and frees its thread, instead of
-        being applied later to a trainer that saw it fail."""
+        being applied later to a trainer that saw it fail. At most `MAX_CONCURRENT_PUSHES` pushes are admitted:
+        one more is refused at once as `server-busy` (the client retries it), keeping threads for everything else."""
+        with self._pushes_lock:
+            admitted = self._pushes < MAX_CONCURRENT_PUSHES
+            if admitted:
+                self._pushes += 1
+        if not admitted:
+            context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{rpc}: the server is busy: {MAX_CONCURRENT_PUSHES} weight pushes are in progress; "
+                          "retry later")
+        try:
+            with self._locked_update(context, rpc):
+                yield
+        finally:
+            with self._pushes_lock:
+                self._pushes -= 1
+
+    @contextlib.contextmanager
+    def _locked_update(self, context: grpc.ServicerContext, rpc: str) -> Iterator[None]:
         while not self._update_lock.acquire(timeout=_LOCK_POLL_S):
             if not context.is_active():
                 self._caller_gone(context, rpc, "while it waited for another push")
@@ -337,7 +364,9 @@ class RolloutServer:
             on_engine_unusable=lambda: self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
             max_concurrent_generates=max_concurrent_generates,
         )
-        self.health = health.HealthServicer()
+        # Non-blocking Watch (grpc's default, named here): an open Watch stream holds no pool thread, so supervisors
+        # watching the server cannot starve Generate or the reserved threads (tests/rollout/test_server_robustness.py).
+        self.health = health.HealthServicer(experimental_non_blocking=True)
         # More threads than Generate may hold (module doc, "Capacity"): the others answer while generations run.
         workers = max_concurrent_generates + RESERVED_WORKERS
         self._grpc = grpc.server(

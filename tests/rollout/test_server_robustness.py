@@ -7,9 +7,13 @@ A review reproduced each of these against `serve --engine jax`; each test failed
   retries) and the pool has threads beyond the cap.
 - UpdateWeightsShm naming a FIFO blocked in open() while holding the update lock, jamming every later push.
 - A shared-memory push whose caller had already seen DEADLINE_EXCEEDED (queued behind a slow push) was applied later.
+- Pushes waiting for the update lock each held a thread: enough of them (authenticated callers pushing at once) would
+  take the reserved threads too. Pushes have their own cap (MAX_CONCURRENT_PUSHES, then `server-busy`).
 - A push the client broke off (its iterator raised, its deadline passed) was logged as "engine failed" with a traceback.
 - A token that is not printable ASCII crashed `serve` (non-UTF-8) or was accepted and then refused by gRPC at every
   push (non-ASCII UTF-8); `--max-model-len 1` was reported as a bad `--model` after loading it.
+
+One test pins what already held: open health Watch streams take no thread (a later note had said they did).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc, shm
 from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import GenerationCancelled
 from jaxrl_mismatch.rollout.protocol import ERROR_KIND_KEY, SERVICE_NAME, TOKEN_ENV, weight_chunks
-from jaxrl_mismatch.rollout.server import RolloutServer, main, read_token
+from jaxrl_mismatch.rollout.server import MAX_CONCURRENT_PUSHES, RESERVED_WORKERS, RolloutServer, main, read_token
 from jaxrl_mismatch.usage import UsageError
 
 from .conftest import REPO, TOKEN, read_checkpoint, wait_until
@@ -95,6 +99,66 @@ def test_health_info_and_pushes_answer_while_generate_is_at_its_cap(served, weig
             f.cancel()
     # The cancelled calls leave; the cap frees up.
     assert wait_until(lambda: server.servicer._generating == 0, timeout_s=10)
+
+
+def test_pushes_beyond_their_cap_are_busy_and_leave_threads_for_health(served, weights, monkeypatch):
+    """Pushes waiting behind a slow one each hold a thread: at most MAX_CONCURRENT_PUSHES are admitted, one more is
+    refused at once as `server-busy` (which the client retries), and the health check still answers. The waiting
+    pushes of the same weights then finish, answered OK without being applied again."""
+    server, stub, health = served
+    engine = server.engine
+    applying, release = threading.Semaphore(0), threading.Event()
+    real_update = engine.update_weights
+    applied = []
+
+    def slow_update(tensors, version):
+        applied.append(version)
+        applying.release()
+        release.wait(30)
+        real_update(tensors, version)
+
+    monkeypatch.setattr(engine, "update_weights", slow_update)
+    version = _version(stub) + 1
+    first = stub.UpdateWeights.future(weight_chunks(weights, version), timeout=60, metadata=AUTH)
+    assert applying.acquire(timeout=30), "the first push did not reach the engine"
+    waiting = [stub.UpdateWeights.future(weight_chunks(weights, version), timeout=60, metadata=AUTH)
+               for _ in range(MAX_CONCURRENT_PUSHES - 1)]
+    try:
+        assert wait_until(lambda: server.servicer._pushes == MAX_CONCURRENT_PUSHES, timeout_s=10)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWeights(weight_chunks(weights, version), timeout=10, metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(err.value.trailing_metadata())[ERROR_KIND_KEY] == "server-busy"
+        assert f"{MAX_CONCURRENT_PUSHES} weight pushes are in progress" in err.value.details()
+        status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2.0).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
+    assert [f.result(timeout=30).weight_version for f in [first, *waiting]] == [version] * MAX_CONCURRENT_PUSHES
+    assert applied == [version] and _version(stub) == version
+    assert wait_until(lambda: server.servicer._pushes == 0, timeout_s=10)
+
+
+def test_open_health_watch_streams_take_no_threads(served):
+    """Supervisors may hold `Health.Watch` streams open for the server's life: grpc's health servicer answers them
+    without blocking a thread (experimental_non_blocking, its default), so three times the whole pool's worth of
+    open streams still leaves health checks, GetInfo and Generate answered."""
+    server, stub, health = served
+    n = 3 * (8 + RESERVED_WORKERS)  # the default Generate cap plus the reserved threads, three times over
+    streams = [health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=60) for _ in range(n)]
+    try:
+        assert all(next(st).status == health_pb2.HealthCheckResponse.SERVING for st in streams)
+        t0 = time.monotonic()
+        assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=2.0).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        _version(stub)
+        assert len(stub.Generate(REQUEST, timeout=30).prompts) == 1
+        assert time.monotonic() - t0 < 30
+    finally:
+        for st in streams:
+            st.cancel()
 
 
 class _Failure(grpc.RpcError):
