@@ -63,6 +63,7 @@ from jaxrl_mismatch.train.compiles import count_compilations  # noqa: E402
 from jaxrl_mismatch.metrics import metrics_config  # noqa: E402
 from jaxrl_mismatch.models.scoring import make_scorer  # noqa: E402
 from jaxrl_mismatch.train.batch import RolloutBatch  # noqa: E402
+from jaxrl_mismatch.train.exact_forward import ExactForward  # noqa: E402
 from jaxrl_mismatch.train.objective import PolicyLoss  # noqa: E402
 from jaxrl_mismatch.train.state import init_state, split_model  # noqa: E402
 from jaxrl_mismatch.train.step import (  # noqa: E402
@@ -187,7 +188,7 @@ def main() -> None:
         max_tokens = args.seq + 1 - args.prompt_len
         exact_fn = make_update_fn(graphdef, opt, PolicyLoss(cfg=obj_cfg, metrics_cfg=metrics_config(obj_cfg)),
                                   max_grad_norm=MAX_GRAD_NORM, chunk_size=args.chunk_size,
-                                  exact_forward=(graphdef, max_tokens))
+                                  exact_forward=ExactForward(graphdef, max_tokens, args.prompt_len))
         own = jax.tree.map(lambda x: jax.numpy.array(x, copy=True), params)  # the other update donates its buffers
         exact["state"] = place_state(init_state(own, opt, precision.loss_scale_for(pol)), mesh)
         exact["update"] = jit_update(exact_fn, exact["state"], batch, mesh)

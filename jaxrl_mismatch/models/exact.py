@@ -61,6 +61,14 @@ def canonical_length(prompt_len: int, max_tokens: int) -> int:
     return -(-n // step) * step
 
 
+def prompt_lengths(attention_mask: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """Each row's prompt length as the exact programs take it: its first response target's index + 1, or its
+    whole length when it has no response. With `max_tokens`, it fixes the row's canonical length."""
+    attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
+    n_valid = attention_mask.sum(axis=1).astype(np.int32)
+    return np.where(response_mask.any(axis=1), np.argmax(response_mask > 0, axis=1) + 1, n_valid)
+
+
 def chunk_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array
                    ) -> Float[Array, "chunk vocab"]:
     """The trainer's head (`models.scoring.logprobs_from_logits`) on one `EXACT_CHUNK` of positions, as float32:
@@ -149,8 +157,7 @@ def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_ma
     tokens, attention_mask, response_mask = (np.asarray(a) for a in (tokens, attention_mask, response_mask))
     b, s = tokens.shape
     n_valid = attention_mask.sum(axis=1).astype(np.int32)
-    has_response = response_mask.any(axis=1)
-    prompt_len = np.where(has_response, np.argmax(response_mask > 0, axis=1) + 1, n_valid)
+    prompt_len = prompt_lengths(attention_mask, response_mask)
     lengths = np.array([canonical_length(p, max_tokens) for p in prompt_len])
     if np.any(n_valid > lengths):
         r = int(np.argmax(n_valid > lengths))

@@ -19,18 +19,24 @@ A batch `[B, S]` holds rows of different canonical lengths (prompt + max_tokens 
 `models.exact.canonical_length`'s ladder). The lengths a row of this batch can have are a short static list
 (`candidate_lengths`: ≤ `LADDER_STEPS` per doubling of prompt + max_tokens, compiled once); each row picks its
 own with `lax.switch` inside `lax.map` over rows (batch 1), and is sliced or zero-padded to it exactly as
-`models.exact.score_exact` does on the host. Microbatches split rows, which changes nothing per row; packed
+`models.exact.score_exact` does on the host. Each candidate is one more whole-model forward to compile, so the
+trainer bounds the prompt lengths by `task.max_prompt_len` (every prompt is checked against it at start-up):
+with 8,192-token responses and prompts of ≤ 2,048 tokens in a 10,240-wide batch that is 1 candidate instead of 5
+(up to 20,480 tokens, for prompts the run cannot have). Microbatches split rows, which changes nothing per row; packed
 rows would put several sequences in one forward and are refused (`train/config.py`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxrl_mismatch.models.exact import canonical_length, row_scores
+from jaxrl_mismatch.models.exact import canonical_length, prompt_lengths, row_scores
 
 
 def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]) -> Float[Array, "b t"]:
@@ -38,25 +44,50 @@ def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]
     return jax.lax.stop_gradient(exact) + (differentiable - jax.lax.stop_gradient(differentiable))
 
 
-def candidate_lengths(seq_len: int, max_tokens: int) -> tuple[int, ...]:
-    """Every canonical length a row of a `[B, seq_len]` batch can have (prompt lengths 1 … seq_len)."""
-    return tuple(sorted({canonical_length(p, max_tokens) for p in range(1, seq_len + 1)}))
+class ExactForward(NamedTuple):
+    """The update's exact forward (`trainer.exact_forward`): the scorer's graphdef (no remat), the rollout's
+    `max_tokens`, and the longest prompt a row can have (`task.max_prompt_len`; None: the batch width)."""
+    graphdef: nnx.GraphDef
+    max_tokens: int
+    max_prompt_len: int | None = None
+
+
+def candidate_lengths(seq_len: int, max_tokens: int, max_prompt_len: int | None = None) -> tuple[int, ...]:
+    """Every canonical length a row of a `[B, seq_len]` batch can have (prompt lengths 1 … seq_len, or only up to
+    `max_prompt_len` when prompts are known to be no longer)."""
+    top = seq_len if max_prompt_len is None else max(1, min(seq_len, int(max_prompt_len)))
+    return tuple(sorted({canonical_length(p, max_tokens) for p in range(1, top + 1)}))
+
+
+def check_prompt_lengths(attention_mask: np.ndarray, response_mask: np.ndarray, max_prompt_len: int | None) -> None:
+    """Refuse, on the host, a batch whose row has a longer prompt than `exact_forward_logprobs` was compiled for:
+    inside jit such a row would be scored at a too-short canonical length, wrong bits and no error."""
+    if max_prompt_len is None:
+        return
+    p = prompt_lengths(attention_mask, response_mask)
+    if np.any(p > max_prompt_len):
+        r = int(np.argmax(p > max_prompt_len))
+        raise ValueError(f"row {r}: its prompt has {int(p[r])} tokens > task.max_prompt_len={max_prompt_len}, the "
+                         "longest the update's exact forward (trainer.exact_forward) is compiled for")
 
 
 def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b s"], attention_mask: Int[Array, "b s"],
                            response_mask: Float[Array, "b t"], *, max_tokens: int, temperature: float | Array,
-                           kept: Int[Array, "b t"] | None = None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+                           kept: Int[Array, "b t"] | None = None, max_prompt_len: int | None = None
+                           ) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
     """(log π(y_t), entropy) of every target `tokens[:, 1:]`, each row by the exact scorer's program.
 
     Equal bit for bit to `models.exact.score_exact(...)` on the response tokens (the scorer multiplies by the
     mask; here masked positions are left to the objective), with the same canonical length per row: the
-    prompt length is the first response target's index + 1, or the row's length if it has no response."""
+    prompt length is the first response target's index + 1, or the row's length if it has no response.
+    `max_prompt_len`: no row's prompt is longer (the caller checks, `check_prompt_lengths`), so only the
+    canonical lengths such rows can have are compiled."""
     model = nnx.merge(graphdef, params)
     # The scorer and the samplers get T as a traced argument; a constant T here would let XLA turn x / T into
     # x · (1/T), other bits at T ≠ 1 (measured in fp32 at T = 0.7). The barrier keeps it a value like theirs.
     temperature = jax.lax.optimization_barrier(jnp.asarray(temperature, jnp.float32))
     b, s = tokens.shape
-    lengths = candidate_lengths(s, max_tokens)
+    lengths = candidate_lengths(s, max_tokens, max_prompt_len)
     n_valid = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
     has_response = jnp.any(response_mask > 0, axis=1)
     prompt_len = jnp.where(has_response, jnp.argmax(response_mask > 0, axis=1) + 1, n_valid)

@@ -26,6 +26,7 @@ from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
+from jaxrl_mismatch.train.exact_forward import ExactForward, check_prompt_lengths
 from jaxrl_mismatch.train.learner_config import LearnerConfig
 from jaxrl_mismatch.train.minibatches import jit_take_rows, minibatch_order, place_rows
 from jaxrl_mismatch.train.packed_scoring import make_packed_scorer
@@ -60,7 +61,8 @@ class Learner:
         self.exact_forward = cfg.exact_forward  # the update's π(θ) by the exact scorer's program
         self._update_fn = make_update_fn(graphdef, cfg.optimizer, self.objective, num_microbatches=cfg.microbatches,
                                          max_grad_norm=cfg.max_grad_norm, **kw, mesh=self.mesh, exact_forward=(
-                                             (self._exact_graphdef, cfg.max_tokens) if self.exact_forward else None))
+                                             ExactForward(self._exact_graphdef, cfg.max_tokens, cfg.max_prompt_len)
+                                             if self.exact_forward else None))
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
         self._take_rows = jit_take_rows(self.mesh)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
@@ -115,6 +117,8 @@ class Learner:
         id it cannot have chosen must fail loudly rather than be replayed as another expert."""
         if batch.routing is not None:
             self._check_routing(np.asarray(batch.routing))
+        if self.exact_forward:  # the update's exact forward is compiled for prompts up to task.max_prompt_len
+            check_prompt_lengths(batch.attention_mask, batch.response_mask, self.cfg.max_prompt_len)
         if batch.version_lag is not None and (behav := self.behaviour.behav_logp(batch)) is not None:
             batch = batch.replace(behav_logp=behav)
         if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)

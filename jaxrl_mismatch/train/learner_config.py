@@ -42,6 +42,7 @@ class LearnerConfig:
     temperature: float
     max_tokens: int
     max_staleness: int
+    max_prompt_len: int  # task.max_prompt_len: no prompt is longer (checked at start-up); bounds the exact forward
     # The step (batch.*, seed).
     rows: int  # prompts_per_step × group_size
     ppo_epochs: int
@@ -95,6 +96,7 @@ def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
         packing=bool(t.packing), routing_replay=t.routing_replay, exact_forward=exact_forward_enabled(c),
         exact_rollout=bool(c.rollout.exact), temperature=float(c.rollout.temperature),
         max_tokens=c.rollout.max_tokens, max_staleness=int(c.rollout.max_staleness),
+        max_prompt_len=int(c.task.max_prompt_len),
         rows=c.batch.prompts_per_step * c.rollout.group_size, ppo_epochs=c.batch.ppo_epochs,
         minibatches=c.batch.minibatches, microbatches=c.batch.microbatches, seed=c.seed,
         objective=build_policy_loss(c), optimizer=build_optimizer(c.optim), max_grad_norm=c.optim.max_grad_norm,

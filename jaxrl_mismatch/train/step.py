@@ -48,7 +48,7 @@ from jaxrl_mismatch.models import sharding as shd
 from jaxrl_mismatch.models.moe import REPLAY_MODES, RouterOutput
 from jaxrl_mismatch.models.scoring import score_tokens, token_logprobs
 from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
-from jaxrl_mismatch.train.exact_forward import exact_forward_logprobs, exact_valued
+from jaxrl_mismatch.train.exact_forward import ExactForward, exact_forward_logprobs, exact_valued
 from jaxrl_mismatch.train.packing import unpack_targets
 from jaxrl_mismatch.train.state import TrainState, state_shardings
 
@@ -161,7 +161,7 @@ def make_update_fn(
     max_grad_norm: float | None = 1.0,
     chunk_size: int = 256,
     temperature: float = 1.0,
-    exact_forward: tuple[nnx.GraphDef, int] | None = None,
+    exact_forward: ExactForward | None = None,
     mesh: Mesh | None = None,
 ) -> Callable[[TrainState, RolloutBatch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure update function (not yet jitted; see `jit_update`).
@@ -179,7 +179,7 @@ def make_update_fn(
     the θ forward on the packed rows and unpacks log π and entropy; the objective sees the same `[B, S-1]`
     values, so the update equals the unpacked one (`tests/train/test_packed_update.py`).
 
-    `exact_forward` = (graphdef without remat, rollout max_tokens) (`trainer.exact_forward`): log π(θ) comes
+    `exact_forward` (`trainer.exact_forward`; graphdef without remat, rollout max_tokens, longest prompt): log π(θ)
     is valued by the exact scorer's per-row program (`train/exact_forward.py`; the gradient is the batched
     forward's), so at θ = θ_old the ratio is exactly 1.
     """
@@ -191,8 +191,9 @@ def make_update_fn(
             logp, entropy, router = score_tokens(graphdef, params, mb.tokens, mb.attention_mask, chunk_size=chunk_size,
                                                  temperature=temperature, kept=mb.kept_count)
             exact_logp, exact_entropy = exact_forward_logprobs(
-                exact_forward[0], jax.lax.stop_gradient(params), mb.tokens, mb.attention_mask, mb.response_mask,
-                max_tokens=exact_forward[1], temperature=temperature, kept=mb.kept_count)
+                exact_forward.graphdef, jax.lax.stop_gradient(params), mb.tokens, mb.attention_mask, mb.response_mask,
+                max_tokens=exact_forward.max_tokens, temperature=temperature, kept=mb.kept_count,
+                max_prompt_len=exact_forward.max_prompt_len)
             logp, entropy = exact_valued(exact_logp, logp), exact_valued(exact_entropy, entropy)
         elif mb.packed is not None:  # sequence packing: only the transformer runs packed
             if mb.replay_routing is not None:

@@ -42,7 +42,9 @@ def test_exact_forward_equals_the_exact_scorer_bitwise(tiny_checkpoints, dtype):
     _, b = _batch(ckpt, dtype)
     _, model = load_hf(str(ckpt), policy=precision.policy(PRESETS[dtype], param_dtype="float32"))
     graphdef, params = nnx.split(model, nnx.Param)
-    assert len(candidate_lengths(b.tokens.shape[1], MAX_TOKENS)) >= 2
+    longest = max(len(p) for p in PROMPTS)  # the trainer's bound, task.max_prompt_len: fewer lengths to compile
+    assert 2 <= len(candidate_lengths(b.tokens.shape[1], MAX_TOKENS, longest)) < len(
+        candidate_lengths(b.tokens.shape[1], MAX_TOKENS))
     ref = score_exact(graphdef, params, b.tokens, b.attention_mask, b.response_mask, max_tokens=MAX_TOKENS,
                       temperature=1.0)
 
@@ -51,7 +53,8 @@ def test_exact_forward_equals_the_exact_scorer_bitwise(tiny_checkpoints, dtype):
         logp = batched
         if exact:
             logp, entropy = exact_forward_logprobs(graphdef, jax.lax.stop_gradient(p), tokens, attention_mask,
-                                                   response_mask, max_tokens=MAX_TOKENS, temperature=1.0)
+                                                   response_mask, max_tokens=MAX_TOKENS, temperature=1.0,
+                                                   max_prompt_len=longest)
             logp = exact_valued(logp, batched)
         return jnp.sum(logp * response_mask), (logp, entropy)
 
@@ -76,6 +79,7 @@ def _learner(ckpt, tmp_path, precision_name, **trainer):
     c.model.path, c.run_dir = str(ckpt), str(tmp_path)
     c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 4, len(PROMPTS), 8
     c.rollout.max_tokens, c.optim.lr = MAX_TOKENS, 1e-2
+    c.task.max_prompt_len = max(len(p) for p in PROMPTS)  # the exact forward compiles the lengths such rows have
     c.trainer.precision = precision_name
     c.rollout.dtype = {v: k for k, v in PRESETS.items()}[precision_name]
     c.batch.minibatches, c.batch.microbatches = 2, 2
@@ -133,6 +137,18 @@ def test_exact_forward_equals_the_scorer_at_a_temperature_given_as_a_python_floa
                                                            max_tokens=max_tokens, temperature=0.7))(params)
         m = response_mask > 0
         assert np.array_equal(np.asarray(logp)[m], ref[m]), (s, max_tokens)
+
+
+def test_a_prompt_longer_than_the_exact_forward_was_compiled_for_is_refused_before_any_compile(tiny_checkpoints,
+                                                                                                 tmp_path):
+    """The update's exact forward compiles the canonical lengths of prompts up to task.max_prompt_len; a longer
+    row would be scored at a too-short length inside jit (other bits, no error), so `prepare` refuses it on the
+    host, naming the row and the field."""
+    learner = _learner(tiny_checkpoints["untied"], tmp_path, "fp32")  # task.max_prompt_len = 14
+    prompts = [[3, 4, 5]] * 14 + [list(range(10, 24)), list(range(10, 25))]  # the last two: 14 and 15 tokens
+    b = from_completions(prompts, [[6, 7]] * 16, [[-1.0, -1.0]] * 16, np.zeros(16), pad_id=0)
+    with pytest.raises(ValueError, match=r"row 15: its prompt has 15 tokens > task\.max_prompt_len=14"):
+        learner.step(b, seed=0, minibatch_seed=0)
 
 
 def test_exact_forward_refuses_packing_by_name():
