@@ -66,7 +66,8 @@ def prompt_lengths(attention_mask: np.ndarray, response_mask: np.ndarray) -> np.
     whole length when it has no response. With `max_tokens`, it fixes the row's canonical length."""
     attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
     n_valid = attention_mask.sum(axis=1).astype(np.int32)
-    return np.where(response_mask.any(axis=1), np.argmax(response_mask > 0, axis=1) + 1, n_valid)
+    responds = response_mask > 0
+    return np.where(responds.any(axis=1), np.argmax(responds, axis=1) + 1, n_valid)
 
 
 def chunk_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array

@@ -21,8 +21,10 @@ A batch `[B, S]` holds rows of different canonical lengths (prompt + max_tokens 
 own with `lax.switch` inside `lax.map` over rows (batch 1), and is sliced or zero-padded to it exactly as
 `models.exact.score_exact` does on the host. Each candidate is one more whole-model forward to compile, so the
 trainer bounds the prompt lengths by `task.max_prompt_len` (every prompt is checked against it at start-up):
-with 8,192-token responses and prompts of ≤ 2,048 tokens in a 10,240-wide batch that is 1 candidate instead of 5
-(up to 20,480 tokens, for prompts the run cannot have). Microbatches split rows, which changes nothing per row; packed
+with 8,192-token responses and prompts of ≤ 2,048 tokens (qwen3_4b's shapes), in the 16,384-token bucket such
+rows are padded to, that is 1 candidate instead of 6 (up to 24,576 tokens, for prompts the run cannot have).
+A longer row is refused on the host (`check_prompt_lengths`, in `Learner.prepare`); should one reach this
+program anyway, its values are NaN rather than another length's bits. Microbatches split rows, which changes nothing per row; packed
 rows would put several sequences in one forward and are refused (`train/config.py`).
 """
 
@@ -93,6 +95,7 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     prompt_len = jnp.where(has_response, jnp.argmax(response_mask > 0, axis=1) + 1, n_valid)
     need = prompt_len + max_tokens  # canonical length = the first candidate ≥ need (all are ≥ EXACT_CHUNK)
     branch = jnp.sum(jnp.asarray(lengths)[None, :] < need[:, None], axis=1).astype(jnp.int32)
+    over = need > lengths[-1]  # only with a prompt bound: a row longer than it was compiled for
     branch = jnp.minimum(branch, len(lengths) - 1)
 
     def at_length(length: int):
@@ -111,4 +114,7 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
         row, n, b, k = args
         return jax.lax.switch(b, branches, row, n, k)
 
-    return jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch, kept))
+    logp, entropy = jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch, kept))
+    if max_prompt_len is None:  # every row's length is a candidate
+        return logp, entropy
+    return jnp.where(over[:, None], jnp.nan, logp), jnp.where(over[:, None], jnp.nan, entropy)

@@ -59,10 +59,11 @@ class Learner:
         # π is scored at the rollout temperature: the distribution μ actually sampled from.
         kw = dict(chunk_size=cfg.chunk_size, temperature=cfg.temperature)
         self.exact_forward = cfg.exact_forward  # the update's π(θ) by the exact scorer's program
+        self._exact_forward_spec = (ExactForward(self._exact_graphdef, cfg.max_tokens, cfg.max_prompt_len)
+                                    if self.exact_forward else None)  # what the update is compiled with
         self._update_fn = make_update_fn(graphdef, cfg.optimizer, self.objective, num_microbatches=cfg.microbatches,
-                                         max_grad_norm=cfg.max_grad_norm, **kw, mesh=self.mesh, exact_forward=(
-                                             ExactForward(self._exact_graphdef, cfg.max_tokens, cfg.max_prompt_len)
-                                             if self.exact_forward else None))
+                                         max_grad_norm=cfg.max_grad_norm, **kw, mesh=self.mesh,
+                                         exact_forward=self._exact_forward_spec)
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
         self._take_rows = jit_take_rows(self.mesh)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
@@ -117,8 +118,8 @@ class Learner:
         id it cannot have chosen must fail loudly rather than be replayed as another expert."""
         if batch.routing is not None:
             self._check_routing(np.asarray(batch.routing))
-        if self.exact_forward:  # the update's exact forward is compiled for prompts up to task.max_prompt_len
-            check_prompt_lengths(batch.attention_mask, batch.response_mask, self.cfg.max_prompt_len)
+        if self._exact_forward_spec is not None:  # the update's exact forward: compiled for prompts up to a bound
+            check_prompt_lengths(batch.attention_mask, batch.response_mask, self._exact_forward_spec.max_prompt_len)
         if batch.version_lag is not None and (behav := self.behaviour.behav_logp(batch)) is not None:
             batch = batch.replace(behav_logp=behav)
         if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)

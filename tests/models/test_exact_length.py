@@ -30,8 +30,9 @@ def test_ladder_is_a_monotone_idempotent_round_up_with_bounded_padding():
 def test_a_prompt_bound_compiles_only_the_lengths_its_rows_can_have():
     """The trainer bounds prompts by task.max_prompt_len: the candidates are those of prompts 1 … bound, and the
     branch each such row takes is still its canonical length."""
-    assert candidate_lengths(10240, 8192) == (10240, 12288, 14336, 16384, 20480)
-    assert candidate_lengths(10240, 8192, 2048) == (10240,)  # the qwen3 configs' prompt bound and response budget
+    # qwen3_4b's prompt bound and response budget, in the 16,384-token bucket such rows are padded to
+    assert candidate_lengths(16384, 8192) == (10240, 12288, 14336, 16384, 20480, 24576)
+    assert candidate_lengths(16384, 8192, 2048) == (10240,)
     assert candidate_lengths(78, 48, 1000) == candidate_lengths(78, 48)  # a bound over the width changes nothing
     for s, m, bound in [(78, 48, 20), (1072, 48, 300), (8024, 7000, 1024)]:
         lengths = candidate_lengths(s, m, bound)

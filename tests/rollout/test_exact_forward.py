@@ -139,8 +139,7 @@ def test_exact_forward_equals_the_scorer_at_a_temperature_given_as_a_python_floa
         assert np.array_equal(np.asarray(logp)[m], ref[m]), (s, max_tokens)
 
 
-def test_a_prompt_longer_than_the_exact_forward_was_compiled_for_is_refused_before_any_compile(tiny_checkpoints,
-                                                                                                 tmp_path):
+def test_a_prompt_longer_than_the_exact_forward_was_compiled_for_is_refused_by_prepare(tiny_checkpoints, tmp_path):
     """The update's exact forward compiles the canonical lengths of prompts up to task.max_prompt_len; a longer
     row would be scored at a too-short length inside jit (other bits, no error), so `prepare` refuses it on the
     host, naming the row and the field."""
@@ -149,6 +148,27 @@ def test_a_prompt_longer_than_the_exact_forward_was_compiled_for_is_refused_befo
     b = from_completions(prompts, [[6, 7]] * 16, [[-1.0, -1.0]] * 16, np.zeros(16), pad_id=0)
     with pytest.raises(ValueError, match=r"row 15: its prompt has 15 tokens > task\.max_prompt_len=14"):
         learner.step(b, seed=0, minibatch_seed=0)
+
+
+def test_a_row_past_the_prompt_bound_is_nan_inside_the_program(tiny_checkpoints):
+    """Should a longer row reach the program compiled for a prompt bound (past `prepare`'s check), its values are
+    NaN, not another canonical length's bits; the other rows keep the unbounded program's bits."""
+    from tests.rollout.conftest import VOCAB
+
+    _, model = load_hf(str(tiny_checkpoints["untied"]), policy=precision.policy("fp32", param_dtype="float32"))
+    graphdef, params = nnx.split(model, nnx.Param)
+    s, max_tokens, plen = 24, 8, np.array([3, 12])
+    n = plen + 6
+    tokens = np.where(np.arange(s)[None] < n[:, None], np.arange(1, s + 1)[None] % VOCAB, 0).astype(np.int32)
+    attention_mask = (np.arange(s)[None] < n[:, None]).astype(np.int32)
+    response_mask = ((np.arange(1, s)[None] >= plen[:, None]) & (np.arange(1, s)[None] < n[:, None])).astype(np.float32)
+    run = lambda bound: jax.jit(lambda p: exact_forward_logprobs(  # noqa: E731
+        graphdef, p, tokens, attention_mask, response_mask, max_tokens=max_tokens, temperature=1.0,
+        max_prompt_len=bound))(params)
+    (logp, ent), (ref, ref_ent) = run(8), run(None)
+    assert np.all(np.isnan(np.asarray(logp)[1])) and np.all(np.isnan(np.asarray(ent)[1]))
+    assert np.array_equal(np.asarray(logp)[0], np.asarray(ref)[0]) and np.array_equal(np.asarray(ent)[0],
+                                                                                       np.asarray(ref_ent)[0])
 
 
 def test_exact_forward_refuses_packing_by_name():
