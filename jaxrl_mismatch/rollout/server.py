@@ -118,6 +118,12 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
+def _refuse_busy(context: grpc.ServicerContext, message: str) -> None:
+    """RESOURCE_EXHAUSTED marked `server-busy`, which clients retry with backoff (never returns: abort raises)."""
+    context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Validates every call, then delegates to the engine; the engine is attached once it has loaded."""
 
@@ -195,10 +201,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if admitted:
                 self._pushes += 1
         if not admitted:
-            context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{rpc}: the server is busy: {MAX_CONCURRENT_PUSHES} weight pushes are in progress; "
-                          "retry later")
+            _refuse_busy(context, f"{rpc}: the server is busy: {MAX_CONCURRENT_PUSHES} weight pushes are in progress; "
+                                  "retry later")
         try:
             with self._locked_update(context, rpc):
                 yield
@@ -233,10 +237,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if admitted:
                 self._generating += 1
         if not admitted:
-            context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"Generate: the server is busy: {self._max_generates} Generate calls are in progress "
-                          f"(serve --max-concurrent-generates {self._max_generates}); retry later")
+            _refuse_busy(context, f"Generate: the server is busy: {self._max_generates} Generate calls are in progress "
+                                  f"(serve --max-concurrent-generates {self._max_generates}); retry later")
         try:
             try:
                 prompts, spec = parse_generate(request, engine.info(), self._limits)
