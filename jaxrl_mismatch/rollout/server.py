@@ -118,6 +118,7 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 
+
 def _refuse_busy(context: grpc.ServicerContext, message: str) -> None:
     """RESOURCE_EXHAUSTED marked `server-busy`, which clients retry with backoff (never returns: abort raises)."""
     context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
