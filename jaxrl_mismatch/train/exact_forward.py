@@ -24,8 +24,8 @@ trainer bounds the prompt lengths by `task.max_prompt_len` (every prompt is chec
 with 8,192-token responses and prompts of ≤ 2,048 tokens (qwen3_4b's shapes), in the 16,384-token bucket such
 rows are padded to, that is 1 candidate instead of 6 (up to 24,576 tokens, for prompts the run cannot have).
 A longer row is refused on the host (`check_prompt_lengths`, in `Learner.prepare`); should one reach this
-program anyway, its values are NaN rather than another length's bits. Microbatches split rows, which changes nothing per row; packed
-rows would put several sequences in one forward and are refused (`train/config.py`).
+program anyway, its values are NaN rather than another length's bits. Microbatches split rows, which changes
+nothing per row; packed rows would put several sequences in one forward and are refused (`train/config.py`).
 """
 
 from __future__ import annotations
