@@ -59,6 +59,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -119,8 +120,8 @@ GRPC_OPTIONS = [
 ]
 
 
-def _refuse_busy(context: grpc.ServicerContext, message: str) -> None:
-    """RESOURCE_EXHAUSTED marked `server-busy`, which clients retry with backoff (never returns: abort raises)."""
+def _refuse_busy(context: grpc.ServicerContext, message: str) -> NoReturn:
+    """RESOURCE_EXHAUSTED marked `server-busy`, which clients retry with backoff (`abort` raises)."""
     context.set_trailing_metadata(((ERROR_KIND_KEY, SERVER_BUSY),))
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 

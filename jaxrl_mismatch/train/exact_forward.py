@@ -95,7 +95,6 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     prompt_len = jnp.where(has_response, jnp.argmax(response_mask > 0, axis=1) + 1, n_valid)
     need = prompt_len + max_tokens  # canonical length = the first candidate ≥ need (all are ≥ EXACT_CHUNK)
     branch = jnp.sum(jnp.asarray(lengths)[None, :] < need[:, None], axis=1).astype(jnp.int32)
-    over = need > lengths[-1]  # only with a prompt bound: a row longer than it was compiled for
     branch = jnp.minimum(branch, len(lengths) - 1)
 
     def at_length(length: int):
@@ -117,4 +116,5 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     logp, entropy = jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch, kept))
     if max_prompt_len is None:  # every row's length is a candidate
         return logp, entropy
-    return jnp.where(over[:, None], jnp.nan, logp), jnp.where(over[:, None], jnp.nan, entropy)
+    over = (need > lengths[-1])[:, None]  # a row longer than the bound the program was compiled for
+    return jnp.where(over, jnp.nan, logp), jnp.where(over, jnp.nan, entropy)

@@ -58,9 +58,9 @@ class Learner:
         self.objective = cfg.objective
         # π is scored at the rollout temperature: the distribution μ actually sampled from.
         kw = dict(chunk_size=cfg.chunk_size, temperature=cfg.temperature)
-        self.exact_forward = cfg.exact_forward  # the update's π(θ) by the exact scorer's program
+        # The update's π(θ) by the exact scorer's program (trainer.exact_forward): what the update is compiled with.
         self._exact_forward_spec = (ExactForward(self._exact_graphdef, cfg.max_tokens, cfg.max_prompt_len)
-                                    if self.exact_forward else None)  # what the update is compiled with
+                                    if cfg.exact_forward else None)
         self._update_fn = make_update_fn(graphdef, cfg.optimizer, self.objective, num_microbatches=cfg.microbatches,
                                          max_grad_norm=cfg.max_grad_norm, **kw, mesh=self.mesh,
                                          exact_forward=self._exact_forward_spec)

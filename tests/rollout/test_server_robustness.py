@@ -34,7 +34,8 @@ from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc, shm
 from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import GenerationCancelled
 from jaxrl_mismatch.rollout.protocol import ERROR_KIND_KEY, SERVICE_NAME, TOKEN_ENV, weight_chunks
-from jaxrl_mismatch.rollout.server import MAX_CONCURRENT_PUSHES, RESERVED_WORKERS, RolloutServer, main, read_token
+from jaxrl_mismatch.rollout.server import (DEFAULT_MAX_CONCURRENT_GENERATES, MAX_CONCURRENT_PUSHES, RESERVED_WORKERS,
+                                           RolloutServer, main, read_token)
 from jaxrl_mismatch.usage import UsageError
 
 from .conftest import REPO, TOKEN, read_checkpoint, wait_until
@@ -146,7 +147,7 @@ def test_open_health_watch_streams_take_no_threads(served):
     without blocking a thread (experimental_non_blocking, its default), so three times the whole pool's worth of
     open streams still leaves health checks, GetInfo and Generate answered."""
     server, stub, health = served
-    n = 3 * (8 + RESERVED_WORKERS)  # the default Generate cap plus the reserved threads, three times over
+    n = 3 * (DEFAULT_MAX_CONCURRENT_GENERATES + RESERVED_WORKERS)  # the whole default pool, three times over
     streams = [health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=60) for _ in range(n)]
     try:
         assert all(next(st).status == health_pb2.HealthCheckResponse.SERVING for st in streams)
