@@ -61,13 +61,18 @@ def canonical_length(prompt_len: int, max_tokens: int) -> int:
     return -(-n // step) * step
 
 
-def prompt_lengths(attention_mask: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+def prompt_lengths(attention_mask: Int[Array, "b s"] | np.ndarray, response_mask: Float[Array, "b t"] | np.ndarray
+                   ) -> Int[Array, "b"] | np.ndarray:
     """Each row's prompt length as the exact programs take it: its first response target's index + 1, or its
-    whole length when it has no response. With `max_tokens`, it fixes the row's canonical length."""
-    attention_mask, response_mask = np.asarray(attention_mask), np.asarray(response_mask)
-    n_valid = attention_mask.sum(axis=1).astype(np.int32)
+    whole length when it has no response. With `max_tokens`, it fixes the row's canonical length.
+
+    One rule for the host (numpy in, numpy out: the scorer, the learner's bound check) and for the update's
+    exact forward inside jit (jax arrays or tracers in, jnp out), so the two cannot pick different lengths."""
+    xp = jnp if isinstance(attention_mask, jax.Array) or isinstance(response_mask, jax.Array) else np
+    attention_mask, response_mask = xp.asarray(attention_mask), xp.asarray(response_mask)
+    n_valid = xp.sum(attention_mask, axis=1).astype(xp.int32)
     responds = response_mask > 0
-    return np.where(responds.any(axis=1), np.argmax(responds, axis=1) + 1, n_valid)
+    return xp.where(responds.any(axis=1), xp.argmax(responds, axis=1) + 1, n_valid)
 
 
 def chunk_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array

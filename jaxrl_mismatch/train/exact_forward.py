@@ -91,9 +91,8 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     b, s = tokens.shape
     lengths = candidate_lengths(s, max_tokens, max_prompt_len)
     n_valid = jnp.sum(attention_mask, axis=1).astype(jnp.int32)
-    has_response = jnp.any(response_mask > 0, axis=1)
-    prompt_len = jnp.where(has_response, jnp.argmax(response_mask > 0, axis=1) + 1, n_valid)
-    need = prompt_len + max_tokens  # canonical length = the first candidate ≥ need (all are ≥ EXACT_CHUNK)
+    # The canonical length is the first candidate ≥ need (all are ≥ EXACT_CHUNK); the scorer's own rule.
+    need = prompt_lengths(attention_mask, response_mask) + max_tokens
     branch = jnp.sum(jnp.asarray(lengths)[None, :] < need[:, None], axis=1).astype(jnp.int32)
     branch = jnp.minimum(branch, len(lengths) - 1)
 

@@ -48,3 +48,19 @@ def test_shapes_per_batch_width_are_bounded():
         assert len(lengths) <= LADDER_STEPS * octaves + 1, (s, m, lengths)
         for p in range(1, s + 1):  # exact_forward's branch choice: the first candidate ≥ prompt + max_tokens
             assert min(c for c in lengths if c >= p + m) == canonical_length(p, m)
+
+
+def test_prompt_lengths_are_one_rule_on_the_host_and_inside_jit():
+    """The scorer and the learner's bound check take numpy; the update's exact forward takes tracers. Each row's
+    prompt length: its first response target's index + 1, or its whole length when it has no response."""
+    import jax
+    import numpy as np
+
+    from jaxrl_mismatch.models.exact import prompt_lengths
+
+    attention = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+    response = np.array([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], np.float32)  # targets tokens[:, 1:]
+    host = prompt_lengths(attention, response)
+    assert isinstance(host, np.ndarray) and host.tolist() == [3, 3, 1]
+    traced = jax.jit(prompt_lengths)(attention, response)
+    assert isinstance(traced, jax.Array) and np.asarray(traced).tolist() == [3, 3, 1]
