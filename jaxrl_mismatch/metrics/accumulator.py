@@ -88,10 +88,10 @@ class StatsAccumulator:
             old = self._values.get(key)
             if how in ("sum", "num", "den", "mean"):
                 self._values[key] = x if old is None else old + x
-            elif how == "max":
-                self._values[key] = x if old is None else max(old, x)
+            elif how == "max":  # np.maximum/np.minimum: a NaN wins in any order, as in jit's combine_stats
+                self._values[key] = x if old is None else float(np.maximum(old, x))
             elif how == "min":
-                self._values[key] = x if old is None else min(old, x)
+                self._values[key] = x if old is None else float(np.minimum(old, x))
             else:  # last
                 self._values[key] = x
             self._counts[key] = self._counts.get(key, 0) + 1

@@ -12,7 +12,9 @@ Conventions as in ``objectives/ratios.py``: ``ρ_t = π(y_t|θ_old)/μ(y_t|θ_ol
 (±``LOG_RATIO_CLAMP``), so every value is finite for finite inputs; everything is masked (padding — along
 T or whole padded rows — changes nothing). Means over tokens weight every response token equally; ``seq``
 quantities average over sequences with at least one response token. Empty sets give the neutral value
-(0 for spreads/fractions, 1 for ratio means), never NaN.
+(0 for spreads/fractions, 1 for ratio means), never NaN. A non-finite π(θ_old) on a response token makes every
+``mismatch/*``, ``correction/*`` and ``diag/surrogate_j`` NaN for the step (``diag/nonfinite_logp_train``
+counts such tokens).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jaxrl_mismatch.metrics._masked import Masked, f32
 from jaxrl_mismatch.metrics.config import MetricsConfig, as_metrics_config, bucket_names
 from jaxrl_mismatch.objectives import ObjectiveConfig, applied_weights, batch_constants, surrogate_j, weight_distortion
 from jaxrl_mismatch.objectives._types import Scalar, TokenFloat, TokenMask
-from jaxrl_mismatch.objectives.ratios import as_bool_mask, clamp_log_ratio, log_rho, seq_lengths
+from jaxrl_mismatch.objectives.ratios import as_bool_mask, clamp_log_ratio, log_rho, masked_log_diff, seq_lengths
 
 
 def _ess(sel: Masked, w) -> Scalar:
@@ -42,9 +44,11 @@ def _mismatch(old_logp: TokenFloat, rollout_logp: TokenFloat, m, cfg: MetricsCon
     lr = log_rho(lp_tr, lp_ro, m)
     r = jnp.exp(lr)
 
-    # LR paper: log-ppl of a trajectory = −(1/|y|) Σ_t log p; diff = train − rollout = −mean_t log ρ_t.
+    # LR paper: log-ppl of a trajectory = −(1/|y|) Σ_t log p; diff = train − rollout = −mean_t log ρ_t. It is
+    # never exponentiated, so it takes the unclamped log-ratios: a token past ±LOG_RATIO_CLAMP (the outlier the
+    # LR paper's indicator is for) counts in full, and the diff is log ppl_train − log ppl_rollout.
     sum_lr = jnp.sum(lr, axis=-1)
-    log_ppl_diff = -sum_lr / length
+    log_ppl_diff = -jnp.sum(masked_log_diff(lp_tr, lp_ro, m, clamp=False), axis=-1) / length
     log_ppl_tr = clamp_log_ratio(-jnp.sum(lp_tr, axis=-1) / length)
     log_ppl_ro = clamp_log_ratio(-jnp.sum(lp_ro, axis=-1) / length)
     seq_sum_lr = clamp_log_ratio(sum_lr)
@@ -139,6 +143,14 @@ def step_metrics(old_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask
     out.update({"length/mean": seq.mean(n), "length/min": seq.min(n), "length/max": seq.max(n)})
     phi = weight_distortion(old_logp, m, delta=cfg.phi_delta, pi_low=cfg.phi_pi_low)
     out["diag/surrogate_j"] = surrogate_j(advantages, phi, m)
+    # A non-finite π(θ_old) on a response token (an fp16 trainer that overflowed; μ is checked finite before it
+    # arrives) is NaN in every ratio metric, never a believable number: compared with NaN, a bound or a bucket
+    # is simply not hit, so the ESS, the Pearson and the fractions would come out finite. The count says why.
+    bad = m & ~jnp.isfinite(old_logp)
+    poisoned = jnp.any(bad)
+    out = {k: jnp.where(poisoned, jnp.nan, v) if k.startswith(("mismatch/", "correction/", "diag/")) else v
+           for k, v in out.items()}
+    out["diag/nonfinite_logp_train"] = jnp.sum(bad)
     return {k: f32(v) for k, v in out.items()}
 
 
@@ -159,6 +171,6 @@ def step_metric_names(cfg: MetricsConfig | ObjectiveConfig = MetricsConfig()) ->
         "correction/token_truncated_frac", "correction/token_masked_frac", "correction/seq_sum_truncated_frac",
         "correction/seq_sum_masked_frac", "correction/seq_mean_truncated_frac", "correction/seq_mean_masked_frac",
         "correction/seq_any_token_masked_frac", "correction/weight_mean", "correction/zero_weight_frac",
-        "length/mean", "length/min", "length/max", "diag/surrogate_j",
+        "length/mean", "length/min", "length/max", "diag/surrogate_j", "diag/nonfinite_logp_train",
     ]
     return names

@@ -9,7 +9,7 @@ by a microbatch-local count, as several peers do, changes the gradient with the 
 Modes (names as in verl's ``loss_agg_mode``; FP16 paper Appendix A.1 for the ``-norm`` variant):
 
 * ``token-mean``              — ``Σ_{i,t} v_it / N_tokens``                      (DAPO)
-* ``seq-mean-token-sum``      — ``Σ_i Σ_t v_it / N_seqs``                         (FP16 paper eqs. 5–10 as written)
+* ``seq-mean-token-sum``      — ``Σ_i Σ_t v_it / N_seqs``                         (FP16 paper eqs. 5–7 as written)
 * ``seq-mean-token-mean``     — ``Σ_i (Σ_t v_it / |y_i|) / N_seqs``              (GRPO, objective-hacking eq. 24)
 * ``seq-mean-token-sum-norm`` — ``Σ_i Σ_t v_it / (N_seqs · L)`` with a constant L, e.g. the max response
   length (Dr.GRPO; the FP16 paper's corrected verl mode). L must be given: using the padded width would make

@@ -23,8 +23,10 @@ on stale data clips π/μ instead and has no weight: that is ``proximal = "bypas
 
 ``proximal = "bypass"`` (verl's rollout-correction bypass mode; AReaL's naive-PPO baseline): μ itself stands
 in for π_prox, so the θ_old forward of ``prepare`` is skipped (``Learner.prepare``; its saving is measured
-in ``benchmarks/async_rollouts.py``); the clip acts on π/μ and ρ ≡ 1, so the corrections have nothing to
-act on and the ``mismatch/*`` metrics read 0 (there is no π(θ_old) to compare μ with).
+in ``benchmarks/async_rollouts.py``); the clip acts on π/μ and ρ = π_prox/μ ≡ 1, so the PPO family's
+corrections have nothing to act on and the ``mismatch/*`` metrics read their μ = π values (ratios 1,
+differences 0: there is no π(θ_old) to compare μ with). ``pg``'s weight π(θ)/μ does not involve π_prox and
+still applies; its batch mean (``normalize_weights``) and M2PO's cut need θ_old and are refused with bypass.
 
 M2PO (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on
 LLMs?", arXiv:2510.01161, §4, the second-moment constraint M̂₂ = (1/N) Σ_i (log r_i)² ≤ τ_M2 and its
@@ -96,8 +98,8 @@ DECOUPLED_PRESETS: dict[str, dict] = {
     "naive_ppo": dict(advantages="grpo", loss="ppo", proximal="bypass"),
     # AReaL's decoupled PPO: clip on π/π_prox, weight π_prox/μ (untruncated, as in the paper).
     "decoupled": dict(advantages="grpo", loss="ppo", correction="token_is"),
-    # Decoupled PPO with the weight truncated at C = 3 (token TIS on the decoupled weight; AReaL's
-    # behaviour-weight cap).
+    # Decoupled PPO with the weight truncated at C = 3 (token TIS on the decoupled weight). AReaL's
+    # `behav_imp_weight_cap` drops the tokens above its cap instead: `correction="token_mis"` here.
     "decoupled_tis": dict(advantages="grpo", loss="ppo", correction="token_tis"),
     # Decoupled PPO + M2PO's second-moment mask, τ_M2 = 0.04 (the M2PO paper's value).
     "decoupled_m2po": dict(advantages="grpo", loss="ppo", correction="token_is", m2po_threshold=0.04),

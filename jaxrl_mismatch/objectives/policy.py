@@ -93,6 +93,12 @@ class ObjectiveConfig:
         _check("proximal", self.proximal, PROXIMALS)
         if self.m2po_threshold is not None and not self.m2po_threshold > 0:
             raise ValueError(f"m2po_threshold must be > 0 or None, got {self.m2po_threshold!r}")
+        if self.proximal == "bypass" and self.loss == "pg" and (self.normalize_weights or self.m2po_threshold):
+            # pg's weight is π(θ)/μ; its batch mean and M2PO's cut are taken at θ_old, which bypass never scores
+            # (with μ standing in, every ratio would be 1: no normalisation, and a cut of 0 masking every token)
+            which = "normalize_weights" if self.normalize_weights else "m2po_threshold"
+            raise ValueError(f"{which} needs π(θ_old) for loss 'pg', which proximal='bypass' skips: "
+                             "use proximal='recompute'")
 
 
 def _check(field: str, value: str, valid) -> None:

@@ -1,6 +1,6 @@
 """Log-space ratios: the single convention for ρ, r and their sequence-level forms.
 
-Convention (pinned by tests/objectives/test_obj_ratios.py):
+Convention (pinned by ``tests/objectives/test_obj_corrections.py::test_convention_*``):
 
 * ``ρ_t = π(y_t|θ_old) / μ(y_t|θ_old) = exp(old_logp − rollout_logp)`` — the mismatch ratio
   (objective-hacking eq. 5 / 25; FP16 paper eq. 9). ``ρ > 1`` ⇔ the trainer gives the sampled token more
@@ -19,7 +19,8 @@ Numerical safety: every log-difference is clamped to ±``LOG_RATIO_CLAMP`` (= 20
 (e^40 ≈ 2.4e17) stay finite in float32 for any finite inputs. Inside the clamp the values are exact; outside,
 the gradient of the clamped quantity is zero. Mostly a clip or a truncation would zero it there anyway, but
 not for PPO's (and GMPO's) A < 0 branch without a dual clip, where r·A is unclipped: there the clamp acts as a
-dual clip at r = e^20 (a gradient of ≈ 4.9e8·|A| per token would be a blow-up in any case). The rejection
+dual clip at r = e^20 (a gradient of ≈ 4.9e8·|A| per token would be a blow-up in any case). GSPO and PG take
+their gradient through ``score`` (exp(logp − sg(logp)), unclamped), which keeps it beyond the clamp. The rejection
 masks compare unclamped log-ratios (``corrections.rejection_mask``), so their bounds hold beyond e^±20.
 Padding positions are replaced with 0 (log-ratio) by ``jnp.where`` before any arithmetic, so garbage,
 huge or infinite values in padding never reach a loss or a metric.

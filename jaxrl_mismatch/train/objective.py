@@ -70,9 +70,7 @@ class PolicyLoss:
                                 advantages=mb.advantages, mask=mask, norm=norm, token_weight=mb.token_weight)
         maskb = mask.astype(bool)
         if self.kl_coef:
-            kl = jnp.sum(ref_kl_k3(logp, mb.ref_logp, mask)) / norm.tokens
-            loss = loss + self.kl_coef * kl
-            aux["loss/kl_ref_k3"] = kl
+            loss = loss + self.kl_coef * jnp.sum(ref_kl_k3(logp, mb.ref_logp, mask)) / norm.tokens
         if self.entropy_coef:
             ent = jnp.sum(jnp.where(maskb, entropy, 0.0)) / norm.tokens
             loss = loss - self.entropy_coef * ent
@@ -109,14 +107,20 @@ class PolicyLoss:
                             cfg=self.metrics_cfg, token_weight=batch.token_weight)
 
     def update_stats(self, logp: jax.Array, entropy: jax.Array, batch: RolloutBatch) -> dict[str, jax.Array]:
-        """θ-dependent sufficient statistics of one update (PPO ratios and clipping, entropy of π), and with
-        M2PO the share of tokens this update's loss masked (`correction/m2po_masked_frac`).
+        """θ-dependent sufficient statistics of one update: PPO ratios and clipping, entropy of π; with a KL
+        penalty, its k3 towards π_ref (`policy/kl_ref_k3`: Σ k3 / tokens over all the step's updates, not a mean
+        of per-minibatch means); with M2PO, the share of tokens this update's loss masked
+        (`correction/m2po_masked_frac`).
 
         M2PO's cut is a constant of the update's batch (the minibatch, as the loss normaliser is), so it is
         counted here with the cut the loss used; the step metric `correction/zero_weight_frac` applies one cut
         to the whole step batch and equals it only with one minibatch per step."""
         stats = update_stats(logp, batch.old_logp, batch.advantages, batch.response_mask, cfg=self.metrics_cfg,
                              entropy=entropy)
+        if self.kl_coef:  # the KL penalty's k3 towards π_ref, a token mean over every update of the step
+            m = batch.response_mask > 0
+            stats["num:policy/kl_ref_k3"] = jnp.sum(ref_kl_k3(jax.lax.stop_gradient(logp), batch.ref_logp, m))
+            stats["den:policy/kl_ref_k3"] = jnp.sum(m).astype(jnp.float32)
         if self.cfg.m2po_threshold is not None:
             m = batch.response_mask > 0
             num = weight_numerator(self.cfg, logp, proximal_logp(self.cfg.proximal, batch.old_logp, batch.rollout_logp))

@@ -83,6 +83,7 @@ def np_metrics(old, roll, mask, adv, cfg):
     out.update({
         "correction/weight_mean": w.mean(), "correction/zero_weight_frac": np.mean(w == 0),
         "diag/surrogate_j": np.sum(tok(adv) * (np.where(p < cfg.phi_pi_low, cfg.phi_delta, 1.0) - 1)),
+        "diag/nonfinite_logp_train": 0.0,
     })
     return out
 
@@ -227,3 +228,36 @@ def test_empty_batch_is_finite_and_neutral():
     out = _step(z, z - 1, np.zeros((2, 3), bool), z, cfg=MetricsConfig())
     assert all(np.isfinite(float(v)) for v in out.values())
     assert float(out["mismatch/rho_mean"]) == 1.0 and float(out["length/mean"]) == 0.0
+
+
+def test_log_ppl_diff_counts_a_token_past_the_ratio_clamp_in_full():
+    """log_ppl_diff is never exponentiated: a token with |Δ log p| > 20 (the outlier the LR paper's indicator
+    is for) counts in full, so the diff equals log ppl_train − log ppl_rollout."""
+    old = np.array([[-1.0, -50.0, -0.1]], np.float32)
+    roll = np.array([[-1.0, -1.0, -0.1]], np.float32)
+    out = _step(old, roll, np.ones((1, 3), bool), np.zeros((1, 3), np.float32))
+    assert float(out["mismatch/log_ppl_diff"]) == pytest.approx(49 / 3, rel=1e-6)
+    assert float(out["mismatch/log_ppl_abs_diff"]) == pytest.approx(49 / 3, rel=1e-6)
+    assert float(out["mismatch/log_ppl_diff_max"]) == pytest.approx(49 / 3, rel=1e-6)
+    log_ppl = np.log(float(out["mismatch/ppl_train"])) - np.log(float(out["mismatch/ppl_rollout"]))
+    assert float(out["mismatch/log_ppl_diff"]) == pytest.approx(log_ppl, rel=1e-5)
+    assert float(out["mismatch/rho_min"]) == pytest.approx(np.exp(-20.0), rel=1e-5)  # the ratios stay clamped
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, np.inf])
+def test_a_non_finite_trainer_logprob_makes_every_ratio_metric_nan_and_is_counted(bad):
+    """Compared with NaN a bound or bucket is not hit, so without the rule the ESS (1), the Pearson and the
+    fractions would come out as believable numbers. Lengths do not depend on log-probs and stay."""
+    old, roll, mask, adv = make_batch(0)
+    r, t = np.argwhere(mask)[3]
+    old = old.copy()
+    old[r, t] = bad
+    out = _step(old, roll, mask, adv)
+    ratio_keys = [k for k in out if k.startswith(("mismatch/", "correction/")) or k == "diag/surrogate_j"]
+    assert len(ratio_keys) > 30
+    assert [k for k in ratio_keys if not np.isnan(float(out[k]))] == []
+    assert float(out["diag/nonfinite_logp_train"]) == 1.0
+    clean = _step(*make_batch(0))
+    for k in ("length/mean", "length/min", "length/max"):
+        assert float(out[k]) == float(clean[k])
+    assert float(clean["diag/nonfinite_logp_train"]) == 0.0

@@ -214,6 +214,18 @@ def test_accumulator_reductions():
     assert all(math.isnan(v) for v in acc.result().values())
 
 
+@pytest.mark.parametrize("order", [(1.0, math.nan, 3.0), (math.nan, 1.0, 3.0), (1.0, 3.0, math.nan)])
+def test_accumulator_extremes_keep_a_nan_in_any_order_like_combine_stats(order):
+    """A NaN extreme of one update is the step's extreme whichever update it came in (Python's max would keep
+    the first argument when the second is NaN); jit's combine_stats (jnp.maximum) does the same."""
+    acc = StatsAccumulator()
+    for x in order:
+        acc.add({"max:ppo/ratio_max": x, "min:ppo/ratio_min": x})
+    assert all(math.isnan(v) for v in acc.result().values())
+    jitted = functools.reduce(combine_stats, [{"max:m": jnp.float32(x), "min:n": jnp.float32(x)} for x in order])
+    assert all(math.isnan(float(v)) for v in jitted.values())
+
+
 def test_accumulator_errors_name_the_key_and_leave_it_unchanged():
     acc = StatsAccumulator()
     acc.add({"sum:a": 1.0})

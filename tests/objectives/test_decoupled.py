@@ -81,6 +81,21 @@ def test_bypass_normalises_the_weights_it_applies():
     assert float(_loss(cfg, logp, prox, mu, adv, mask)) == float(_loss(plain, logp, prox, mu, adv, mask))
 
 
+def test_bypass_pg_keeps_its_weight_and_refuses_what_needs_theta_old():
+    """pg's weight is π(θ)/μ, not π_prox/μ: under bypass it still applies (FP16 eqs. 5–7). Its batch mean
+    (normalize_weights) and M2PO's cut are taken at θ_old, which bypass never scores; with μ standing in every
+    ratio is 1, so normalising would do nothing and the cut (0) would mask every token: both are refused."""
+    logp, prox, mu, adv, mask = _batch(1, stale=0.6)
+    plain, bypass = objective_config("pg_seq_is"), objective_config("pg_seq_is", proximal="bypass")
+    assert float(_loss(bypass, logp, prox, mu, adv, mask)) == float(_loss(plain, logp, prox, mu, adv, mask))
+    uncorrected = float(_loss(objective_config("pg", proximal="bypass"), logp, prox, mu, adv, mask))
+    assert abs(float(_loss(bypass, logp, prox, mu, adv, mask)) - uncorrected) > 1e-3
+    for field, value in (("normalize_weights", True), ("m2po_threshold", 0.04)):
+        with pytest.raises(ValueError, match=rf"^{field} needs π\(θ_old\) for loss 'pg'.*proximal='recompute'"):
+            objective_config("pg_seq_is", proximal="bypass", **{field: value})
+        objective_config("pg_seq_is", **{field: value})  # recompute: fine
+
+
 def test_decoupled_with_tis_truncates_the_decoupled_weight():
     logp, prox, mu, adv, mask = _batch(2, stale=1.5)
     cfg = objective_config("decoupled_tis")

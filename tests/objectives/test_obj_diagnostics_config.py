@@ -128,6 +128,39 @@ def test_ref_kl_k3_is_nonnegative_masked_and_clamped():
     assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[~mask] == 0)
 
 
+def test_the_kl_penalty_is_logged_as_a_token_mean_over_the_whole_step():
+    """`policy/kl_ref_k3` is Σ k3 / tokens over all the step's updates, not a mean of per-minibatch means: two
+    minibatches of 2 and 10 response tokens give the step's token mean. Each minibatch's loss still carries
+    kl_coef × its own token mean (the penalty as the loss normalises it), and without a KL nothing is logged."""
+    from jaxrl_mismatch.metrics import StatsAccumulator, metrics_config
+    from jaxrl_mismatch.train.batch import RolloutBatch
+    from jaxrl_mismatch.train.objective import PolicyLoss
+
+    cfg = objective_config("grpo")
+    rng = np.random.default_rng(1)
+    t = 6
+    mask = (np.arange(t)[None] < np.array([[1], [1], [5], [5]])).astype(np.float32)  # minibatches of 2 and 10
+    logp = np.log(rng.uniform(0.05, 1, (4, t))).astype(np.float32)
+    ref = np.log(rng.uniform(0.05, 1, (4, t))).astype(np.float32)
+    zeros = np.zeros((4, t), np.float32)
+    batch = RolloutBatch(tokens=np.ones((4, t + 1), np.int32), attention_mask=np.ones((4, t + 1), np.int32),
+                         response_mask=mask, advantages=zeros, rollout_logp=logp, old_logp=logp, ref_logp=ref)
+    loss = PolicyLoss(cfg=cfg, metrics_cfg=metrics_config(cfg), kl_coef=0.5)
+    k3 = np.asarray(ref_kl_k3(logp, ref, mask))
+    acc = StatsAccumulator()
+    for rows in ([0, 1], [2, 3]):
+        mb = batch.rows(np.array(rows))
+        acc.add(loss.update_stats(jnp.asarray(mb.old_logp), jnp.zeros((2, t)), mb))
+        value, _ = loss.loss(jnp.asarray(mb.old_logp), jnp.zeros((2, t)), mb, loss.batch_constants(mb))
+        assert float(value) == pytest.approx(0.5 * k3[rows].sum() / mask[rows].sum(), rel=1e-5)  # A = 0: KL only
+    got = acc.result()["policy/kl_ref_k3"]
+    assert got == pytest.approx(k3.sum() / mask.sum(), rel=1e-5)
+    per_minibatch = np.mean([k3[r].sum() / mask[r].sum() for r in ([0, 1], [2, 3])])
+    assert abs(got - per_minibatch) > 0.05 * got  # the data tell the two apart
+    assert "num:policy/kl_ref_k3" not in PolicyLoss(cfg=cfg, metrics_cfg=metrics_config(cfg)).update_stats(
+        jnp.asarray(logp), jnp.zeros((4, t)), batch)
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_builds_and_runs(preset):
     old, roll, mask, adv = make_batch(5)
