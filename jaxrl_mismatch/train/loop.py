@@ -392,18 +392,37 @@ class Trainer:
             self.learner.reset_loss_scale()
             log.warning("config.trainer.precision changed since the checkpoint: the loss scale starts afresh at %g",
                         float(self.learner.state.loss_scale.scale))
-        if any(ch.startswith("controller.") for ch in changes):
+        saved_controller = meta.get("controller")
+        if not any(ch.startswith("controller.") for ch in changes):
+            if self.controller is not None and saved_controller is not None:
+                self.controller.load_state_dict(saved_controller)
+        elif self._same_controller(saved_controller):
+            # Only the config's text changed (a default written out, say): the controller it builds is the saved
+            # one, so its state and the multiplier it left continue, as in an uninterrupted run.
+            log.warning("config.controller's text changed since the checkpoint but it builds the same controller: "
+                        "its state and LR multiplier continue")
+        else:
             # Another controller's state cannot continue this one, and the multiplier the old one left in the
             # optimizer state is not the new one's: the configured controller starts afresh at scale 1.0.
             self.learner.set_lr_scale(1.0)
             log.warning("config.controller changed since the checkpoint: the LR multiplier is reset to 1.0 and the "
                         "controller starts afresh at step %d", self.step)
-        elif self.controller is not None and meta.get("controller") is not None:
-            self.controller.load_state_dict(meta["controller"])
         log.info("resumed from step %d (weight version %d)", self.step, self.version)
         if self.step > self.c.steps:
             log.warning("config.steps=%d is lower than the %d steps this run has done; nothing to train "
                         "(raise config.steps to continue)", self.c.steps, self.step)
+
+    def _same_controller(self, saved: dict | None) -> bool:
+        """Whether the configured controller is the one whose state `saved` holds (same kind and built config):
+        then that state is loaded into it. Anything else (another kind or config, no controller on either side)
+        is False and changes nothing (`load_state_dict` loads all or nothing)."""
+        if self.controller is None or saved is None:
+            return False
+        try:
+            self.controller.load_state_dict(saved)
+        except ValueError:
+            return False
+        return True
 
     def _read_checkpoint(self, step: int) -> tuple[Any, dict]:
         where = os.path.join(self.ckpt.directory, str(step))

@@ -157,9 +157,22 @@ def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, t
     c.controller.name, c.controller.kwargs = "metric_triggered", {"metric": "length/mean", "threshold": 0.0}
     _run(c)  # alarms at step 0: half the LR from step 1 on
     assert [r["lr"] for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0] == pytest.approx([1e-3, 5e-4])
+    # Only the text changes (a default written out): the same controller, so its state and the cut continue (it
+    # had been reset to 1.0 and the alarm fired again: LR 1e-3 at step 2).
+    c = tiny_config(base_model, run_dir)
+    c.steps, c.eval.every = 3, 0
+    c.controller.name = "metric_triggered"
+    c.controller.kwargs = {"metric": "length/mean", "threshold": 0.0, "factor": 0.5}
+    t = Trainer(checked(c), accept_config_changes=True)
+    try:
+        t.run()
+    finally:
+        t.close()
+    last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
+    assert last["step"] == 2 and last["lr"] == pytest.approx(5e-4) and last["controller/scale"] == 0.5
     for name, kwargs in (("metric_triggered", {"metric": "length/mean", "threshold": 1e9}), ("none", {})):
         c = tiny_config(base_model, run_dir)
-        c.steps, c.eval.every = 3 if name != "none" else 4, 0
+        c.steps, c.eval.every = 4 if name != "none" else 5, 0
         c.controller.name, c.controller.kwargs = name, kwargs
         t = Trainer(checked(c), accept_config_changes=True)
         try:
