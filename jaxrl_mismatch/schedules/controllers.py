@@ -535,6 +535,8 @@ class Combined(Controller):
         out = super().metrics()
         for i, child in enumerate(self.controllers):
             out.update({f"{i}_{child.kind}/{k}": v for k, v in child.metrics().items()})
+        # The children read the metrics; this one reads none itself, so its count is theirs.
+        out["num_nonfinite"] = float(sum(child.metrics()["num_nonfinite"] for child in self.controllers))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -231,6 +231,13 @@ def test_non_finite_observations_are_ignored_and_counted():
     got = [dirty.update(t, {KEY: float("nan") if t in nan_steps else float(x)}) for t, x in enumerate(trace)]
     assert dirty.metrics()["num_nonfinite"] == 2.0 and dirty.metrics()["surge_step"] == 100
     assert got == list(want)  # the skipped samples only leave the (noise-free) windowed mean unchanged
+    # Combined reads no metric itself: its count is its children's (it said 0 whatever they skipped).
+    both = C.combine(C.LengthTriggeredDecay(), C.MetricTriggered(KEY, threshold=1e9))
+    for t, x in enumerate(trace[:40]):
+        both.update(t, {KEY: float("nan") if t in nan_steps else float(x)})
+    m = both.metrics()
+    assert m["num_nonfinite"] == 2.0 and m["0_length_triggered_decay/num_nonfinite"] == 1.0
+    assert m["1_metric_triggered/num_nonfinite"] == 1.0
 
 
 # ---------------------------------------------------------------- MetricTriggered
