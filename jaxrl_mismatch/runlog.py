@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Mapping
 
@@ -34,7 +35,8 @@ class RunWriter:
     """Writes each step's scalars to `<run_dir>/metrics.jsonl` and TensorBoard event files.
 
     On resume the JSONL file is cut back to the lines before the resumed step, so a restarted run never shows
-    a step twice; every other line is kept as it was (`_lines_before`). A fresh start (no step to resume) in a
+    a step twice; every other line is kept as it was, and the cut records are kept beside it as
+    `metrics.jsonl.cut-<ns>` (`_split_at`). A fresh start (no step to resume) in a
     directory that already holds a metrics.jsonl renames that file to `metrics.jsonl.replaced-<ns>` (kept).
     """
 
@@ -42,18 +44,16 @@ class RunWriter:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         if resume_from_step is not None and os.path.exists(self.path):
-            kept = _lines_before(self.path, resume_from_step)
-            tmp = self.path + ".tmp"  # a sibling renamed into place: a crash leaves the old file or the new one
-            try:
-                with open(tmp, "wb") as f:
-                    f.writelines(kept)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)  # our own temporary
-                raise
+            kept, cut = _split_at(self.path, resume_from_step)
+            if cut:
+                # The records the resume redoes are kept beside the log, never deleted: after a crash they are
+                # logged again, but after a damaged checkpoint or an accepted config change they are the only
+                # record of the steps as first run. Written before the log is cut: a crash leaves both.
+                aside = f"{self.path}.cut-{time.time_ns()}"
+                _write_atomic(aside, cut)
+                print(f"warning: {self.path}: the records of steps >= {resume_from_step}, which this resume redoes, "
+                      f"are kept as {os.path.basename(aside)}", file=sys.stderr, flush=True)
+            _write_atomic(self.path, kept)
         elif resume_from_step is None and os.path.lexists(self.path):
             # A fresh start never deletes an earlier log: it is kept beside the new one, renamed.
             aside = f"{self.path}.replaced-{time.time_ns()}"
@@ -104,20 +104,36 @@ def _parse(raw: bytes) -> Any:
         return None
 
 
-def _lines_before(path: str, step: int) -> list[bytes]:
-    """The lines of a metrics.jsonl a run resumed at `step` keeps: all but the step records of `step` and later,
-    byte for byte. A line that is not a step record (a torn last line, a record whose "step" is no integer) is
-    kept, ended by a newline so the next record starts a line of its own: `report` names it when it skips it.
-    (The records were read with the unchecked reader: a "step" of "3" stopped the resume with a TypeError, and
-    every line that was not a JSON object was dropped.)"""
-    kept = []
+def _split_at(path: str, step: int) -> tuple[list[bytes], list[bytes]]:
+    """(the lines of a metrics.jsonl a run resumed at `step` keeps, the step records of `step` and later it
+    cuts), byte for byte. A line that is not a step record (a torn last line, a record whose "step" is no
+    integer) is kept, ended by a newline so the next record starts a line of its own: `report` names it when it
+    skips it. (The records were read with the unchecked reader: a "step" of "3" stopped the resume with a
+    TypeError, and every line that was not a JSON object was dropped.)"""
+    kept, cut = [], []
     with open(path, "rb") as f:
         for raw in f:
             obj = _parse(raw)
-            if isinstance(obj, dict) and _is_step(obj.get("step")) and obj["step"] >= step:
-                continue
-            kept.append(raw if raw.endswith(b"\n") else raw + b"\n")
-    return kept
+            line = raw if raw.endswith(b"\n") else raw + b"\n"
+            is_cut = isinstance(obj, dict) and _is_step(obj.get("step")) and obj["step"] >= step
+            (cut if is_cut else kept).append(line)
+    return kept, cut
+
+
+def _write_atomic(path: str, lines: list[bytes]) -> None:
+    """`lines` as the file `path`, through a hidden temporary sibling renamed into place (a crash leaves the old
+    file or the new one, and the temporary's unique name never replaces anything)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)  # our own temporary
+        raise
 
 
 def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[dict], list[int]]:

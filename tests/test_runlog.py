@@ -20,11 +20,18 @@ def test_writer_jsonl_tensorboard_and_resume_truncation(tmp_path):
     assert recs[2]["reward/mean"] == pytest.approx(0.2)
     assert recs[0]["bad"] == "nan"
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
-    # A resumed run from step 3 drops steps >= 3 written before the crash, then appends.
+    # A resumed run from step 3 cuts steps >= 3 written before the crash from the log, then appends; the cut
+    # records are kept beside it (they were deleted: after a damaged checkpoint, the only record of those steps).
+    before = (tmp_path / "metrics.jsonl").read_bytes().splitlines(keepends=True)
     w = RunWriter(str(tmp_path), resume_from_step=3)
     w.write(3, {"reward/mean": 0.9})
     w.close()
     assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3]
+    (cut,) = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.cut-")]
+    assert cut.read_bytes().splitlines(keepends=True) == before[3:]
+    # Nothing to cut (a resume at the log's end): no file aside.
+    RunWriter(str(tmp_path), resume_from_step=4, tensorboard=False).close()
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.cut-")]) == 1
 
 
 def test_resume_cut_back_that_fails_half_way_leaves_the_records_as_they_were(tmp_path, monkeypatch):
@@ -45,7 +52,7 @@ def test_resume_cut_back_that_fails_half_way_leaves_the_records_as_they_were(tmp
     with pytest.raises(OSError, match="No space"):
         RunWriter(str(tmp_path), resume_from_step=3, tensorboard=False)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
-    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary, no half-written copy
 
 
 def test_read_jsonl_skips_torn_last_line(tmp_path):
@@ -92,3 +99,5 @@ def test_resume_keeps_every_line_that_is_not_a_later_step_record(tmp_path):
     w.close()
     assert p.read_text().splitlines() == [*lines[:4], lines[5], '{"step": 4, "x"', json.dumps({"step": 3, "x": 7.0})]
     assert [r["step"] for r in read_jsonl(str(p))] == [0, "3", 1, 2, 3]
+    (cut,) = [q for q in tmp_path.iterdir() if q.name.startswith("metrics.jsonl.cut-")]
+    assert cut.read_text().splitlines() == [lines[4]]  # the one step record it cut
