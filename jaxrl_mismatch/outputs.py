@@ -5,12 +5,13 @@ attribute} --out`, a train's warm start into `model.path`):
 
 - the target must be new, an empty directory, or a directory carrying this project's marker file of
   the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
-  replacing such a previous output needs `--force`, and the marker lists what was written, so `--force`
-  refuses an output that holds anything added since; anything else (user files, a run directory, a file, a
+  replacing such a previous output needs `--force`, and the marker lists what was written (each file with its
+  size and mtime), so `--force` refuses an output that holds anything added or changed since; anything else (user files, a run directory, a file, a
   symbolic link) is refused with one line naming it and saying how to proceed (`UsageError`, exit 2);
 - everything is written into a temporary sibling (`.<name>.tmp-<random>`) and renamed into place at the
   end, so a crash or error never leaves a half-written output under the target name, and the temporary
-  is removed on every failure path;
+  is removed on every failure path (except a target that changed while the command ran: the finished output
+  is then kept as `<name>.new-<ns>`, named in the error);
 - written files get the ordinary permissions (0666 / 0777 minus the umask, like `cp` or
   `save_pretrained`), so a checkpoint is readable by the serving user, not only its writer.
 
@@ -27,6 +28,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -42,6 +44,10 @@ def marker_name(kind: str) -> str:
 
 _MARKER_HEADER = "written by jaxrl-mismatch {kind}; `--force` may replace this directory"
 _MARKER_LIST = "its files and folders when written (--force replaces it only while it holds no others):"
+# Since 2026-11-28 each file's line also carries its size and mtime (ns) when written, tab-separated, so --force
+# also refuses a file of the same name the user has changed since (an edited config.json, a model of their own).
+_MARKER_FILES = ("its files and folders when written, files with size and mtime_ns (--force replaces it only "
+                 "while it holds no others and its files are unchanged):")
 
 
 def _entries(root: str) -> set[str]:
@@ -53,15 +59,45 @@ def _entries(root: str) -> set[str]:
     return out
 
 
+def _fingerprint(root: str, rel: str) -> str | None:
+    """"size\tmtime_ns" of a regular file (not followed through a link); None for a folder or anything else."""
+    st = os.lstat(os.path.join(root, rel))
+    return f"{st.st_size}\t{st.st_mtime_ns}" if os.path.isfile(os.path.join(root, rel)) and not os.path.islink(
+        os.path.join(root, rel)) else None
+
+
+def _marker_lines(root: str) -> list[str]:
+    """The marker's listing of `root`: every entry, a regular file's with its fingerprint."""
+    lines = []
+    for rel in sorted(_entries(root)):
+        fp = _fingerprint(root, rel)
+        lines.append(rel if fp is None else f"{rel}\t{fp}")
+    return lines
+
+
 def _foreign_entries(path: str, kind: str) -> list[str] | None:
-    """What `path` (an earlier output of `kind`) holds that the command did not write; None when its marker
-    lists nothing (written before the marker listed its files: unknown)."""
+    """What `path` (an earlier output of `kind`) holds that the command did not write, or wrote and that has
+    changed since (named "NAME (changed since written)"); None when its marker lists nothing (written before the
+    marker listed its files: unknown). Markers of the older format list names only: changes go unseen there."""
     with open(os.path.join(path, marker_name(kind)), errors="replace") as f:
         lines = f.read().splitlines()
-    if _MARKER_LIST not in lines:
+    if _MARKER_FILES in lines:
+        written: dict[str, str | None] = {}
+        for line in lines[lines.index(_MARKER_FILES) + 1:]:
+            parts = line.rsplit("\t", 2)
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                written[parts[0]] = f"{parts[1]}\t{parts[2]}"
+            else:
+                written[line] = None
+    elif _MARKER_LIST in lines:
+        written = dict.fromkeys(lines[lines.index(_MARKER_LIST) + 1:])
+    else:
         return None
-    written = set(lines[lines.index(_MARKER_LIST) + 1:]) | {marker_name(kind)}
-    return sorted(_entries(path) - written)
+    present = _entries(path) - {marker_name(kind)}
+    foreign = sorted(present - set(written))
+    changed = sorted(rel for rel in present & set(written)
+                     if written[rel] is not None and _fingerprint(path, rel) != written[rel])
+    return foreign + [f"{rel} (changed since written)" for rel in changed]
 
 
 def _umask() -> int:
@@ -108,9 +144,9 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
                              "so --force cannot tell them from files added since; remove it yourself, or choose "
                              "a new directory (nothing was changed)")
         if foreign:
-            raise UsageError(f"{flag}: holds files the earlier `jaxrl-mismatch {kind}` did not write "
-                             f"({listing(foreign)}); --force replaces only its own output: move them out or choose a new "
-                             "directory (nothing was changed)")
+            raise UsageError(f"{flag}: holds files the earlier `jaxrl-mismatch {kind}` did not write or that "
+                             f"changed since ({listing(foreign)}); --force replaces only its own output, unchanged: "
+                             "move them out or choose a new directory (nothing was changed)")
         if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             raise UsageError(f"{flag}: cannot replace it: its parent directory is not writable")
         return
@@ -136,21 +172,28 @@ def staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]
     `check_out_dir` is applied before and again at the commit (the target may have changed meanwhile);
     an existing target is replaced only if it is empty or an earlier output of this kind (moved to a
     second temporary sibling first, then deleted, so `path` is never half-written). On any exception the
-    temporary is removed and the target is untouched.
+    temporary is removed and the target is as it was (an earlier output moved aside goes back). If the target
+    changed while the command ran so that the commit refuses it, the new output is kept beside it, named in
+    the error, rather than thrown away.
     """
     check_out_dir(flag, path, kind, force=force)
     path = os.path.abspath(path)
     parent, name = os.path.dirname(path), os.path.basename(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    old = None  # where an earlier output waits while the new one is renamed into place
     try:
         yield tmp
-        listed = sorted(_entries(tmp))
+        listed = _marker_lines(tmp)
         with open(os.path.join(tmp, marker_name(kind)), "w") as f:
-            f.write("\n".join([_MARKER_HEADER.format(kind=kind), _MARKER_LIST, *listed]) + "\n")
+            f.write("\n".join([_MARKER_HEADER.format(kind=kind), _MARKER_FILES, *listed]) + "\n")
         _open_permissions(tmp)
-        check_out_dir(flag, path, kind, force=force)
-        old = None
+        try:
+            check_out_dir(flag, path, kind, force=force)
+        except UsageError as e:  # the target changed while the command ran: its output is kept, not thrown away
+            kept = f"{path}.new-{time.time_ns()}"
+            os.rename(tmp, kept)
+            raise UsageError(f"{e}; it changed while this command ran, so the new output is in {kept}") from None
         if os.path.isdir(path):
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
             os.rename(path, os.path.join(old, name))
@@ -159,6 +202,11 @@ def staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]
             shutil.rmtree(old, ignore_errors=True)  # an empty directory or our own earlier output
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:  # failed (or interrupted) between the two renames: the earlier output goes back
+            if not os.path.lexists(path) and os.path.lexists(os.path.join(old, name)):
+                os.rename(os.path.join(old, name), path)
+            with contextlib.suppress(OSError):
+                os.rmdir(old)
         raise
 
 

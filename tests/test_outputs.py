@@ -31,10 +31,48 @@ def test_force_refuses_an_earlier_output_holding_files_added_since(tmp_path):
     _write(out)
     (out / "NOTES.txt").write_text("mine")
     (out / "sub" / "mine").mkdir()
-    with pytest.raises(UsageError, match=r"--out .*did not write \(NOTES.txt, sub/mine\); --force replaces only"):
+    with pytest.raises(UsageError, match=r"--out .*did not write or that changed since \(NOTES.txt, sub/mine\); --force replaces only"):
         _write(out, files=("c.txt",))
     assert (out / "NOTES.txt").read_text() == "mine" and (out / "sub" / "mine").is_dir() and (out / "a.txt").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary left behind
+
+
+@pytest.mark.parametrize("edit", ["content", "same size", "replaced"])
+def test_force_refuses_an_earlier_output_whose_files_changed_since(tmp_path, edit):
+    """The marker listed names only, so a file the user changed under one of them (a hand-edited config.json, a
+    model of their own saved over the exported one) was deleted by --force. Each file's size and mtime are
+    listed now: any change is refused by name, and the file stays as the user left it."""
+    out = tmp_path / "out"
+    _write(out)
+    mine = out / "sub" / "b.txt"
+    if edit == "content":
+        mine.write_text("my own notes, longer")
+    elif edit == "same size":
+        st = mine.stat()
+        mine.write_text("B" * st.st_size)
+        os.utime(mine, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    else:
+        mine.unlink()
+        mine.write_text("sub/b.txt")  # the same bytes, a new file written later
+        os.utime(mine, ns=(0, 10**9))
+    want = mine.read_bytes()
+    with pytest.raises(UsageError, match=r"did not write or that changed since \(sub/b.txt \(changed since written\)\)"):
+        _write(out, files=("c.txt",))
+    assert mine.read_bytes() == want and (out / "a.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_force_accepts_an_earlier_output_whose_marker_lists_names_only(tmp_path):
+    """Outputs written before the marker carried sizes and mtimes (names only) are still replaced by --force
+    when they hold nothing else, as before."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.txt").write_text("a")
+    (out / marker_name(KIND)).write_text(f"written by jaxrl-mismatch {KIND}; `--force` may replace this directory\n"
+                                         "its files and folders when written (--force replaces it only while it "
+                                         "holds no others):\na.txt\n")
+    _write(out, files=("c.txt",))
+    assert sorted(p.name for p in out.iterdir()) == [marker_name(KIND), "c.txt"]
 
 
 def test_force_refuses_an_output_whose_marker_lists_no_files(tmp_path):
@@ -112,3 +150,41 @@ def test_an_output_file_given_with_a_trailing_slash_is_refused(tmp_path, force):
     with staged_file(str(tmp_path / "new.txt")) as tmp:  # a plain new path still works
         open(tmp, "w").write("x")
     assert (tmp_path / "new.txt").read_text() == "x"
+
+
+def test_a_target_that_changed_while_writing_is_kept_and_so_is_the_new_output(tmp_path):
+    """The commit re-checks the target. A file the user put there meanwhile is never replaced, and the command's
+    own output (hours of work, say) was thrown away with the temporary; it is kept beside it and named."""
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=r"it changed while this command ran, so the new output is in .*out\.new-\d+$") as e:
+        with staged_dir("--out", str(out), KIND, force=False) as tmp:
+            with open(os.path.join(tmp, "result.txt"), "w") as f:
+                f.write("hours of work")
+            out.mkdir()
+            (out / "theirs.txt").write_text("mine")
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    kept = str(e.value).rsplit(" ", 1)[-1]
+    assert open(os.path.join(kept, "result.txt")).read() == "hours of work"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_a_failed_rename_into_place_puts_the_earlier_output_back(tmp_path, monkeypatch):
+    """Between moving the earlier output aside and renaming the new one into place, a failure (or Ctrl-C) left
+    the target missing and the earlier output hidden in a `.out.old-` folder."""
+    from jaxrl_mismatch import outputs
+
+    out = tmp_path / "out"
+    _write(out)
+    before = sorted(p.name for p in out.iterdir())
+    rename = os.rename
+
+    def failing(src, dst):
+        if os.path.basename(str(src)).startswith(".out.tmp-") and str(dst) == str(out):
+            raise OSError(16, "Device or resource busy")
+        return rename(src, dst)
+
+    monkeypatch.setattr(outputs.os, "rename", failing)
+    with pytest.raises(OSError, match="busy"):
+        _write(out, files=("c.txt",))
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "a.txt").read_text() == "a.txt"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]

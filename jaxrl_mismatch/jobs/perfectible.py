@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any, Sequence
 
@@ -160,6 +161,18 @@ def parse_args(argv: Sequence[str]):
         raise UsageError(f"--ready-timeout must be a number > 0, got {a.ready_timeout}")
     if a.address:
         host_port("--address", a.address)
+    check_out(a)
+    # its own server loads --model: a damaged checkpoint is refused before it starts
+    a.model_cfg = None if a.address else model_config("--model", a.model)
+    return a
+
+
+OUTPUT_FIELDS = ("initial_accuracy", "num_samples")  # what perfectible adds to every record it keeps
+
+
+def check_out(a) -> None:
+    """UsageError unless --out may receive the kept prompts: a new path, or with --force an earlier output of
+    perfectible. Checked at start-up and again just before the write (sampling can take hours)."""
     if a.file and os.path.lexists(a.out) and os.path.exists(a.file) and os.path.samefile(a.out, a.file):
         raise UsageError(f"--out {a.out}: is the input --file; write the kept prompts to a new file")
     # Only a regular file is opened here: a link, a FIFO (reading it blocks) or a device is refused by check_out_file.
@@ -172,12 +185,18 @@ def parse_args(argv: Sequence[str]):
                          f"object with {OUTPUT_FIELDS[0]!r} and {OUTPUT_FIELDS[1]!r}); this file is not one, "
                          "choose a new path")
     check_out_file("--out", a.out, ours=lambda _: False, what="", force=a.force)
-    # its own server loads --model: a damaged checkpoint is refused before it starts
-    a.model_cfg = None if a.address else model_config("--model", a.model)
-    return a
 
 
-OUTPUT_FIELDS = ("initial_accuracy", "num_samples")  # what perfectible adds to every record it keeps
+def _write_out(a, out: list[dict]) -> None:
+    """The kept prompts to --out, re-checked first: a file that appeared there while sampling is never replaced;
+    the result then goes to a new sibling named in the error instead of being lost."""
+    try:
+        check_out(a)
+    except UsageError as e:
+        aside = f"{a.out}.new-{time.time_ns()}"
+        write_jsonl(out, aside)
+        raise UsageError(f"{e} (it changed while sampling); the {len(out)} kept prompts are in {aside}") from None
+    write_jsonl(out, a.out)
 
 
 def _has_content(path: str) -> bool:
@@ -301,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       extras=[{"line": i} for i in range(len(records))])
         out = [{**originals[r["line"]], "initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
                for r in kept]
-        write_jsonl(out, a.out)
+        _write_out(a, out)
     except RolloutError as e:
         # The server itself failed: its log says why, so its folder is kept and named. Anything else (a refused
         # request, Ctrl-C, an error here) leaves nothing behind.

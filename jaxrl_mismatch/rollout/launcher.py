@@ -8,6 +8,7 @@ flag fails here at once instead of at the first restart.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ from typing import Any
 
 from jaxrl_mismatch.rollout.client import RolloutError
 from jaxrl_mismatch.rollout.server import build_parser
+from jaxrl_mismatch.usage import UsageError
 
 
 class ServerStartError(RolloutError):
@@ -51,7 +53,13 @@ class ManagedServer:
         self.startup_timeout_s = startup_timeout_s
         self.token = secrets.token_hex(16)
         self.token_file = os.path.join(work_dir, "rollout_token")
-        with open(os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        # Never through a link: its target (a token file of the user's, say) would be truncated and overwritten.
+        try:
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            what = "is a symbolic link; remove it" if e.errno == errno.ELOOP else f"cannot be written: {e.strerror}"
+            raise UsageError(f"rollout server token {self.token_file} {what}") from None
+        with open(fd, "w") as f:
             f.write(self.token + "\n")
         self.log_path = os.path.join(work_dir, "rollout_server.log")
         self.ready_file = os.path.join(work_dir, "rollout_ready.json")

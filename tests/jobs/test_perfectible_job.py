@@ -164,3 +164,25 @@ def test_address_checks_max_tokens_and_k_against_the_servers_getinfo(tiny_base_m
     finally:
         server.stop(0)
     assert _listing(tmp_path) == ["model"] + sorted(f"model/{p}" for p in os.listdir(model))
+
+
+def test_an_out_file_that_appears_while_sampling_is_never_replaced(tmp_path):
+    """--out was checked only at start-up: a file created there during a long sampling run was replaced by the
+    write. The write re-checks; the user's file stays and the kept prompts go to a new sibling named in the
+    error, not lost. With nothing there the write lands at --out."""
+    import argparse
+
+    records = [{"prompt": "1+1=", "answer": "2", "initial_accuracy": 0.5, "num_samples": 4}]
+    out = tmp_path / "kept.jsonl"
+    a = argparse.Namespace(out=str(out), file=None, force=False)
+    perfectible._write_out(a, records)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("my notes\n")
+    a = argparse.Namespace(out=str(mine), file=None, force=False)
+    with pytest.raises(UsageError, match=r"^--out .*mine.jsonl: .*\(it changed while sampling\); the 1 kept prompts "
+                                         r"are in .*mine.jsonl.new-\d+$") as e:
+        perfectible._write_out(a, records)
+    assert mine.read_text() == "my notes\n"
+    aside = str(e.value).rsplit(" ", 1)[-1]
+    assert [json.loads(line) for line in open(aside).read().splitlines()] == records

@@ -64,3 +64,15 @@ def test_serve_argv_comes_from_the_servers_own_parser(tmp_path):
         ManagedServer(str(tmp_path), engine="jax", model="/m", dtype="float8")
     with pytest.raises(UsageError, match="99999 is outside 0-65535"):
         ManagedServer(str(tmp_path), engine="jax", model="/m", port=99999)
+
+
+def test_the_token_is_never_written_through_a_link(tmp_path):
+    """A `rollout_token` that is a symbolic link (to the user's own token file, say) was followed, and its target
+    truncated and overwritten with the generated token; it is refused by name and the target kept."""
+    theirs = tmp_path / "their_token"
+    theirs.write_text("their secret\n")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "rollout_token").symlink_to(theirs)
+    with pytest.raises(UsageError, match=r"^rollout server token .*rollout_token is a symbolic link; remove it$"):
+        ManagedServer(str(tmp_path / "w"), engine="jax", model="/m", dtype="float32")
+    assert theirs.read_text() == "their secret\n"
