@@ -100,6 +100,7 @@ class RolloutFleet:
         self.failovers = 0  # pieces re-sent to another server
         self._closed = False
         self.limits = self._limits()
+        self.server_check: Callable[[RolloutClient], None] | None = None
 
     @classmethod
     def launch(cls, num_servers: int, *, work_dir: str, timeout_s: float = 600.0, generate_timeout_s: float = 1800.0,
@@ -160,6 +161,13 @@ class RolloutFleet:
     def infos(self) -> list[EngineInfo]:
         """What every live server serves (the trainer checks them all: a mixed fleet would mix μ)."""
         return [m.session.info() for m in self.members if m.up] or [self._any_up().session.info()]
+
+    def set_server_check(self, check: Callable[[RolloutClient], None] | None) -> None:
+        """Run `check(client)` on every server that comes back (restarted, rejoining, or restarted by someone
+        else) before it gets weights; one it refuses stays out of the fleet (tried again at the next push)."""
+        self.server_check = check
+        for m in self.members:
+            m.session.set_server_check(check)
 
     def check_compatible(self, *, architecture: str, vocab_size: int, tokenizer_vocab_size: int | None = None) -> None:
         """Every server must serve the trainer's model (EngineMismatchError names the first that does not)."""
@@ -294,6 +302,8 @@ class RolloutFleet:
         try:
             client.wait_until_ready(self.ready_timeout_s if m.session.server is not None else 5.0)
             client.info()
+            if self.server_check is not None:
+                self.server_check(client)
         except BaseException:
             client.close()
             raise

@@ -74,6 +74,10 @@ class RolloutSession:
         self._weights: Mapping[str, np.ndarray] | None = None
         self.limits: Limits = client.request_limits()
         self.restarts = 0  # server restarts this session has recovered from
+        # Called with the client of a server that restarted (or was restarted) before the weights are pushed to
+        # it again: the checks the trainer made at the start (model, quantization, ...), so a process that came
+        # back serving something else is refused instead of fed into the batch (`set_server_check`).
+        self.server_check: Callable[[RolloutClient], None] | None = None
 
     @classmethod
     def launch(cls, *, work_dir: str, engine: str, model: str, dtype: str, max_model_len: int = 0, quantize: str = "none",
@@ -134,6 +138,10 @@ class RolloutSession:
             out += self._recovering("Generate", lambda part=part, sub=sub: self.client.generate(part, sub))
         return out
 
+    def set_server_check(self, check: Callable[[RolloutClient], None] | None) -> None:
+        """Run `check(client)` on every server process that comes back (it raises a RolloutError to refuse it)."""
+        self.server_check = check
+
     def describe(self) -> str:
         """Where to look when the server fails (for error messages)."""
         return f"server log {self.server.log_path}" if self.server is not None else f"server at {self.client.target}"
@@ -164,6 +172,8 @@ class RolloutSession:
             self.client.wait_until_ready(self.ready_timeout_s)
             self.client.info()  # notice the new server id now
         self.restarts += 1
+        if self.server_check is not None:
+            self.server_check(self.client)
         if self._weights is not None:
             self.client.push_weights(self._weights, self.version)
         return call()

@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxrl_mismatch.models.hf_io import ModelFilesError
 from jaxrl_mismatch.objectives import compute_advantages
-from jaxrl_mismatch.rollout import EngineInfo, NonFiniteLogprobsError, RetryPolicy, RolloutError, SamplingSpec
+from jaxrl_mismatch.rollout import (EngineInfo, EngineMismatchError, NonFiniteLogprobsError, RetryPolicy, RolloutError,
+                                    SamplingSpec)
 from jaxrl_mismatch.rollout.mismatch_schedule import mismatch_scale, rollout_mismatch
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
@@ -66,6 +67,23 @@ def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: 
             raise ConfigError(f"config.{field}: needs a rollout engine that returns each token's kept-set size (the "
                               f"jax engine), but {where} ({i.engine} engine) does not; the trainer could not "
                               "renormalise π over the tokens μ was sampled from")
+
+
+# What a rollout server serves that decides μ: every server of a run must serve the same, at the start and when
+# one comes back (restarted by its session or its own supervisor, or rejoining a fleet).
+SERVED_FIELDS = ("architecture", "vocab_size", "dtype", "engine", "quantize", "max_model_len", "options")
+
+
+def served_differences(a: EngineInfo, b: EngineInfo) -> list[str]:
+    """`field: a → b` for each of SERVED_FIELDS the two servers differ in (options compared as sets)."""
+    out = []
+    for field in SERVED_FIELDS:
+        x, y = getattr(a, field), getattr(b, field)
+        if field == "options":
+            x, y = sorted(x), sorted(y)
+        if x != y:
+            out.append(f"{field}: {x!r} → {y!r}")
+    return out
 
 
 class RolloutFailure(RuntimeError):
@@ -354,6 +372,10 @@ class Trainer:
                                      tokenizer_vocab_size=self.data.tok.vocab_size)
             infos = session.infos() if hasattr(session, "infos") else [session.info()]  # a fleet: every live server
             info = infos[0]
+            for k, other in enumerate(infos[1:], start=1):
+                if diff := served_differences(info, other):
+                    raise ConfigError(f"config.rollout.address: the servers do not serve the same (server 0 vs {k}: "
+                                      f"{'; '.join(diff)}); a mixed fleet would mix μ")
             check_servers(r, infos, session.describe())
             # Validation measures the trainer's policy: full-precision weights where the engines can serve them.
             self._eval_quantize_strength = 0.0 if all("quantize_strength" in i.options for i in infos) else 1.0
@@ -364,6 +386,15 @@ class Trainer:
         except BaseException:
             session.close()
             raise
+
+        def check_returning(client) -> None:
+            # A server that comes back must serve what this one did at the start; the push and the batch would
+            # otherwise take it in (a push is accepted whatever its quantization, and floats are cast to its dtype).
+            if diff := served_differences(info, client.info()):
+                raise EngineMismatchError(f"rollout server at {client.target} came back serving something else than "
+                                          f"at the start ({'; '.join(diff)}); it is not used")
+
+        session.set_server_check(check_returning)
         return session
 
     def _restore(self) -> None:

@@ -95,3 +95,38 @@ def test_launched_server_that_dies_is_restarted_by_the_session(tiny_checkpoints,
         assert after == before and session.restarts == 1 and session.server.port == port
         assert session.server.starts == 2
         assert not [r for r in caplog.records if "retrying in" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_a_server_that_comes_back_serving_something_else_is_refused(start_server, tiny_checkpoints):
+    """A server restarted by its own supervisor with other flags (here bfloat16 instead of float32) took the
+    re-push (floats are cast to its dtype) and its samples entered the batch. The trainer's check (the same
+    served fields as at the start, `train.loop.served_differences`) now runs on every server that comes back,
+    before the weights are pushed to it again: the session raises, naming the difference."""
+    from jaxrl_mismatch.rollout.client import EngineMismatchError
+    from jaxrl_mismatch.train.loop import served_differences
+
+    ckpt = tiny_checkpoints["untied"]
+    port = free_port()
+    first = start_server(ckpt, port=port)
+    client = RolloutClient(first.target, token=TOKEN, wait_ready_s=60,
+                           retry=RetryPolicy(max_attempts=60, initial_backoff_s=0.2, max_backoff_s=2.0))
+    session = RolloutSession(client, restart=False)
+    at_start = session.info()
+    checked = []
+
+    def check(c):
+        checked.append(c.target)
+        if diff := served_differences(at_start, c.info()):
+            raise EngineMismatchError("came back serving something else: " + "; ".join(diff))
+
+    session.set_server_check(check)
+    session.push(_perturbed(ckpt))
+    first.signal(signal.SIGKILL)
+    first.wait()
+    start_server(ckpt, port=port, dtype="bfloat16")
+    with pytest.raises(EngineMismatchError, match=r"dtype: 'float32' → 'bfloat16'"):
+        session.generate(PROMPTS, SPEC)
+    assert checked == [client.target]
+    assert session.info().weight_version == 0  # nothing was pushed to it
+    session.close()
