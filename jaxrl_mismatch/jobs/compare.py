@@ -83,6 +83,7 @@ import sys
 import time
 from typing import Any, Mapping, Sequence
 
+from jaxrl_mismatch.outputs import staged_file
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl_checked, warn_skipped
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
@@ -378,10 +379,8 @@ def run_result(job: Job) -> RunResult:
 
 def write_attempts(run_dir: str, attempts: list[dict]) -> None:
     """Replace `run_dir/compare.json` atomically (a crash leaves the old or the new file, never half)."""
-    tmp = os.path.join(run_dir, STATUS_FILE + ".tmp")
-    with open(tmp, "w") as f:
+    with staged_file(os.path.join(run_dir, STATUS_FILE)) as tmp, open(tmp, "w") as f:
         json.dump({"attempts": attempts}, f, indent=1)
-    os.replace(tmp, os.path.join(run_dir, STATUS_FILE))
 
 
 # -- running -------------------------------------------------------------------------------------------

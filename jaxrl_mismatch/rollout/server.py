@@ -452,9 +452,14 @@ def _announce(prefix: str, payload: dict, ready_file: str | None) -> None:
     if ready_file and prefix == READY_PREFIX:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(ready_file)}.", dir=os.path.dirname(
             os.path.abspath(ready_file)))
-        with os.fdopen(fd, "w") as f:
-            json.dump({**payload, **READY_FILE_MARK}, f)
-        os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({**payload, **READY_FILE_MARK}, f)
+            os.replace(tmp, ready_file)  # atomic: a reader never sees a half-written file
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)  # our own temporary
+            raise
     print(f"{prefix} {json.dumps(payload, sort_keys=True)}", flush=True)
 
 
