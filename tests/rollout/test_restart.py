@@ -24,14 +24,19 @@ def _perturbed(ckpt):
     return {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in read_checkpoint(ckpt).items()}
 
 
+def _attached(server):
+    """A client that keeps retrying while the server is down and restarts, and a session over it."""
+    client = RolloutClient(server.target, token=TOKEN, wait_ready_s=60,
+                           retry=RetryPolicy(max_attempts=60, initial_backoff_s=0.2, max_backoff_s=2.0))
+    return client, RolloutSession(client, restart=False)
+
+
 @pytest.mark.slow
 def test_sigkill_restart_reconnect_repush(start_server, tiny_checkpoints):
     ckpt = tiny_checkpoints["untied"]
     port = free_port()
     first = start_server(ckpt, port=port)
-    client = RolloutClient(first.target, token=TOKEN, wait_ready_s=60,
-                           retry=RetryPolicy(max_attempts=60, initial_backoff_s=0.2, max_backoff_s=2.0))
-    session = RolloutSession(client, restart=False)
+    client, session = _attached(first)
     assert session.push(_perturbed(ckpt)) == 1
     before = session.generate(PROMPTS, SPEC)
     assert {c.weight_version for s in before for c in s} == {1}
@@ -109,9 +114,7 @@ def test_a_server_that_comes_back_serving_something_else_is_refused(start_server
     ckpt = tiny_checkpoints["untied"]
     port = free_port()
     first = start_server(ckpt, port=port)
-    client = RolloutClient(first.target, token=TOKEN, wait_ready_s=60,
-                           retry=RetryPolicy(max_attempts=60, initial_backoff_s=0.2, max_backoff_s=2.0))
-    session = RolloutSession(client, restart=False)
+    client, session = _attached(first)
     at_start = session.info()
     checked = []
 

@@ -63,10 +63,10 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _run(c) -> dict:
+def _run(c, accept_config_changes: bool = False) -> dict:
     from jaxrl_mismatch.train.loop import Trainer
 
-    t = Trainer(checked(c))
+    t = Trainer(checked(c), accept_config_changes=accept_config_changes)
     try:
         return t.run()
     finally:
@@ -149,7 +149,6 @@ def test_a_controller_metric_that_no_step_logs_is_a_config_error(base_model, tmp
 def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, tmp_path):
     """With --accept-config-changes, turning the controller off kept the old multiplier in the optimizer state for
     the rest of the run, and another controller's kwargs ended the resume with exit 1."""
-    from jaxrl_mismatch.train.loop import Trainer
 
     run_dir = tmp_path / "run"
     c = tiny_config(base_model, run_dir)
@@ -163,22 +162,14 @@ def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, t
     c.steps, c.eval.every = 3, 0
     c.controller.name = "metric_triggered"
     c.controller.kwargs = {"metric": "length/mean", "threshold": 0.0, "factor": 0.5}
-    t = Trainer(checked(c), accept_config_changes=True)
-    try:
-        t.run()
-    finally:
-        t.close()
+    _run(c, accept_config_changes=True)
     last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
     assert last["step"] == 2 and last["lr"] == pytest.approx(5e-4) and last["controller/scale"] == 0.5
     for name, kwargs in (("metric_triggered", {"metric": "length/mean", "threshold": 1e9}), ("none", {})):
         c = tiny_config(base_model, run_dir)
         c.steps, c.eval.every = 4 if name != "none" else 5, 0
         c.controller.name, c.controller.kwargs = name, kwargs
-        t = Trainer(checked(c), accept_config_changes=True)
-        try:
-            t.run()
-        finally:
-            t.close()
+        _run(c, accept_config_changes=True)
         last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
         assert last["lr"] == pytest.approx(1e-3), (name, last)  # the configured LR, never cut by the new controller
 
