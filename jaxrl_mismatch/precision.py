@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -120,11 +121,11 @@ class LossScaleConfig:
     def __post_init__(self):
         if self.period < 1:
             raise ValueError(f"LossScaleConfig.period must be >= 1, got {self.period}")
-        if self.factor <= 1.0:
-            raise ValueError(f"LossScaleConfig.factor must be > 1, got {self.factor}")
-        if not 0.0 < self.min_scale <= self.max_scale:
+        if not (math.isfinite(self.factor) and self.factor > 1.0):
+            raise ValueError(f"LossScaleConfig.factor must be a finite number > 1, got {self.factor}")
+        if not (math.isfinite(self.max_scale) and 0.0 < self.min_scale <= self.max_scale):
             raise ValueError(
-                f"LossScaleConfig needs 0 < min_scale <= max_scale, got {self.min_scale}, {self.max_scale}"
+                f"LossScaleConfig needs 0 < min_scale <= max_scale < inf, got {self.min_scale}, {self.max_scale}"
             )
         if self.dynamic and not self.min_scale <= self.init_scale <= self.max_scale:
             raise ValueError(
@@ -225,9 +226,8 @@ def unscale_and_check(state: LossScaleState, grads: PyTree) -> tuple[PyTree, Boo
     optimizer keeps float32 master weights, so this is the dtype it wants anyway. With the no-op scale
     the gradients are returned as they are. Non-floating leaves pass through unchanged.
     """
-    finite = all_finite(grads)
     if not state.config.dynamic:
-        return grads, finite
+        return grads, all_finite(grads)
 
     def unscale(g):
         if not jnp.issubdtype(g.dtype, jnp.inexact):
@@ -235,7 +235,10 @@ def unscale_and_check(state: LossScaleState, grads: PyTree) -> tuple[PyTree, Boo
         dtype = jnp.promote_types(g.dtype, jnp.float32)
         return g.astype(dtype) / state.scale.astype(dtype)
 
-    return jax.tree.map(unscale, grads), finite
+    # Checked after the division: with S < 1 (a config may allow it) a finite scaled gradient can overflow when
+    # unscaled, and an inf scaled one stays inf, so this one check covers both.
+    unscaled = jax.tree.map(unscale, grads)
+    return unscaled, all_finite(unscaled)
 
 
 def update_scale(state: LossScaleState, finite: Bool[Array, ""]) -> LossScaleState:

@@ -49,6 +49,8 @@ def test_loss_scale_for_policy():
         ({"factor": 1.0}, "factor"),
         ({"min_scale": 0.0}, "min_scale"),
         ({"init_scale": 0.5, "min_scale": 1.0}, "init_scale"),
+        ({"factor": float("nan")}, "factor"),  # passed `factor <= 1`, then made S NaN at the first growth
+        ({"max_scale": float("inf")}, "max_scale"),  # S grew to inf, then every step was skipped for good
     ],
 )
 def test_bad_config(kwargs, match):
@@ -92,6 +94,16 @@ def _setup(seed=0):
     params = {"w": 0.1 * jax.random.normal(kw, (4, 3), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
     y = jax.random.normal(ky, (8, 3), jnp.float32)
     return params, x, y
+
+
+def test_a_gradient_that_overflows_only_when_unscaled_is_not_finite():
+    """With S < 1 (the config allows min_scale < 1) a finite scaled gradient can be inf once divided by S; the
+    check ran on the scaled one and let it through (the clip then made the params NaN)."""
+    ls = prec.dynamic_loss_scale(init_scale=2.0**-4, min_scale=2.0**-10)
+    grads, finite = prec.unscale_and_check(ls, {"w": jnp.array([3e37], jnp.float32)})
+    assert not bool(finite) and not np.isfinite(np.asarray(grads["w"])).all()
+    _, finite = prec.unscale_and_check(ls, {"w": jnp.array([3e30], jnp.float32)})
+    assert bool(finite)
 
 
 def test_overflow_step_is_skipped_and_scale_halves():
