@@ -5,9 +5,9 @@ in [0, 1]: 1.0 correct, 0.0 wrong or malformed. The completion is the *decoded r
 prompt + response: its final stop token dropped, any other special token left visible so junk inside an
 answer is not read past, and an id outside the tokenizer's vocabulary scoring 0.0 (`TaskData.reward`).
 
-Math answers (:func:`math_reward`): the prediction is taken, in order of preference, from the last
-``\\boxed{...}`` (MATH, the Qwen/R1 templates), the last ``Answer: ...`` line (DAPO-Math-17k's own
-prompt asks for it), or the last ``#### ...`` (GSM8K). Only that span is parsed — parsing the whole
+Math answers (:func:`math_reward`): the prediction is taken from the completion's last answer marker,
+whichever kind: a non-empty ``\\boxed{...}`` (MATH, the Qwen/R1 templates), an ``Answer: ...`` line
+(DAPO-Math-17k's own prompt asks for it) or a ``#### ...`` line (GSM8K). Only that span is parsed — parsing the whole
 text would let math-verify pick up some intermediate number and reward an answer the policy never
 gave. The gold answer is parsed as LaTeX and as a plain expression, so ``1/2``, ``0.5``,
 ``\\frac{1}{2}`` and ``\\dfrac12`` are all equal, as in the math-verify grader used by verl/Oat.
@@ -59,15 +59,22 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_math_answer(completion: str) -> str | None:
-    """The span holding the final answer (boxed, then ``Answer:``, then ``####``), or None."""
-    boxed = last_boxed(completion)
-    if boxed is not None:
-        return boxed
+    """The span holding the final answer, or None: the last answer marker of the completion, whichever kind — a
+    non-empty ``\boxed{}``, an ``Answer:`` line (DAPO), a ``####`` line (GSM8K). So a box in the working does not
+    outrank the ``Answer:`` line after it, and an empty ``\boxed{}`` mentioned in passing hides no answer."""
+    candidates = []  # (where the marker starts, its span)
+    text = completion
+    while (boxed := last_boxed(text)) is not None:  # the last non-empty box (an unbalanced last one: none)
+        start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+        if boxed.strip():
+            candidates.append((start, boxed))
+            break
+        text = text[:start]
     for pattern in (_ANSWER_LINE, _GSM8K_FINAL):
-        found = pattern.findall(completion)
+        found = list(pattern.finditer(completion))
         if found:
-            return found[-1]
-    return None
+            candidates.append((found[-1].start(), found[-1].group(1)))
+    return max(candidates, key=lambda c: c[0])[1] if candidates else None
 
 
 def gsm8k_final_answer(solution: str) -> str:

@@ -166,6 +166,11 @@ def load_tokenizer(path: str) -> TextTokenizer:
     except Exception as e:  # the tokenizers library raises its own exception types for a damaged file
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{file} is not a readable tokenizer ({why})") from None
+    # A tokenizer.json may carry truncation or padding settings (saved from a pipeline that used them): the
+    # prompts would be cut (past the task.max_prompt_len check, which sees the cut length) or padded with
+    # tokens the model then continues after. Every caller here needs the exact ids of the text.
+    tok.no_truncation()
+    tok.no_padding()
     names: dict[str, str | None] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
         p = os.path.join(d, fname)

@@ -69,3 +69,18 @@ def test_load_tokenizer_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="eos_token '<end>'"):
         T.load_tokenizer(str(tmp_path))
+
+
+def test_a_saved_truncation_or_padding_setting_never_changes_the_ids(tok, tmp_path):
+    """A tokenizer.json saved with truncation (or padding) on cut prompts past the task.max_prompt_len check
+    (it saw the cut length) or padded them with tokens the model continued after: the loader turns both off."""
+    T.save_tokenizer(tok, str(tmp_path))
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.enable_truncation(max_length=4)
+    raw.enable_padding(pad_id=tok.pad_id, length=12)
+    raw.save(str(tmp_path / "tokenizer.json"))
+    saved = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("12+34*5=").ids
+    assert saved[:4] == tok.encode("12+34*5=")[:4] and saved[4:] == [tok.pad_id] * 8  # cut to 4, padded to 12
+    back = T.load_tokenizer(str(tmp_path))
+    texts = ["12+34*5=", "1+2="]
+    assert back.encode_batch(texts) == [tok.encode(t) for t in texts] and back.encode("1+2=") == tok.encode("1+2=")

@@ -28,6 +28,12 @@ from jaxrl_mismatch.data import rewards as R
         ("Answer: 1/2.", "1/2"),
         ("\\boxed 5.", "5"),
         ("\\boxed 5 so check \\frac{10}{2}=5", "5"),  # a brace-less box: the later "{" is not its argument
+        # the last answer marker counts, whichever kind: an empty box in passing hid the Answer line (0.0), and
+        # a box in the working outranked the final Answer line after it
+        ("Answer: 12\n(as requested, no \\boxed{} used)", "12"),
+        ("try \\boxed{5}, recheck...\nAnswer: 7", "7"),
+        ("Answer: 7? no: \\boxed{5}", "5"),
+        ("\\boxed{12} (\\boxed{} left empty)", "12"),
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -47,6 +53,7 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("Answer: 35.", "3"),
         ("Answer: 34 or 35", "34"),
         ("Answer: not 5", "5"),
+        ("try \\boxed{5}, recheck...\nAnswer: 7", "5"),  # the box was the working, not the final answer
     ],
 )
 def test_wrong_or_malformed_score_zero(completion, gold):
