@@ -6,8 +6,9 @@ attribute} --out`, a train's warm start into `model.path`):
 - the target must be new, an empty directory, or a directory carrying this project's marker file of
   the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
   replacing such a previous output needs `--force`, and the marker lists what was written (each file with its
-  size and mtime), so `--force` refuses an output that holds anything added or changed since; anything else (user files, a run directory, a file, a
-  symbolic link) is refused with one line naming it and saying how to proceed (`UsageError`, exit 2);
+  size and mtime), so `--force` refuses an output that holds anything added or changed since; anything else
+  (user files, a run directory, a file, a symbolic link) is refused with one line naming it and saying how to
+  proceed (`UsageError`, exit 2);
 - everything is written into a temporary sibling (`.<name>.tmp-<random>`) and renamed into place at the
   end, so a crash or error never leaves a half-written output under the target name, and the temporary
   is removed on every failure path (except a target that changed while the command ran: the finished output
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -60,10 +62,9 @@ def _entries(root: str) -> set[str]:
 
 
 def _fingerprint(root: str, rel: str) -> str | None:
-    """"size\tmtime_ns" of a regular file (not followed through a link); None for a folder or anything else."""
+    """"size\tmtime_ns" of a regular file (a link is not followed); None for a folder or anything else."""
     st = os.lstat(os.path.join(root, rel))
-    return f"{st.st_size}\t{st.st_mtime_ns}" if os.path.isfile(os.path.join(root, rel)) and not os.path.islink(
-        os.path.join(root, rel)) else None
+    return f"{st.st_size}\t{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
 
 
 def _marker_lines(root: str) -> list[str]:

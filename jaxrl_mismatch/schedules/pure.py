@@ -108,9 +108,9 @@ def step_decay_schedule(
     `decay_period ≈ 1.8 × surge step` counted from the start of training, so with the default
     `start_step=0` the first halving happens at `count = decay_period`. `count` is Optax's: optimizer
     updates, i.e. training steps × `ppo_epochs` × minibatches (skipped fp16 updates do not count, and an
-    `optim.warmup_steps` warmup starts this schedule that many updates later), so give periods in updates. `start_step` shifts the whole
-    staircase (the first halving is at `start_step + decay_period`), which is how the host-side
-    controller expresses a surge that was detected late.
+    `optim.warmup_steps` warmup starts this schedule that many updates later), so give periods in updates.
+    `start_step` shifts the whole staircase (the first halving is at `start_step + decay_period`), which is
+    how the host-side controller expresses a surge that was detected late.
 
     Integer counts use integer floor division, so boundaries are exact at any step.
     """

@@ -23,7 +23,8 @@ from jaxrl_mismatch.models import sharding as shd
 class TrainState:
     """params: the policy's nnx.Param state (fp32 master weights); opt_state: Optax state (with the
     host-set `learning_rate`/`lr_scale` hyperparameters); loss_scale: FP16 dynamic loss scale (scale 1
-    for fp32/bf16, which still skip and count a non-finite step: `train/step.py`); step: optimizer steps taken; rng: raw uint32 key data."""
+    for fp32/bf16, which still skip and count a non-finite step: `train/step.py`); step: optimizer steps
+    taken; rng: raw uint32 key data."""
 
     params: Any
     opt_state: Any
