@@ -256,7 +256,8 @@ def _special_kind(path: str) -> str:
 
 @contextlib.contextmanager
 def staged_file(path: str) -> Iterator[str]:
-    """Yield a temporary sibling file path; on success it is renamed to `path`, on failure removed."""
+    """Yield a temporary sibling file path; on success it is made durable (fsync) and renamed to `path`, on
+    failure removed."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
@@ -264,6 +265,11 @@ def staged_file(path: str) -> Iterator[str]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a crash after the rename never leaves an empty or partial file under `path`
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -12,12 +12,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Any, Mapping
 
 import numpy as np
 
+from jaxrl_mismatch.outputs import staged_file
 from jaxrl_mismatch.usage import UsageError
 
 METRICS_FILE = "metrics.jsonl"
@@ -121,19 +121,10 @@ def _split_at(path: str, step: int) -> tuple[list[bytes], list[bytes]]:
 
 
 def _write_atomic(path: str, lines: list[bytes]) -> None:
-    """`lines` as the file `path`, through a hidden temporary sibling renamed into place (a crash leaves the old
-    file or the new one, and the temporary's unique name never replaces anything)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)  # our own temporary
-        raise
+    """`lines` as the file `path`, through `outputs.staged_file` (a hidden temporary sibling, made durable and
+    renamed into place: a crash leaves the old file or the new one)."""
+    with staged_file(path) as tmp, open(tmp, "wb") as f:
+        f.writelines(lines)
 
 
 def read_jsonl_checked(path: str, *, require_step: bool = True) -> tuple[list[dict], list[int]]:

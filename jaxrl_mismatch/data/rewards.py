@@ -35,9 +35,14 @@ _ANSWER_LINE = re.compile(r"Answer\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILIN
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.MULTILINE)
 
 
+def _last_box_start(text: str) -> int:
+    """Where the last ``\\boxed`` / ``\\fbox`` starts, or -1."""
+    return max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or None."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    start = _last_box_start(text)
     if start < 0:
         return None
     i = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
@@ -65,7 +70,7 @@ def extract_math_answer(completion: str) -> str | None:
     candidates = []  # (where the marker starts, its span)
     text = completion
     while (boxed := last_boxed(text)) is not None:  # the last non-empty box (an unbalanced last one: none)
-        start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+        start = _last_box_start(text)
         if boxed.strip():
             candidates.append((start, boxed))
             break

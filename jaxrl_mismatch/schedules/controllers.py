@@ -533,10 +533,11 @@ class Combined(Controller):
 
     def metrics(self) -> dict[str, float]:
         out = super().metrics()
+        out["num_nonfinite"] = 0.0  # the children read the metrics; this one reads none itself: its count is theirs
         for i, child in enumerate(self.controllers):
-            out.update({f"{i}_{child.kind}/{k}": v for k, v in child.metrics().items()})
-        # The children read the metrics; this one reads none itself, so its count is theirs.
-        out["num_nonfinite"] = float(sum(child.metrics()["num_nonfinite"] for child in self.controllers))
+            theirs = child.metrics()
+            out.update({f"{i}_{child.kind}/{k}": v for k, v in theirs.items()})
+            out["num_nonfinite"] += theirs["num_nonfinite"]
         return out
 
     def state_dict(self) -> dict[str, Any]:
