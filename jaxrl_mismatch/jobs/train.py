@@ -30,11 +30,14 @@ def parse(argv: Sequence[str]):
     p.add_argument("--accept-config-changes", action="store_true",
                    help="resume a run directory whose checkpoint was made with a different config")
     args, rest = p.parse_known_args(argv)
-    from jaxrl_mismatch.jobs._inputs import check_warmstart_args
-    from jaxrl_mismatch.train.config_checks import check_paths, validate
     from jaxrl_mismatch.train.config_overrides import load_config, parse_overrides
 
     c = load_config(args.config, parse_overrides(rest, PROG))
+    # The checks build the optimizer (JAX): imported once the file and the overrides have been read, so a
+    # missing file or a misspelt flag is answered in a fraction of a second.
+    from jaxrl_mismatch.jobs._inputs import check_warmstart_args
+    from jaxrl_mismatch.train.config_checks import check_paths, validate
+
     validate(c)
     check_paths(c)
     check_warmstart_args(c)
