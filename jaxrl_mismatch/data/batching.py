@@ -114,7 +114,8 @@ def tokenize_prompts(
     Special tokens are added the way the tokenizer's post-processor says (BOS for ours and R1, none
     for Qwen) — the same ids a vLLM engine gets from the same text. A prompt with characters outside a
     closed vocabulary, with no tokens at all (an engine has nothing to continue) or longer than
-    ``max_prompt_len`` raises a `PromptError` naming it: ``where[i]`` (its file and line) when given, else
+    ``max_prompt_len`` raises a `PromptError` naming it, as does a question (with a template) holding a
+    special token's text (a chat turn ended or begun from inside the data): ``where[i]`` (its file and line) when given, else
     its position ("prompt 3").
     """
     tmpl = get_template(template) if template is not None else None
@@ -125,6 +126,10 @@ def tokenize_prompts(
             tokenizer.check_known(t)
         except UnknownCharactersError as e:
             raise PromptError(f"{name(i)}: {e}") from None
+        if tmpl is not None and (specials := tokenizer.special_tokens_in(texts[i])):
+            raise PromptError(f"{name(i)}: the question holds the text of the tokenizer's special token(s) {specials}, "
+                              "which would be encoded as those control tokens inside the templated prompt; remove "
+                              "them from the data")
     ids = tokenizer.encode_batch(rendered)
     for i, p in enumerate(ids):
         if not p:

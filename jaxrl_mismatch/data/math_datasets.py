@@ -28,13 +28,16 @@ Formats (one JSON object per line):
   plain-string ``prompt`` is accepted too.
 - ``prompts``: our own uniform ``{"prompt_text", "answer", ...}`` (e.g. the perfectible subset).
 
-A builder's config name is a fingerprint of its source files' bytes, so editing a JSONL file builds a
-new dataset instead of silently reading the stale one.
+A builder's config name is a fingerprint of the records it stores (each split's records as this code
+converts them), so editing a JSONL file, or a change to a converter, builds a new dataset instead of
+silently reading the stale one. A build holds a file lock in ``data_dir``: two processes that build the
+same dataset at once (the processes of a multi-host job, two runs sharing ``task.data_dir``) build it once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -186,15 +189,15 @@ def _lines(path: str) -> Iterator[tuple[int, str, str]]:
                 yield lineno, where, line
 
 
-def _fingerprint(files: Mapping[str, Sequence[str]]) -> str:
-    h = hashlib.sha256()
-    for split in sorted(files):
-        h.update(split.encode())
-        for p in files[split]:
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-    return "src_" + h.hexdigest()[:16]
+def _fingerprint(fmt: str, records: Mapping[str, Sequence[Record]]) -> str:
+    """The config name of a build: a hash of what it stores, so a converter that now reads a file differently
+    (another gold answer, another numbering) builds anew instead of reading the records an older one wrote."""
+    h = hashlib.sha256(fmt.encode())
+    for split in sorted(records):
+        h.update(json.dumps(split).encode())
+        for rec in records[split]:
+            h.update(json.dumps(rec, sort_keys=True).encode())
+    return "rec_" + h.hexdigest()[:16]
 
 
 def _normalise_files(files: Mapping[str, str | Sequence[str]]) -> dict[str, list[str]]:
@@ -234,9 +237,13 @@ class _JsonlBuilderMixin:
     # `importlib_resources` backport for non-TFDS packages; we download nothing, so point at this file.
     code_path = epath.Path(__file__)
 
-    def __init__(self, *, files: Mapping[str, str | Sequence[str]], data_dir: str, **kwargs):
-        self._files = _normalise_files(files)
-        config = tfds.core.BuilderConfig(name=_fingerprint(self._files), description=f"{self.FORMAT} JSONL: {self._files}")
+    def __init__(self, *, files: Mapping[str, Sequence[str]], records: Mapping[str, Sequence[Record]], data_dir: str,
+                 **kwargs):
+        """`records`: each split's converted records (`build` reads and checks them); the config name is their
+        `_fingerprint`."""
+        self._files, self._records = files, records
+        config = tfds.core.BuilderConfig(name=_fingerprint(self.FORMAT, records),
+                                         description=f"{self.FORMAT} JSONL: {dict(files)}")
         super().__init__(data_dir=data_dir, config=config, file_format="array_record", **kwargs)
 
     def _info(self):
@@ -255,16 +262,12 @@ class _JsonlBuilderMixin:
 
     def _split_generators(self, dl_manager):
         del dl_manager  # local files only
-        return {split: self._generate_examples(paths) for split, paths in self._files.items()}
+        return {split: self._generate_examples(recs) for split, recs in self._records.items()}
 
-    def _generate_examples(self, paths):
-        # `index` numbers the split's records across its files, in the order given: sorting by it is file order
-        # (a per-file line number interleaved the files' lines and tied between them).
-        n = 0
-        for path in paths:
-            for rec in read_jsonl(path, self.FORMAT):
-                yield str(n), {**rec, "index": n}
-                n += 1
+    def _generate_examples(self, records):
+        # The records `build` read and checked (and fingerprinted): the files are read once.
+        for rec in records:
+            yield str(rec["index"]), rec
 
 
 class Gsm8kJsonl(_JsonlBuilderMixin, tfds.core.GeneratorBasedBuilder):
@@ -344,14 +347,19 @@ def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
     ``check_answer`` (the task's reward's reading of one, `rewards.check_gold_answer`) raises on.
     """
     files = _normalise_files(files)
+    cls = builder_class(fmt)
     locations: dict[str, list[str]] = {}
+    records: dict[str, list[Record]] = {}
     for split, paths in files.items():  # validate every line up front: a clear error, no half-built dataset
-        locations[split] = []
+        locations[split], records[split] = [], []
         for p in paths:
             n = 0
             for rec in read_jsonl(p, fmt):
                 n += 1
                 locations[split].append(f"{p}:{rec['index'] + 1}")
+                # `index` numbers the split's records across its files, in the order given: sorting by it is
+                # file order (a per-file line number interleaved the files' lines and tied between them).
+                records[split].append({**rec, "index": len(records[split])})
                 if check_answer is not None:
                     try:
                         check_answer(rec["answer"])
@@ -359,11 +367,20 @@ def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
                         raise DataFormatError(f"{p}:{rec['index'] + 1}: {e}") from None
             if not n:  # TFDS failed on it after building had begun: "No examples were yielded"
                 raise DataFormatError(f"{p}: no records (the file is empty or holds only blank lines)")
-    builder = builder_class(fmt)(files=files, data_dir=data_dir)
     # No TFDS progress bars: building a JSONL task takes seconds, and on stderr they came before (and buried) the
     # one line a bad prompt found after the build is reported in; the trainer logs its own progress.
     tfds.disable_progress_bar()
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
+    os.makedirs(data_dir, exist_ok=True)
+    # One build at a time per dataset: TFDS renames its finished build into place, and a second build racing the
+    # first failed at that rename (FileExistsError). The builder is made under the lock, so a process that waited
+    # finds the first one's build and reads it.
+    fd = os.open(os.path.join(data_dir, f".{cls.name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        builder = cls(files=files, records=records, data_dir=data_dir)
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
+    finally:
+        os.close(fd)  # releases the lock
     return BuiltDataset(builder=builder, splits=tuple(files), locations=locations)
 
 

@@ -80,17 +80,26 @@ class TextTokenizer:
                 f"vocab_size is {model_vocab_size}; this tokenizer does not belong to this model"
             )
 
+    def special_tokens_in(self, text: str) -> list[str]:
+        """The special (control) tokens whose text occurs in ``text``. ``tokenizers`` matches them anywhere in
+        the input, whatever ``add_special_tokens`` says, so ``<|im_end|>`` or ``<eos>`` written in a question
+        is encoded as that control token."""
+        specials = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        return sorted(t for t in specials if t and t in text)
+
     def check_known(self, text: str) -> None:
         """Raise when ``text`` contains characters this tokenizer maps to ``<unk>``.
 
         Only meaningful for the closed-vocabulary arithmetic tokenizer: a prompt with an unknown
-        character would otherwise train the model on ``<unk>`` silently.
+        character would otherwise train the model on ``<unk>`` silently. A special token's text
+        (``<eos>``) counts as unknown characters: it is not made of the vocabulary's characters, and
+        encoded it would be the control token.
         """
         unk = self.tokenizer.token_to_id(UNK)
         if unk is None:
             return
         enc = self.tokenizer.encode(text, add_special_tokens=False)
-        bad = sorted({text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk})
+        bad = sorted({text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk} | set(self.special_tokens_in(text)))
         if bad:
             raise UnknownCharactersError(f"text {text[:60]!r} has characters outside the tokenizer's vocabulary: {bad}")
 

@@ -12,10 +12,12 @@ host all of this reduces to plain calls.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import jax
 import numpy as np
+
+T = TypeVar("T")
 
 
 def initialize(mode: str) -> bool:
@@ -103,6 +105,25 @@ def on_lead(is_lead: bool, fn: Callable[[], dict[str, float]], keys: tuple[str, 
     vec = np.array([out.get(k, np.nan) for k in keys] if is_lead else [0.0] * len(keys), np.float32)
     vec = np.asarray(multihost_utils.broadcast_one_to_all(vec))
     return out if is_lead else {k: float(v) for k, v in zip(keys, vec) if np.isfinite(v)}
+
+
+def lead_first(is_lead: bool, fn: Callable[[], T]) -> T:
+    """`fn()` on process 0 first, then (once it succeeded there) on the others: for work that writes files every
+    process then reads, such as a task's dataset build, which processes racing on a shared filesystem fail.
+    A failure on process 0 is re-raised there and raised as `LeadFailure` on the others, which do not run `fn`."""
+    if jax.process_count() == 1:
+        return fn()
+    out, error = None, None
+    if is_lead:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
+            error = e
+    if not _broadcast_ok(error is None):
+        if error is not None:
+            raise error
+        raise LeadFailure("process 0 failed (see its log)")
+    return out if is_lead else fn()
 
 
 def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], dict[str, float]]],

@@ -119,7 +119,8 @@ class Trainer:
         # replay R3, and the moe/router_disagree_* metrics for any replay mode); vLLM does not return it.
         self.collect_routing = (self.learner.routing_shape is not None and c.rollout.engine == "jax"
                                 and not c.rollout.exact)
-        self.data = TaskData(c, self.learner.model_cfg.vocab_size)
+        # Process 0 first: a file task's dataset is built (once, under a lock) in a directory all processes share.
+        self.data = distributed.lead_first(self.is_lead, lambda: TaskData(c, self.learner.model_cfg.vocab_size))
         self.controller = build_controller(c.controller)
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), max_to_keep=c.checkpoint.keep)
         self.step = 0

@@ -152,3 +152,44 @@ def test_task_registry_loads_file_tasks(tmp_path):
     assert task.template == "qwen_boxed"
     with pytest.raises(ValueError, match="unknown task"):
         get_task("imagenet")
+
+
+def test_a_converter_change_builds_anew_instead_of_reading_the_records_an_older_one_wrote(tmp_path, monkeypatch):
+    """The config name fingerprints the converted records, not the file bytes: a build made by an older converter
+    (here one that read other gold answers) is not reused by the current one."""
+    path, data_dir = _write(tmp_path / "m.jsonl", MATH), str(tmp_path / "tfds")
+    current = M.CONVERTERS["math"]
+    monkeypatch.setitem(M.CONVERTERS, "math", lambda obj, where: (lambda t, a, e: (t, "7", e))(*current(obj, where)))
+    assert [r["answer"] for r in M.load_records("math", {"train": path}, data_dir, "train")] == ["7"] * 3
+    monkeypatch.setitem(M.CONVERTERS, "math", current)
+    assert [r["answer"] for r in M.load_records("math", {"train": path}, data_dir, "train")] == [
+        "\\frac{1}{2}", "9", "\\sqrt{2}"]
+
+
+RACE = """
+import sys, time
+from jaxrl_mismatch.data import math_datasets as M
+while time.time() < float(sys.argv[3]):
+    time.sleep(0.001)
+print(len(M.load_records("prompts", {"train": sys.argv[1]}, sys.argv[2], "train")))
+"""
+
+
+def test_two_processes_building_one_dataset_at_once_both_read_it(tmp_path):
+    """The processes of a multi-host job (or two runs sharing `task.data_dir`) build the same dataset at the same
+    moment: without the build lock, the second one's rename into place failed (FileExistsError)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    rows = [{"prompt_text": f"question {i} " + "x" * 200, "answer": str(i)} for i in range(2000)]
+    path, data_dir = _write(tmp_path / "p.jsonl", rows), str(tmp_path / "tfds")
+    start = str(time.time() + 8)  # both processes have imported TFDS by then
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, path, data_dir, start], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "2000"  # TFDS prints its own lines before

@@ -202,12 +202,34 @@ _BROADCAST = textwrap.dedent("""
     for k, v in want.items():
         assert arrays[k].dtype == v.dtype and arrays[k].shape == v.shape, (k, arrays[k].shape)
         np.testing.assert_array_equal(arrays[k], v)
+
+    import time
+
+    def build():  # the lead's build is finished before any other process starts its own
+        if lead:
+            time.sleep(1.0)
+            open(sys.argv[1], "w").write("built")
+        else:
+            assert open(sys.argv[1]).read() == "built"
+        return jax.process_index()
+
+    assert distributed.lead_first(lead, build) == jax.process_index()
+
+    def broken():
+        assert lead, "ran on a process other than the lead after the lead failed"
+        raise ValueError("the lead's build failed")
+
+    try:
+        distributed.lead_first(lead, broken)
+        raise AssertionError("lead_first returned after the lead failed")
+    except (ValueError if lead else distributed.LeadFailure):
+        pass
     print("ok", jax.process_index(), flush=True)
 """)
 
 
 @pytest.mark.slow
-def test_broadcast_carries_nd_arrays_across_processes(tmp_path):
+def test_broadcast_carries_nd_arrays_across_processes_and_the_lead_goes_first(tmp_path):
     import socket
 
     with socket.socket() as s:
@@ -220,7 +242,7 @@ def test_broadcast_carries_nd_arrays_across_processes(tmp_path):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
                    PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "built")], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs)):
