@@ -86,6 +86,7 @@ from typing import Any, Mapping, Sequence
 from jaxrl_mismatch.outputs import staged_file
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl_checked, warn_skipped
+from jaxrl_mismatch.train.config_resume import config_changes
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
 from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function, listing
 
@@ -107,6 +108,9 @@ class Job:
     run_dir: str
     argv: tuple[str, ...]
     steps: int  # config.steps of this run: finished when metrics.jsonl reaches step steps - 1
+    # The whole config the command resolves to (`to_dict`): the command names the config file by path, so an
+    # edited file (or a module it reads) gives the same command and another run.
+    config: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def label(self) -> str:
@@ -278,6 +282,11 @@ def _variant_config(spec: Spec, variant: str):
     return c
 
 
+def _as_json(d: dict) -> dict:
+    """`d` as `compare.json` gives it back (tuples as lists), so a config read back compares equal to itself."""
+    return json.loads(json.dumps(d, default=repr))
+
+
 def validate_spec(spec: Spec) -> Spec:
     """Check every variant's config (before anything runs) and fill `spec.jobs` and `spec.warmstarts`."""
     spec.jobs = []
@@ -288,7 +297,8 @@ def validate_spec(spec: Spec) -> Spec:
             flags = {**HARNESS_DEFAULTS, **spec.overrides, **spec.variants[variant], "run_dir": run_dir, "seed": seed}
             argv = (sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", spec.config,
                     *(f"--config.{k}={_flag_text(v)}" for k, v in flags.items()))
-            spec.jobs.append(Job(variant=variant, seed=seed, run_dir=run_dir, argv=argv, steps=int(c.steps)))
+            spec.jobs.append(Job(variant=variant, seed=seed, run_dir=run_dir, argv=argv, steps=int(c.steps),
+                                 config=_as_json({**c.to_dict(), "run_dir": run_dir, "seed": seed})))
     for c in configs.values():
         if c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
             spec.warmstarts.setdefault(c.model.path, c.model.warmstart_args)
@@ -362,6 +372,12 @@ def run_result(job: Job) -> RunResult:
         status = "not run" if not records else f"not run by compare ({done}/{job.steps} steps)"
     elif list(last.get("command", []))[1:] != list(job.argv)[1:]:  # the interpreter's path may differ
         status = f"made by another command ({done}/{job.steps} steps); rerun compare"
+    elif isinstance(last.get("config"), dict) and (changes := config_changes(last["config"], job.config)):
+        # train's own resume rule (fields that change only length, logging or plumbing do not count); attempts
+        # recorded before the config was kept have none
+        more = f" and {len(changes) - 1} more" if len(changes) > 1 else ""
+        status = (f"made from another config ({done}/{job.steps} steps; {changes[0]}{more}): the config file or "
+                  "what it reads changed since; train refuses to resume it, a new `out` in the spec starts afresh")
     elif last.get("returncode") is None:
         alive = _alive(last.get("pid"), job)
         status = f"{'running (pid ' + str(last['pid']) + ', ' if alive else 'interrupted ('}{done}/{job.steps} steps)"
@@ -407,7 +423,8 @@ class _Running:
         self.job, self.share = job, share
         os.makedirs(job.run_dir, exist_ok=True)
         self.attempts = read_attempts(job.run_dir)
-        self.attempts.append({"command": list(job.argv), "started": time.time(), "returncode": None, "wall_s": None})
+        self.attempts.append({"command": list(job.argv), "config": job.config, "started": time.time(),
+                              "returncode": None, "wall_s": None})
         write_attempts(job.run_dir, self.attempts)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         argv = list(job.argv)

@@ -214,6 +214,31 @@ def test_which_runs_are_skipped_rerun_or_left_to_another_process(tmp_path, fake_
     assert compare.run_result(jobs["b", 1]).status == "interrupted (0/3 steps)"
 
 
+def test_a_finished_run_made_from_an_edited_config_file_is_not_counted(tmp_path, fake_model):
+    """The command names the config file by path: after an edit the same command is another run, and the paired
+    table would have compared arms built from different configs."""
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model, seeds=[0], overrides={"steps": 3}))
+    spec = compare.validate_spec(compare.load_spec(str(spec_path)))
+    job = spec.jobs[0]
+    _write_run(Path(job.run_dir), [{"step": s, "reward/mean": 0.5} for s in range(3)])
+    attempt = {"command": list(job.argv), "config": job.config, "returncode": 0, "wall_s": 1.0}
+    compare.write_attempts(job.run_dir, [attempt])
+    assert compare.run_result(job).status == "ok"
+    compare.write_attempts(job.run_dir, [{k: v for k, v in attempt.items() if k != "config"}])
+    assert compare.run_result(job).status == "ok"  # an attempt recorded before configs were kept: as before
+    config = Path(compare.load_spec(str(spec_path)).config)
+    config.write_text(config.read_text() + "\n\ndef _edited(c):\n    c.optim.lr = 3e-3\n    return c\n\n\n"
+                      "_plain_get_config = get_config\nget_config = lambda: _edited(_plain_get_config())\n")
+    edited = compare.validate_spec(compare.load_spec(str(spec_path))).jobs[0]
+    assert edited.argv == job.argv
+    compare.write_attempts(job.run_dir, [attempt])
+    result = compare.run_result(edited)
+    assert not result.ok and result.status.startswith("made from another config (3/3 steps; optim.lr: 0.001 → 0.003)")
+    # what train lets a resume change (logging, plumbing) is no other config, as in train's resume check
+    compare.write_attempts(job.run_dir, [{**attempt, "config": {**edited.config, "log": {"progress": False}}}])
+    assert compare.run_result(edited).status == "ok"
+
+
 # -- the numbers: collapse and aggregation on synthetic logs -------------------------------------------
 def _records(rewards, **other) -> list[dict]:
     recs = [{"step": s, "reward/mean": r} for s, r in enumerate(rewards)]
