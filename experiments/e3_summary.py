@@ -21,18 +21,34 @@ import json
 import sys
 from pathlib import Path
 
+from jaxrl_mismatch.report.paired import paired_cell as cell
+
 ORDER = ("ppo", "token_tis", "seq_mis", "seq_tis", "pg_seq_is", "pg_seq_tis", "pg_seq_mis", "gspo")
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 def paired_cell(d: dict) -> str:
-    lo, hi = d["ci95"]
-    return f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}], {d['wins']}/{d['n']}".replace("-", "−")  # the docs' minus
+    """The grid table's cell (`report.paired.paired_cell`: ties and NaNs named; no interval under 2 seeds)."""
+    return cell(d, ".3f").replace("-", "−")  # the docs' minus
 
 
 def excludes_zero(d: dict) -> bool:
+    if d.get("ci95") is None:  # fewer than 2 paired seeds: no interval
+        return False
     lo, hi = d["ci95"]
     return lo > 0 or hi < 0
+
+
+def final_mean(v: dict) -> str:
+    """A variant's mean final validation, with its seed count when not every run finished (a 4-seed mean beside
+    5-seed ones says so)."""
+    mean = v["summary"]["val_final"]["mean"]
+    text = "–" if mean is None else f"{mean:.3f}"
+    return text if v["ok"] == v["total"] else f"{text} (n={v['ok']}/{v['total']})"
+
+
+def collapsed(v: dict) -> str:
+    return str(v["collapsed"]) if v["ok"] == v["total"] else f"{v['collapsed']}/{v['ok']}"
 
 
 TASKS = ("short", "discover")  # the grids' directory prefixes: e3_short_* (default task), e3_discover_*
@@ -47,15 +63,15 @@ def summary(results: Path, task: str = "short") -> tuple[str, dict]:
             continue
         d = json.loads(path.read_text())
         v = d["variants"]
-        finals = " / ".join(f"{v[p]['summary']['val_final']['mean']:.3f}" for p in PRECISIONS)
-        collapsed = " / ".join(str(v[p]["collapsed"]) for p in PRECISIONS)
+        finals = " / ".join(final_mean(v[p]) for p in PRECISIONS)
+        collapses = " / ".join(collapsed(v[p]) for p in PRECISIONS)
         cells = {"fp16 − bf16": d["paired"]["fp16"]["val_final"], "fp32 − bf16": d["paired"]["fp32"]["val_final"],
                  "fp16 − fp32": d["paired_controls"]["fp16 vs fp32"]["val_final"]}
-        for name, cell in cells.items():
-            intervals += 1
-            if excludes_zero(cell):
+        for name, c in cells.items():
+            intervals += c.get("ci95") is not None
+            if excludes_zero(c):
                 excluding.append(f"{algo} {name}")
-        rows.append(f"| `{algo}` | {finals} | {collapsed} | " + " | ".join(paired_cell(c) for c in cells.values()) + " |")
+        rows.append(f"| `{algo}` | {finals} | {collapses} | " + " | ".join(paired_cell(c) for c in cells.values()) + " |")
     lines = ["| algorithm | val final bf16 / fp16 / fp32 | collapsed | fp16 − bf16 | fp32 − bf16 | fp16 − fp32 (control) |",
              "| --- | --- | --- | --- | --- | --- |", *rows]
     exact_rows = []  # the exact grids: PPO's (`exact`) and any other algorithm's (`exact_ALGO`)
@@ -67,13 +83,12 @@ def summary(results: Path, task: str = "short") -> tuple[str, dict]:
             continue
         d = json.loads(exact_path.read_text())
         v = d["variants"]
-        cell = d["paired"]["bf16_exact"]["val_final"]
-        intervals += 1
-        if excludes_zero(cell):
+        c = d["paired"]["bf16_exact"]["val_final"]
+        intervals += c.get("ci95") is not None
+        if excludes_zero(c):
             excluding.append(f"{grid} bf16_exact − bf16")
-        exact_rows.append(f"| `{grid}` | {v['bf16']['summary']['val_final']['mean']:.3f} / "
-                          f"{v['bf16_exact']['summary']['val_final']['mean']:.3f} | {v['bf16']['collapsed']} / "
-                          f"{v['bf16_exact']['collapsed']} | {paired_cell(cell)} |")
+        exact_rows.append(f"| `{grid}` | {final_mean(v['bf16'])} / {final_mean(v['bf16_exact'])} | "
+                          f"{collapsed(v['bf16'])} / {collapsed(v['bf16_exact'])} | {paired_cell(c)} |")
     if exact_rows:
         lines += ["", "| exact grid (`exact`: PPO) | val final bf16 / bf16 + exact | collapsed | bf16_exact − bf16 |",
                   "| --- | --- | --- | --- |", *exact_rows]
@@ -93,6 +108,7 @@ def figure(results: Path, task: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = []  # (label, comparison index, mean, lo, hi)
+    seeds = set()
     for algo in (*ORDER, "exact", *(f"exact_{a}" for a in ORDER)):
         p = results / f"e3_{task}_{algo}.json"
         if not p.exists():
@@ -101,15 +117,17 @@ def figure(results: Path, task: str, path: Path) -> None:
         exact = algo.startswith("exact")
         comparisons = ((("bf16_exact − bf16", "paired", "bf16_exact"),) if exact else COMPARISONS)
         for k, (name, section, key) in enumerate(comparisons):
-            cell = d.get(section, {}).get(key, {}).get("val_final")
-            if cell and cell.get("ci95"):
-                rows.append((f"{algo}: {name}", 3 if exact else k, cell["mean"], *cell["ci95"]))
+            c = d.get(section, {}).get(key, {}).get("val_final")
+            if c and c.get("ci95"):
+                rows.append((f"{algo}: {name}", 3 if exact else k, c["mean"], *c["ci95"]))
+                seeds.add(c["n"])
     fig, ax = plt.subplots(figsize=(6.4, 0.28 * max(len(rows), 4) + 1.2))
     for y, (label, k, mean, lo, hi) in enumerate(reversed(rows)):
         ax.errorbar([mean], [y], xerr=[[mean - lo], [hi - mean]], fmt="o", color=f"C{k}", capsize=3, ms=4)
     ax.set_yticks(range(len(rows)), [r[0] for r in reversed(rows)], fontsize=7)
     ax.axvline(0.0, color="k", lw=0.8)
-    ax.set_xlabel("final validation accuracy, paired difference (5 seeds): mean and 95 % t interval", fontsize=8)
+    n = "–".join(str(k) for k in sorted(seeds)[:: max(1, len(seeds) - 1)]) or "no"
+    ax.set_xlabel(f"final validation accuracy, paired difference ({n} seeds): mean and 95 % t interval", fontsize=8)
     ax.set_title(f"E3 ({task} task): precision and the outcome", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

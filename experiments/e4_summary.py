@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from jaxrl_mismatch.report.paired import paired_cell
+
 OBJECTIVES = ("naive_ppo", "decoupled", "decoupled_m2po", "decoupled_tis")
 STALENESS = (0, 1, 2, 4)
 
@@ -40,7 +42,10 @@ def summary(d: dict) -> str:
                 cells.append("–")
                 continue
             final = v["summary"]["val_final"]
-            cells.append(f"{final['mean']:.3f} ± {final['std']:.3f} ({v['collapsed']}/{v['ok']} collapsed)")
+            spread = "" if final["std"] is None else f" ± {final['std']:.3f}"  # one finished seed: no spread
+            mean = "–" if final["mean"] is None else f"{final['mean']:.3f}"
+            seeds = "" if v["ok"] == v["total"] else f", n={v['ok']}/{v['total']}"
+            cells.append(f"{mean}{spread} ({v['collapsed']}/{v['ok']} collapsed{seeds})")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     pairs = d.get("paired_controls", {})
     if pairs:
@@ -55,8 +60,7 @@ def summary(d: dict) -> str:
                 if p is None:
                     cells.append("–")
                     continue
-                c = p["val_final"]
-                cells.append(_minus(f"{c['mean']:+.3f} [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}], {c['wins']}/{c['n']}"))
+                cells.append(_minus(paired_cell(p["val_final"], ".3f")))
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

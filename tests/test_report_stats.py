@@ -126,6 +126,17 @@ def test_paired_table_and_json(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.md"]  # no temporary left behind
 
 
+def test_a_paired_cell_names_its_ties_and_nans_so_no_win_count_reads_as_all_lower():
+    from jaxrl_mismatch.report.paired import PAIRED
+
+    p = paired_difference({0: 0.5, 1: 0.5, 2: 0.4, 3: float("nan"), 4: 0.6}, {s: 0.5 for s in range(5)})
+    assert (p["n"], p["wins"], p["losses"], p["ties"]) == (5, 1, 1, 2)
+    row = paired_markdown({"v": {k: p for k, _, _ in PAIRED}}, "base").splitlines()[2]
+    assert ", 1/5 (2 tied, 1 NaN) |" in row
+    clean = paired_difference({0: 0.6, 1: 0.4}, {0: 0.5, 1: 0.5})
+    assert paired_markdown({"v": {k: clean for k, _, _ in PAIRED}}, "b").splitlines()[2].endswith(", 1/2 |")
+
+
 def test_controls_are_paired_with_the_variant_they_could_explain(tmp_path):
     # "better" beats "base" by +0.1 in every seed, but so does its control "lower_lr": against it, nothing.
     finals = {"base": [0.2, 0.3, 0.25], "better": [0.3, 0.4, 0.35], "lower_lr": [0.31, 0.39, 0.36]}

@@ -74,13 +74,18 @@ def paired_controls(table: Mapping[str, Any], controls: Mapping[str, str],
             for v, c in controls.items()}
 
 
-def _cell(p: Mapping[str, Any], fmt: str) -> str:
+def paired_cell(p: Mapping[str, Any], fmt: str) -> str:
+    """`mean [interval], wins/n (ties, NaNs)` of one `paired_difference`, numbers in `fmt`; – without seeds."""
     if not p["n"]:
         return "–"
     text = format(p["mean"], "+" + fmt)
     if p["ci95"] is not None:
         text += f" [{format(p['ci95'][0], '+' + fmt)}, {format(p['ci95'][1], '+' + fmt)}]"
-    return f"{text}, {p['wins']}/{p['n']}"
+    # Named so that "0/5" is not read as "lower in 5/5": ties (equal values) and NaN differences (a run logged
+    # NaN) are neither wins nor losses.
+    nan = p["n"] - p["wins"] - p["losses"] - p["ties"]
+    notes = [f"{k} {what}" for k, what in ((p["ties"], "tied"), (nan, "NaN")) if k]
+    return f"{text}, {p['wins']}/{p['n']}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def paired_markdown(paired: Mapping[str, Mapping[str, Any]], baseline: str | None) -> str:
@@ -90,12 +95,13 @@ def paired_markdown(paired: Mapping[str, Mapping[str, Any]], baseline: str | Non
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, stats in paired.items():
         n = max((p["n"] for p in stats.values()), default=0)
-        lines.append("| " + " | ".join([name, str(n), *(_cell(stats[k], fmt) for k, _, fmt in PAIRED)]) + " |")
+        lines.append("| " + " | ".join([name, str(n), *(paired_cell(stats[k], fmt) for k, _, fmt in PAIRED)]) + " |")
     if baseline is None:
         return "\n".join(lines + ["", "Controls: each row pairs a variant with the control named after \"vs\", "
                                    "seed by seed, as above (table.json: `paired_controls`)."]) + "\n"
     lines += ["", f"Paired against `{baseline}` seed by seed (same seed: same data order, same held-out prompts): "
               f"mean of the per-seed differences variant − {baseline} [{CONFIDENCE:.0%} Student-t interval over the "
-              f"paired seeds], then wins k/n = seeds where the variant is higher. Per-seed differences: table.json "
+              f"paired seeds], then wins k/n = seeds where the variant is higher, and how many tied (equal values: "
+              f"common with discrete accuracies) or were NaN; the other seeds are lower. Per-seed differences: table.json "
               "(`paired`)."]
     return "\n".join(lines) + "\n"

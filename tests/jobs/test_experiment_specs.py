@@ -181,11 +181,12 @@ def test_e3_grids_compare_precisions_of_one_algorithm():
 def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(tmp_path):
     m = _module("e3_summary")
 
-    def cell(mean, lo, hi, wins):
-        return {"val_final": {"mean": mean, "ci95": [lo, hi], "wins": wins, "n": 5}}
+    def cell(mean, lo, hi, wins, ties=0, n=5):
+        return {"val_final": {"mean": mean, "ci95": None if lo is None else [lo, hi], "wins": wins, "n": n,
+                              "losses": n - wins - ties, "ties": ties}}
 
-    def variant(final, collapsed):
-        return {"summary": {"val_final": {"mean": final}}, "collapsed": collapsed}
+    def variant(final, collapsed, ok=5):
+        return {"summary": {"val_final": {"mean": final}}, "collapsed": collapsed, "ok": ok, "total": 5}
 
     (tmp_path / "e3_short_ppo.json").write_text(json.dumps({
         "variants": {"bf16": variant(0.41, 0), "fp16": variant(0.45, 1), "fp32": variant(0.43, 0)},
@@ -211,6 +212,16 @@ def test_e3_summary_reads_every_number_from_the_grids_and_counts_the_intervals(t
     out.parent.mkdir()
     m.figure(tmp_path, "short", out)  # ppo's three comparisons and the exact grid's one
     assert out.read_bytes()[:4] == b"\x89PNG" and [p.name for p in out.parent.iterdir()] == ["e3.png"]
+    # An unfinished grid: fp16 with 1 of 5 seeds (no interval), a tie named; it crashed on the missing interval.
+    (tmp_path / "e3_short_ppo.json").write_text(json.dumps({
+        "variants": {"bf16": variant(0.41, 0), "fp16": variant(0.45, 1, ok=1), "fp32": variant(0.43, 0, ok=4)},
+        "paired": {"fp16": cell(0.04, None, None, 1, n=1), "fp32": cell(0.0, -0.01, 0.01, 1, ties=2, n=4)},
+        "paired_controls": {"fp16 vs fp32": cell(0.02, None, None, 1, n=1)}}))
+    text, counts = m.summary(tmp_path)
+    assert ("| `ppo` | 0.410 / 0.450 (n=1/5) / 0.430 (n=4/5) | 0 / 1/1 / 0/4 | +0.040, 1/1 | "
+            "+0.000 [−0.010, +0.010], 1/4 (2 tied) | +0.020, 1/1 |") in text
+    assert counts["intervals"] == 3  # the ppo grid's one interval and the two exact grids'
+    m.figure(tmp_path, "short", out)
 
 
 def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skips_s0():
@@ -231,16 +242,18 @@ def test_e4_variants_differ_only_in_objective_and_staleness_and_the_control_skip
 def test_e4_summary_lays_out_the_grid_by_staleness_and_reads_the_paired_controls():
     m = _module("e4_summary")
 
-    def variant(final, std, collapsed):
-        return {"summary": {"val_final": {"mean": final, "std": std}}, "collapsed": collapsed, "ok": 5}
+    def variant(final, std, collapsed, ok=5):
+        return {"summary": {"val_final": {"mean": final, "std": std}}, "collapsed": collapsed, "ok": ok, "total": 5}
 
-    d = {"variants": {"naive_ppo_s1": variant(0.3, 0.04, 0), "decoupled_s1": variant(0.1, 0.07, 2)},
+    d = {"variants": {"naive_ppo_s1": variant(0.3, 0.04, 0), "decoupled_s1": variant(0.1, 0.07, 2),
+                      "decoupled_s2": variant(0.05, None, 0, ok=1)},  # one finished seed: no spread (it crashed)
          "paired_controls": {"decoupled_s1 vs naive_ppo_s1": {
-             "val_final": {"mean": -0.2, "ci95": [-0.3, -0.1], "wins": 0, "n": 5}}}}
+             "val_final": {"mean": -0.2, "ci95": [-0.3, -0.1], "wins": 0, "n": 5, "losses": 4, "ties": 1}}}}
     text = m.summary(d)
     assert "| 1 | 0.300 ± 0.040 (0/5 collapsed) | 0.100 ± 0.070 (2/5 collapsed) | – | – |" in text
-    assert "| 1 | −0.200 [−0.300, −0.100], 0/5 | – | – |" in text
+    assert "| 1 | −0.200 [−0.300, −0.100], 0/5 (1 tied) | – | – |" in text
     assert "| 0 | – | – | – | – |" in text
+    assert "| 2 | – | 0.050 (0/1 collapsed, n=1/5) | – | – |" in text
 
 
 def test_e4_summary_figure_draws_the_seeds_and_leaves_only_the_png(tmp_path):
