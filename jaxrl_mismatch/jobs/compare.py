@@ -627,7 +627,10 @@ def write_outputs(spec: Spec) -> tuple[str, bool]:
                      extra={"name": spec.name, "spec": spec.path, "config": spec.config, "overrides": spec.overrides,
                             "variants_overrides": spec.variants, "seeds": spec.seeds},
                      baseline=spec.baseline, controls=spec.controls)
-    groups = {v: [r.records for r in runs if r.records] for v, runs in results.items()}
+    # Finished runs, and running ones (a grid being watched); a failed, stopped or stale run would pull the mean
+    # line down and then let it jump where it ends, as a training effect would (the table lists those runs).
+    groups = {v: [r.records for r in runs if r.records and (r.ok or r.status.startswith("running"))]
+              for v, runs in results.items()}
     groups = {v: runs for v, runs in groups.items() if runs}
     if groups:
         from jaxrl_mismatch.report.plot import PANELS, plot_overlay

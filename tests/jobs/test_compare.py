@@ -579,3 +579,23 @@ def test_a_link_or_folder_at_an_output_file_of_a_marked_folder_is_refused(tmp_pa
                                              rf"replaces it with its own {name}: move it out of the way"):
             compare.main([str(spec_path), *flags])
     assert sorted((p.name, p.is_symlink()) for p in out.iterdir()) == before and target.read_text() == "mine\n"
+
+
+def test_the_figure_leaves_out_failed_and_stopped_runs_as_the_table_does(tmp_path, fake_model, monkeypatch):
+    """A failed seed (reward 0, stopped at step 5) averaged into the figure's mean line halved it, then the line
+    jumped where the run ended: a training effect the table (finished runs only) does not show."""
+    from jaxrl_mismatch.report import plot
+
+    spec = compare.validate_spec(compare.load_spec(str(write_spec(tmp_path, _spec(
+        tmp_path, fake_model, seeds=[0, 1, 2], overrides={"steps": 10}, variants={"a": {}})))))
+    jobs = {j.seed: j for j in spec.jobs}
+    for seed, steps, returncode in ((0, 10, 0), (1, 5, 1), (2, 10, 0)):
+        _write_run(Path(jobs[seed].run_dir), [{"step": s, "reward/mean": 0.0 if seed == 1 else 0.5}
+                                              for s in range(steps)])
+        compare.write_attempts(jobs[seed].run_dir, [{"command": list(jobs[seed].argv), "config": jobs[seed].config,
+                                                     "returncode": returncode, "wall_s": 1.0}])
+    drawn = {}
+    monkeypatch.setattr(plot, "plot_overlay", lambda groups, path, **kw: drawn.update(groups))
+    compare.write_outputs(spec)
+    assert [len(r) for r in drawn["a"]] == [10, 10]  # seeds 0 and 2; not the failed seed 1
+    assert all(rec["reward/mean"] == 0.5 for run in drawn["a"] for rec in run)
