@@ -125,6 +125,7 @@ class Trainer:
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), max_to_keep=c.checkpoint.keep)
         self.step = 0
         self._version = 0  # the weight version where no session counts it: restored, or on processes > 0
+        self._dropped = 0  # asynchronous batches dropped before the resumed position (restored)
         self._pushed_step: int | None = None  # the step whose weights the server serves
         self.session: RolloutSession | None = None
         self.producer: RolloutProducer | None = None  # rollout.max_staleness > 0 (process 0 only)
@@ -147,11 +148,12 @@ class Trainer:
                 self.session = LockedSession(self.session)
                 self.producer = RolloutProducer(
                     self._produce, max_staleness=c.rollout.max_staleness, fixed=c.rollout.fixed_staleness,
-                    start_index=self.step, last_index=c.steps - 1, data_state=lambda: self.data.prompts.state)
+                    start_index=self.step + self._dropped, last_index=c.steps - 1 + self._dropped,
+                    data_state=lambda: self.data.prompts.state, dropped=self._dropped)
             self.writer = RunWriter(c.run_dir, resume_from_step=self.step or None, tensorboard=c.log.tensorboard)
         summary: dict[str, Any] = {"start_step": self.step, "stopped_early": False}
         progress = _Progress(c, self.step)
-        data_start: dict | None = None  # data position of a step in flight (None: no step in flight)
+        data_start: tuple[dict, int] | None = None  # (data position, batch index) of a step in flight (None: none)
         unwritten: dict | None = None  # the record of an applied step, until it is written
         try:
             self._push()
@@ -284,10 +286,13 @@ class Trainer:
                              "rollout/dropped_batches": float(self.producer.dropped),
                              "time/rollout_wait_s": time.perf_counter() - t0, "time/generate_s": item.generate_s}
 
-    def _data_position(self) -> dict:
-        """The prompt position of the next step's batch: with a producer, the oldest batch not yet trained on
-        (a resume regenerates what was in flight)."""
-        return self.producer.resume_state() if self.producer is not None else self.data.prompts.state
+    def _data_position(self) -> tuple[dict, int]:
+        """(the prompt position of the next step's batch, its batch index): with a producer, the oldest batch not
+        yet trained on (a resume regenerates what was in flight), whose index is ahead of the step by the batches
+        dropped before it."""
+        if self.producer is not None:
+            return self.producer.resume_state()
+        return self.data.prompts.state, self.step
 
     def _rollout(self, index: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """(the rollout fields of step `index`'s batch (default: this step) and each row's weight version as
@@ -410,6 +415,7 @@ class Trainer:
         _, (state, meta) = self.ckpt.newest_good(self._read_checkpoint)
         self.learner.load_state(state)
         self.step, self._version = int(meta["step"]), int(meta["weight_version"])
+        self._dropped = int(meta.get("dropped_batches", 0))  # checkpoints from before the field: none counted
         if meta.get("pushed_step") == self.step and self._version > 0:
             # The checkpoint's own weights were pushed (for the validation after its last step) as weight_version:
             # the resume's push serves them again under that version, as the uninterrupted run's next push does.
@@ -471,10 +477,12 @@ class Trainer:
             log.warning("resuming with %d changed config field(s): %s", len(changes), "; ".join(changes))
         return self.ckpt.restore(step, abstract_state=self.learner.abstract_state())
 
-    def _save(self, data_state: dict | None = None) -> None:
+    def _save(self, position: tuple[dict, int] | None = None) -> None:
+        data_state, index = position if position is not None else self._data_position()
         meta = {
             "step": self.step,
-            "data": data_state if data_state is not None else self._data_position(),
+            "data": data_state,
+            "dropped_batches": index - self.step,  # the resumed producer's indices continue from step + this
             "controller": self.controller.state_dict() if self.controller is not None else None,
             "weight_version": self.version,
             "pushed_step": self._pushed_step,  # the step whose weights `weight_version` is (None: none pushed)

@@ -15,8 +15,9 @@ push is atomic and versioned and a Generate answers from one version; a push wai
 in progress, never for the trainer. A server restart is recovered inside the call that saw it, under the
 lock (`RolloutSession._recovering` pushes the last weights again).
 
-Resume: the checkpoint's data position is the start of the oldest batch not yet trained on (`resume_state`):
-what was in flight is regenerated on resume, never half-used. Errors of the producer reach the trainer at its
+Resume: the checkpoint's data position is the start of the oldest batch not yet trained on, with that batch's
+index (`resume_state`): what was in flight is regenerated on resume, never half-used, and after dropped batches
+the resumed producer continues their indices (seeds, mismatch onset) and count. Errors of the producer reach the trainer at its
 next `take` / `before_push`, so the loop's failure path (checkpoint, resumable message) is the synchronous one.
 """
 
@@ -76,7 +77,7 @@ class RolloutProducer:
     """Background thread calling `make(index, data_start)` for index = start, start + 1, … within the bound."""
 
     def __init__(self, make: Callable[[int], Produced], *, max_staleness: int, fixed: bool, start_index: int,
-                 last_index: int, data_state: Callable[[], dict]) -> None:
+                 last_index: int, data_state: Callable[[], dict], dropped: int = 0) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for the producer, got {max_staleness}")
         self.s, self.fixed = int(max_staleness), bool(fixed)
@@ -91,7 +92,7 @@ class RolloutProducer:
         self.error: BaseException | None = None
         self._stop = False
         self.busy_s = 0.0              # producer time spent making batches (the server side's busy time)
-        self.dropped = 0
+        self.dropped = dropped         # batches dropped so far (a resumed run's count continues)
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -132,14 +133,15 @@ class RolloutProducer:
                     "(rollout.max_staleness = %d)", item.index, item.oldest_version,
                     current_version - item.oldest_version, current_version, self.s)
 
-    def resume_state(self) -> dict:
-        """The prompt position a checkpoint records: the start of the oldest batch not yet trained on."""
+    def resume_state(self) -> tuple[dict, int]:
+        """(the prompt position a checkpoint records: the start of the oldest batch not yet trained on, that
+        batch's index). The index runs ahead of the trainer's step by the batches dropped before it."""
         with self._cv:
             if self._ready:
-                return dict(self._ready[0].data_start)
+                return dict(self._ready[0].data_start), self._ready[0].index
             if self._in_flight is not None:
-                return dict(self._in_flight)
-            return dict(self._data_state())
+                return dict(self._in_flight), self._next
+            return dict(self._data_state()), self._next
 
     def close(self, timeout_s: float = 30.0) -> None:
         with self._cv:

@@ -272,3 +272,14 @@ def test_a_dropped_batch_is_replaced_and_its_replacement_logs_the_scale_it_was_s
     assert [r["rollout/mismatch_scale"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
     assert rows[1]["staleness/precision_rho_std"] == 0 and rows[2]["staleness/precision_rho_std"] > 0
     assert all(r["staleness/version_lag_max"] <= 1 for r in rows)
+    # A resume continues the batch indices after the drop (seeds, onset) and its count: it restarted them at the
+    # step (index 4 again for step 4) and the count at 0.
+    c.steps = 6
+    t = Trainer(c)
+    try:
+        t.run()
+    finally:
+        t.close()
+    rows = [r for r in read_jsonl(os.path.join(c.run_dir, "metrics.jsonl")) if r["step"] >= 4]
+    assert [r["rollout/batch_index"] for r in rows] == [5, 6]
+    assert [r["rollout/dropped_batches"] for r in rows] == [1, 1]

@@ -100,9 +100,9 @@ def test_resume_state_is_the_oldest_batch_not_trained_on():
         _push(rec, p)
         _wait_until(lambda: len(rec.seen) == 3 and rec.position == 12)
         time.sleep(0.05)
-        assert p.resume_state() == {"index": 0}
+        assert p.resume_state() == ({"index": 0}, 0)
         p.take()
-        assert p.resume_state() == {"index": 4}  # batch 1 is in hand, not trained on: regenerate it
+        assert p.resume_state() == ({"index": 4}, 1)  # batch 1 is in hand, not trained on: regenerate it
     finally:
         p.close()
 
