@@ -77,17 +77,23 @@ def prompt_lengths(attention_mask: Int[Array, "b s"] | np.ndarray, response_mask
 
 def chunk_logprobs(model: Transformer, hidden: Float[Array, "chunk d"], temperature: float | Array
                    ) -> Float[Array, "chunk vocab"]:
-    """The trainer's head (`models.scoring.logprobs_from_logits`) on one `EXACT_CHUNK` of positions, as float32:
-    the one head every exact program (scorer, samplers, the update's exact forward) runs, with the same shapes
-    and casts, so all of them compute the same bits.
+    """log softmax(logits / T) of one `EXACT_CHUNK` of positions, as float32: the one head every exact program
+    (scorer, samplers, the update's exact forward) runs, with the same shapes and casts, so all of them compute
+    the same bits.
+
+    The logits keep the policy's `logits_dtype` rounding, but the division and the log-softmax run in float32
+    (unlike the ordinary trainer head, `models.scoring.logprobs_from_logits`): the samplers draw token t with
+    `categorical(log p_t)`, which renormalises what it is given, so the reported μ is the probability the
+    token was drawn with only if exp(log p_t) sums to 1. A bf16 log-softmax sums to 1 ± 1e-2 (fp16 ± 2e-3),
+    and at a vocabulary over 65,504 its fp16 sum can overflow to inf.
 
     `logits / T` divides by a full array behind an optimization barrier: XLA's simplifier may rewrite a
     division by a broadcast scalar into a multiplication by its reciprocal in one program and not in another
     (it did in the speculative sampler's verify program, not in the scorer), and x·(1/T) ≠ x/T in the last
     bit unless 1/T is exact (T = 1, 0.5; not 0.7). The barrier leaves it a division everywhere."""
-    logits = model.logits(hidden[None])[0]
-    t = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(temperature, logits.dtype), logits.shape))
-    return jax.nn.log_softmax(logits / t, axis=-1).astype(jnp.float32)  # = logprobs_from_logits(logits, T)
+    logits = model.logits(hidden[None])[0].astype(jnp.float32)
+    t = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape))
+    return jax.nn.log_softmax(logits / t, axis=-1)
 
 
 def row_hidden(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[Array, ""]) -> Float[Array, "length d"]:
