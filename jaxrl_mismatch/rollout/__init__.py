@@ -14,6 +14,7 @@ docs/rollout.md.
 
 from jaxrl_mismatch.rollout.client import (
     EngineMismatchError,
+    ForeignCompletionError,
     RetryPolicy,
     RolloutClient,
     RolloutError,
@@ -33,6 +34,7 @@ __all__ = [
     "Engine",
     "EngineInfo",
     "EngineMismatchError",
+    "ForeignCompletionError",
     "NonFiniteLogprobsError",
     "RetryPolicy",
     "RolloutClient",

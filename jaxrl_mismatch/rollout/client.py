@@ -16,7 +16,8 @@ What it guarantees its caller (normally `rollout.session.RolloutSession`, which 
   completions sampled by the new process (which serves its checkpoint weights, not the pushed ones):
   the caller re-pushes its weights and asks again.
 - **Every completion's weight version is checked** against the version the trainer pushed last:
-  older than `max_staleness` versions -> StaleCompletionError; `max_staleness=None` accepts any and
+  older than `max_staleness` versions -> StaleCompletionError, newer than it (weights another writer pushed)
+  -> ForeignCompletionError; `max_staleness=None` accepts any and
   leaves `Completion.weight_version` as the tag for off-policy correction.
 - **Non-finite log-probs never reach the trainer**: NonFiniteLogprobsError names prompt, sample, position
   (raised from the server's report, and checked again on every response).
@@ -105,6 +106,11 @@ class EngineMismatchError(RolloutError):
 
 class StaleCompletionError(RolloutError):
     """A completion was sampled with weights older than the client accepts."""
+
+
+class ForeignCompletionError(RolloutError):
+    """A completion was sampled with a weight version newer than this client's last push: weights another writer
+    pushed to the server, which the trainer would otherwise train on as its own (a version lag below 0)."""
 
 
 class ServerRestartedError(RolloutError):
@@ -484,6 +490,14 @@ class RolloutClient:
         return completions
 
     def _check_versions(self, completions: list[list[Completion]], min_version: int | None) -> None:
+        if self.pushed_version is not None and self.max_staleness is not None:
+            for i, samples in enumerate(completions):
+                for j, c in enumerate(samples):
+                    if c.weight_version > self.pushed_version:
+                        raise ForeignCompletionError(
+                            f"Generate on {self.target}: completion (prompt {i}, sample {j}) has weight version "
+                            f"{c.weight_version}, newer than this trainer's last push {self.pushed_version}: another "
+                            "writer pushed weights to the server")
         if min_version is None:
             if self.pushed_version is None or self.max_staleness is None:
                 return

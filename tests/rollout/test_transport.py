@@ -18,6 +18,7 @@ import pytest
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
 from jaxrl_mismatch.rollout.client import (
     EngineMismatchError,
+    ForeignCompletionError,
     RolloutClient,
     RolloutError,
     StaleCompletionError,
@@ -380,7 +381,12 @@ def test_client_stale_versions_and_compatibility(served):
     engine.reported_version = 1  # as if a completion had been sampled before the push landed
     with pytest.raises(StaleCompletionError, match="weight version 1"):
         client.generate([[1]], SamplingSpec(max_tokens=2))
+    engine.reported_version = 3  # weights another writer pushed after ours: trained on as ours, lag -1
+    with pytest.raises(ForeignCompletionError, match="weight version 3, newer than this trainer's last push 2"):
+        client.generate([[1]], SamplingSpec(max_tokens=2))
     client.max_staleness = None  # tag mode: accepted, the version is the tag
+    assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].weight_version == 3
+    engine.reported_version = 1
     assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].weight_version == 1
     client.check_compatible(architecture="FakeForCausalLM", vocab_size=32, tokenizer_vocab_size=30)
     with pytest.raises(EngineMismatchError, match="architecture.*vocab_size"):
