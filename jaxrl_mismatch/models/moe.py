@@ -122,7 +122,10 @@ def route(
         ids = jnp.clip(forced_ids.astype(jnp.int32), 0, num_experts - 1)
         sel = jnp.take_along_axis(probs, ids, axis=-1)
     if norm_topk_prob:
-        sel = sel / jnp.sum(sel, axis=-1, keepdims=True)
+        # Replayed experts the current router gives no float32 probability at all (a gap over ~100 nats) would be
+        # 0 / 0 = NaN, which reaches real tokens through attention (0 · NaN): their gates are 0 instead. Any sum
+        # ≥ tiny divides as before, bit for bit.
+        sel = sel / jnp.maximum(jnp.sum(sel, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     return ids, sel.astype(logits.dtype), probs, top_i
 
 

@@ -63,7 +63,8 @@ def candidate_lengths(seq_len: int, max_tokens: int, max_prompt_len: int | None 
 
 def check_prompt_lengths(attention_mask: np.ndarray, response_mask: np.ndarray, max_prompt_len: int | None) -> None:
     """Refuse, on the host, a batch whose row has a longer prompt than `exact_forward_logprobs` was compiled for:
-    inside jit such a row would be scored at a too-short canonical length, wrong bits and no error."""
+    inside jit such a row gets NaN log-probs (`exact_forward_logprobs`), a step skipped as non-finite instead of
+    this error naming the bound."""
     if max_prompt_len is None:
         return
     p = prompt_lengths(attention_mask, response_mask)

@@ -340,7 +340,10 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
         elif batch.old_logp is None:
             batch = batch.replace(old_logp=score(params, batch)[0] * mask)
         if ref_params is not None:
-            batch = batch.replace(ref_logp=score(ref_params, batch)[0] * mask)
+            # The reference forward routes as the update's forwards do (R2/R3: the replayed experts), so the KL
+            # penalty compares parameters, not routings: at θ = θ_ref it is 0 (with free routing under R3 it was
+            # not, and pulled the tokens whose routing the engine flipped towards the trainer's own).
+            batch = batch.replace(ref_logp=score(ref_params, batch, batch.replay_routing)[0] * mask)
         batch = batch.replace(token_weight=objective.token_weight(batch, seed))
         metrics = objective.step_metrics(batch)
         if batch.version_lag is not None:  # staleness/* next to mismatch/* (metrics/staleness.py)
@@ -348,8 +351,11 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
             metrics.update(staleness_metrics(None if bypass else batch.old_logp, batch.behav_logp,
                                              batch.rollout_logp, mask, batch.version_lag))
         if router is not None:
+            # bypass: batch.old_logp is μ itself (ρ = 1 everywhere, both routing halves of ρ's spread 0); the split
+            # reads the θ_old forward that just ran
+            pi_old = old_logp * mask if objective.cfg.proximal == "bypass" else batch.old_logp
             metrics.update(moe_step_metrics(
-                router.router_ids, router.entropy, router.load, batch.old_logp, batch.rollout_logp, mask,
+                router.router_ids, router.entropy, router.load, pi_old, batch.rollout_logp, mask,
                 layer_ids=moe_layers, rollout_ids=None if batch.routing is None else batch.routing[:, :-1]))
         return batch.replace(routing=None, packed=None, version_lag=None, behav_logp=None), metrics
 

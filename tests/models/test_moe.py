@@ -225,6 +225,9 @@ def test_route_topk_and_replay_semantics():
     np.testing.assert_allclose(np.asarray(g), sel / sel.sum(-1, keepdims=True), rtol=1e-6)
     _, g, _, _ = route(logits, 3, norm_topk_prob=False, forced_ids=forced)
     np.testing.assert_allclose(np.asarray(g), sel, rtol=1e-6)
+    # Forced experts with no float32 probability left: gates 0, not 0 / 0 = NaN.
+    _, g, _, _ = route(jnp.asarray([[120.0, 0, 0, 0]]), 2, norm_topk_prob=True, forced_ids=jnp.asarray([[1, 2]]))
+    assert np.array_equal(np.asarray(g), np.zeros((1, 2), np.float32))
 
 
 def test_replaying_the_own_routing_is_the_identity_and_other_routing_changes_the_output(checkpoints):

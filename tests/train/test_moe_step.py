@@ -147,6 +147,39 @@ def test_r3_prepare_replays_the_engine_routing_and_the_update_follows_it(policy,
     assert _max_diff(g_r3, g_off) > 1e-4
 
 
+def test_r3_reference_forward_replays_the_same_routing_so_the_kl_is_zero_at_the_reference(policy, host_batch,
+                                                                                           engine_routing):
+    """With free routing in the reference forward and the engine's experts in the θ forwards, KL(π_θ ‖ π_ref) was
+    not 0 at θ = θ_ref: the penalty pulled the tokens whose routing the engine flipped towards the trainer's."""
+    graphdef, params = policy
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    prepare = jit_prepare(make_prepare_fn(graphdef, _loss(), chunk_size=8, routing_replay="R3", moe_layers=LAYERS),
+                          mesh)
+    batch = place_batch(RolloutBatch(**host_batch, routing=engine_routing), mesh)
+    out, _ = prepare(params, params, batch, jax.random.key_data(jax.random.key(0)))
+    mask = host_batch["response_mask"] > 0
+    np.testing.assert_allclose(np.asarray(out.ref_logp)[mask], np.asarray(out.old_logp)[mask], rtol=0, atol=1e-6)
+
+
+def test_bypass_splits_rho_by_routing_with_the_theta_old_forward(policy, host_batch, engine_routing):
+    """proximal="bypass" hands prepare μ as old_logp: the split of ρ = π(θ_old)/μ by routing agreement read
+    ρ = 1 everywhere (both halves 0) while the router disagreed on most tokens."""
+    graphdef, params = policy
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    batch = RolloutBatch(**host_batch, routing=engine_routing)
+    out = {}
+    for proximal in ("recompute", "bypass"):
+        cfg = objective_config("grpo", proximal=proximal)
+        prepare = jit_prepare(make_prepare_fn(graphdef, PolicyLoss(cfg=cfg, metrics_cfg=metrics_config(cfg)),
+                                              chunk_size=8, routing_replay="off", moe_layers=LAYERS), mesh)
+        given = batch.replace(old_logp=batch.rollout_logp) if proximal == "bypass" else batch  # as the Learner does
+        out[proximal] = prepare(params, None, place_batch(given, mesh), jax.random.key_data(jax.random.key(0)))[1]
+    assert float(out["recompute"]["moe/rho_std_routing_disagreed"]) > 0  # random engine ids: (almost) all disagree
+    for half in ("agreed", "disagreed"):
+        key = f"moe/rho_std_routing_{half}"
+        np.testing.assert_allclose(float(out["bypass"][key]), float(out["recompute"][key]), rtol=1e-6)
+
+
 def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch, engine_routing):
     graphdef, params = policy
     batch = RolloutBatch(**host_batch)
