@@ -83,6 +83,22 @@ def _broadcast_ok(ok: bool) -> bool:
     return bool(np.asarray(multihost_utils.broadcast_one_to_all(np.array([1 if ok else 0], np.int32)))[0])
 
 
+def _lead_runs(is_lead: bool, fn: Callable[[], T], failure: str) -> T | None:
+    """`fn()` on process 0 (None on the others), its success told to every process: a failure is re-raised on
+    process 0 and raised as `LeadFailure(failure)` on the others, so all of them take the same error path."""
+    out, error = None, None
+    if is_lead:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
+            error = e
+    if not _broadcast_ok(error is None):
+        if error is not None:
+            raise error
+        raise LeadFailure(failure)
+    return out
+
+
 def on_lead(is_lead: bool, fn: Callable[[], dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
     """Run `fn` on process 0 only (it returns scalars named by `keys`) and give every process the result.
 
@@ -92,16 +108,7 @@ def on_lead(is_lead: bool, fn: Callable[[], dict[str, float]], keys: tuple[str, 
         return fn()
     from jax.experimental import multihost_utils
 
-    out, error = {}, None
-    if is_lead:
-        try:
-            out = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
-            error = e
-    if not _broadcast_ok(error is None):
-        if error is not None:
-            raise error
-        raise LeadFailure("process 0 failed (see its log)")
+    out = _lead_runs(is_lead, fn, "process 0 failed (see its log)")
     vec = np.array([out.get(k, np.nan) for k in keys] if is_lead else [0.0] * len(keys), np.float32)
     vec = np.asarray(multihost_utils.broadcast_one_to_all(vec))
     return out if is_lead else {k: float(v) for k, v in zip(keys, vec) if np.isfinite(v)}
@@ -113,16 +120,7 @@ def lead_first(is_lead: bool, fn: Callable[[], T]) -> T:
     A failure on process 0 is re-raised there and raised as `LeadFailure` on the others, which do not run `fn`."""
     if jax.process_count() == 1:
         return fn()
-    out, error = None, None
-    if is_lead:
-        try:
-            out = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
-            error = e
-    if not _broadcast_ok(error is None):
-        if error is not None:
-            raise error
-        raise LeadFailure("process 0 failed (see its log)")
+    out = _lead_runs(is_lead, fn, "process 0 failed (see its log)")
     return out if is_lead else fn()
 
 
@@ -139,16 +137,7 @@ def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], d
         return fn()
     from jax.experimental import multihost_utils
 
-    arrays, stats, error = {}, {}, None
-    if is_lead:
-        try:
-            arrays, stats = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other processes
-            error = e
-    if not _broadcast_ok(error is None):
-        if error is not None:
-            raise error
-        raise LeadFailure("process 0 failed to produce the rollout batch (see its log)")
+    arrays, stats = _lead_runs(is_lead, fn, "process 0 failed to produce the rollout batch (see its log)") or ({}, {})
     header = np.zeros((len(keys), 2 + _MAX_NDIM), np.int32)  # dtype code, ndim, shape (0-padded)
     if is_lead:
         for i, k in enumerate(keys):
