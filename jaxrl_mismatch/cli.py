@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(e.exit_code)
         return e.exit_code
+    except PermissionError as e:  # a file or folder given to the command that it may not read or write
+        if debug:
+            raise
+        print(f"error: {e.filename or name}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

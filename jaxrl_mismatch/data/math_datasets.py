@@ -178,7 +178,11 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
 def _lines(path: str) -> Iterator[tuple[int, str, str]]:
     """(line number, "path:line", text) of each non-blank line, one record each (`read_jsonl`); a line that is
     not UTF-8 is a DataFormatError naming file and line."""
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:  # unreadable (permissions), a directory, ...: the file named, one line
+        raise DataFormatError(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:

@@ -71,5 +71,11 @@ def check_warmstart_args(c) -> None:
                               max_value=args.max_value, mul_prob=args.mul_prob)
     except (UsageError, ValueError) as e:
         raise ConfigError(f"config.model.warmstart_args: {e}") from None
+    except SystemExit:  # --help (or an abbreviation): argparse printed it and exited 0, and train trained nothing
+        raise ConfigError(f"config.model.warmstart_args: {c.model.warmstart_args!r} asks for the warm start's help "
+                          "(see `jaxrl-mismatch warmstart --help`); give it the warm start's options") from None
+    if os.path.abspath(args.out) != os.path.abspath(c.model.path):  # an --out (any spelling) among the options
+        raise ConfigError(f"config.model.warmstart_args: sets the warm start's --out ({args.out}); it writes to "
+                          "config.model.path, which train then loads")
     if c.task.name == "arithmetic":
         check_task_capacity(c, spec)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -96,6 +97,7 @@ class Trainer:
         self.c, self.accept_config_changes = c, accept_config_changes
         self.is_lead = jax.process_index() == 0
         created = _missing_dirs(c.run_dir)  # what this command creates: removed again if it stops on bad input
+        self._created = created
         os.makedirs(c.run_dir, exist_ok=True)
         # Before anything touches the directory (the checkpointer tidies it): one trainer per run_dir.
         self.lock = RunDirLock(c.run_dir).acquire() if self.is_lead else None
@@ -104,10 +106,7 @@ class Trainer:
         except UsageError:
             # A usage error (a prompt longer than task.max_prompt_len, ...) left nothing worth keeping in a run
             # directory this command created: its lock and empty folders go, so a rerun starts as before.
-            if self.lock is not None:
-                self.lock.release()
-                self.lock = None
-            _remove_created(c.run_dir, created)
+            self._forget_start()
             raise
 
     def _build(self, c: ml_collections.ConfigDict) -> None:
@@ -141,7 +140,10 @@ class Trainer:
         if self.is_lead:
             try:
                 self.session = self._open_session()
-            except RolloutError as e:  # nothing trained in this start: the run (if any) stays at its checkpoint
+            except (RolloutError, UsageError) as e:  # nothing trained: the run (if any) stays at its checkpoint
+                self._forget_start()
+                if isinstance(e, UsageError):  # a token file that is missing or empty, ...
+                    raise
                 raise RolloutFailure(f"rollout server unavailable at the start (step {self.step}): {e}; nothing "
                                      "was trained or written; fix the server and rerun the same command") from e
             if c.rollout.max_staleness:
@@ -236,6 +238,20 @@ class Trainer:
         (started at the checkpoint's version, one up per push); processes without a session keep the value
         each push broadcasts (and, before the session opens, the restored one)."""
         return self.session.version if self.session is not None else self._version
+
+    def _forget_start(self) -> None:
+        """A start that stopped on bad input or an unreachable server before any step, in a run directory this
+        command created: its lock, empty folders and dataset build go, so a rerun starts as before (the rerun
+        refused the directory, "not written by train", for the dataset build it held)."""
+        if not self._created or getattr(self, "step", 0):
+            return
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        built = os.path.join(self.c.run_dir, "tfds")
+        if not self.c.task.data_dir and os.path.isdir(built) and not os.path.islink(built):
+            shutil.rmtree(built)  # the task's dataset, built by this start in the directory it created
+        _remove_created(self.c.run_dir, self._created)
 
     def close(self) -> None:
         try:

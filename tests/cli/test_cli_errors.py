@@ -149,8 +149,13 @@ def test_an_external_rollout_server_nobody_serves_is_exit_3_with_one_line(tiny_b
               f"--config.model.path={tiny_base_model_h64}", "--config.rollout.address=127.0.0.1:1",
               f"--config.rollout.token_file={token}", "--config.rollout.startup_timeout_s=3")
     assert_one_line_error(out, "rollout server unavailable at the start (step 0)", "127.0.0.1:1", code=3)
-    ckpts = tmp_path / "run" / "checkpoints"
-    assert not (ckpts.exists() and any(ckpts.iterdir())) and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # "nothing was trained or written": its lock and checkpoints/ were left
+    token.write_text("  \n")  # an empty token file: refused (exit 2), and the run directory goes too
+    out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}",
+              f"--config.model.path={tiny_base_model_h64}", "--config.rollout.address=127.0.0.1:1",
+              f"--config.rollout.token_file={token}", "--config.rollout.startup_timeout_s=3")
+    assert_one_line_error(out, "token", code=2)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_damaged_model_config_is_one_line_naming_the_file(tmp_path):
@@ -292,3 +297,25 @@ def test_serve_never_replaces_a_file_it_did_not_write_at_its_ready_file(tmp_path
     _check_ready_file(str(mine.with_name("written.json")))
     # no temporary file left beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes.json", "ready.json", "written.json"]
+
+
+def test_a_file_the_command_may_not_read_is_one_line_exit_2_naming_it(tmp_path, monkeypatch, capsys):
+    """An unreadable input (chmod 000 for a non-root user) was exit 1 with two lines ("not a usage error"). Root
+    reads any file, so the refusal is raised here as the opening of a task file raises it."""
+    from jaxrl_mismatch import cli
+    from jaxrl_mismatch.data import math_datasets
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt_text": "1+1=", "answer": "2"}\n')
+
+    def denied(p, *a, **k):
+        raise PermissionError(13, "Permission denied", str(p))
+
+    monkeypatch.setattr(math_datasets, "open", denied, raising=False)
+    with pytest.raises(math_datasets.DataFormatError, match=f"{path}: cannot read it \\(Permission denied\\)"):
+        list(math_datasets.read_jsonl(str(path), "prompts"))
+    # any other read or write the command's code does not check itself: one line naming the file, exit 2
+    monkeypatch.setattr("jaxrl_mismatch.jobs.export.main", lambda argv: denied(tmp_path / "ckpt"))
+    assert cli.main(["export", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'ckpt'}: Permission denied\n"

@@ -95,6 +95,9 @@ def test_train_names_a_prompt_outside_the_vocabulary_in_one_line_after_the_build
     out = cli("train", "--config", str(config), timeout=240)
     one_line_error(out.returncode, out.stderr, f"config.task.files: {val}:2: prompt: text 'x+1=' has characters "
                                                "outside the tokenizer's vocabulary")
+    # The run directory this start created goes again, dataset build and all: a rerun with the file mended was
+    # refused ("a non-empty directory not written by jaxrl-mismatch train (holds tfds)").
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture

@@ -40,7 +40,11 @@ def test_warmstart_args_that_do_not_split_are_refused():
 
 
 @pytest.mark.parametrize("args, needle", [("--bogus", "unrecognized arguments: --bogus"),
-                                          ("--steps 0", "--steps must be >= 1")])
+                                          ("--steps 0", "--steps must be >= 1"),
+                                          # exited 0 having trained nothing; the warm start wrote elsewhere
+                                          ("--help", "asks for the warm start's help"), ("--hel", "warm start's help"),
+                                          ("--steps 1 --out /tmp/elsewhere", "sets the warm start's --out"),
+                                          ("--ou=/tmp/elsewhere", "sets the warm start's --out")])
 def test_warmstart_args_its_parser_refuses_are_refused_before_the_warm_start(tmp_path, args, needle):
     c = _config(**{"run_dir": str(tmp_path / "run"), "model.path": str(tmp_path / "base"),
                    "model.warmstart_if_missing": True, "model.warmstart_args": args})
