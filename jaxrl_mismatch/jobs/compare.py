@@ -88,7 +88,8 @@ from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, wr
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl_checked, warn_skipped
 from jaxrl_mismatch.train.config_resume import config_changes
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
-from jaxrl_mismatch.usage import EXIT_STOPPED, ArgumentParser, UsageError, call_file_function, listing
+from jaxrl_mismatch.usage import (EXIT_STOPPED, SEED_LIMIT, ArgumentParser, UsageError, call_file_function,
+                                  listing)
 
 PROG = "jaxrl-mismatch compare"
 SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "controls", "out", "metrics",
@@ -195,6 +196,9 @@ def load_spec(path: str) -> Spec:
     name = d.get("name", os.path.splitext(os.path.basename(file))[0] + (f"_{arg}" if arg else ""))
     if not isinstance(name, str) or not name.strip():
         raise _error(path, "name", f"must be a non-empty string, got {name!r}")
+    if "out" not in d and (not _NAME.match(name) or name in (".", "..")):  # the default out is runs/compare/NAME
+        raise _error(path, "name", f"{name!r} is not a directory name (letters, digits, _ . -); it names the "
+                                   "default out, runs/compare/NAME")
     config = d.get("config")
     if not isinstance(config, str) or not config:
         raise _error(path, "config", "missing: the train config file every variant starts from, e.g. "
@@ -207,8 +211,9 @@ def load_spec(path: str) -> Spec:
             raise _error(path, "variants", f"name {v!r} is not a directory name (letters, digits, _ . -)")
     seeds = d.get("seeds")
     if (not isinstance(seeds, (list, tuple)) or not seeds or len(set(seeds)) != len(seeds)
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
-        raise _error(path, "seeds", f"must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < SEED_LIMIT for s in seeds)):
+        raise _error(path, "seeds", f"must be a non-empty list of distinct integers in [0, 2^31) (config.seed), "
+                                    f"got {seeds!r}")
     baseline = d.get("baseline", next(iter(variants)))
     if not isinstance(baseline, str) or baseline not in variants:
         raise _error(path, "baseline", f"{baseline!r} is not a variant; variants: {', '.join(map(str, variants))}")

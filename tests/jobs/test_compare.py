@@ -90,6 +90,9 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"variants": {"a/b": {}}}, ["variants: name 'a/b' is not a directory name"]),
     ({"seeds": []}, ["seeds: must be a non-empty list"]),
     ({"seeds": [0, 0]}, ["seeds: must be a non-empty list of distinct integers"]),
+    # passed --dry-run, then every run failed on config.seed (compare exit 1)
+    ({"seeds": [2**40]}, ["seeds: must be a non-empty list of distinct integers in [0, 2^31)"]),
+    ({"name": "../../etc", "out": None}, ["name: '../../etc' is not a directory name"]),
     ({"variant": {}}, ["variant: unknown field", "did you mean 'variants'"]),
     ({"overrides": {"run_dir": "x"}}, ["overrides.run_dir: is set by the harness"]),
     ({"overrides": {"steps": 2.5}}, ["overrides: config.steps: expected an integer"]),
