@@ -84,13 +84,12 @@ def existing_dir(flag: str, path: str) -> str:
 
 def int_list(flag: str, text: str) -> list[int]:
     """Comma-separated integers (at least one), else a UsageError naming the flag."""
-    try:
-        values = [int(s) for s in text.split(",") if s.strip()]
+    if not text.strip():
+        raise UsageError(f"{flag}: expected at least one integer")
+    try:  # an empty entry ("1,,2", "1,") is a typo, not a list of fewer values
+        return [int(s) for s in text.split(",")]
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise UsageError(f"{flag}: expected at least one integer")
-    return values
 
 
 SEED_LIMIT = 2**31  # seeds key numpy generators, nnx.Rngs and the engines' int32 sampling streams

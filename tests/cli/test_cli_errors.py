@@ -319,3 +319,13 @@ def test_a_file_the_command_may_not_read_is_one_line_exit_2_naming_it(tmp_path, 
     assert cli.main(["export", "x"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {tmp_path / 'ckpt'}: Permission denied\n"
+
+
+@pytest.mark.parametrize("text", ["1,,2", "1,", ",", ""])
+def test_an_integer_list_with_an_empty_entry_is_refused(text):
+    """`analyze bf16-softmax --seeds 1,,2` ran seeds 1 and 2 (exit 0): the empty entries were dropped."""
+    from jaxrl_mismatch.usage import UsageError, int_list
+
+    with pytest.raises(UsageError, match="--seeds: expected"):
+        int_list("--seeds", text)
+    assert int_list("--seeds", "1, 2") == [1, 2]
