@@ -61,6 +61,16 @@ def _entries(root: str) -> set[str]:
     return out
 
 
+def file_fingerprint(path: str) -> str | None:
+    """"size\tmtime_ns" of a regular file (a link is not followed); None for anything else or nothing: what an
+    output is compared by to tell whether a user changed it since the command wrote it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return f"{st.st_size}\t{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
+
+
 def _fingerprint(root: str, rel: str) -> str | None:
     """"size\tmtime_ns" of a regular file (a link is not followed); None for a folder or anything else."""
     st = os.lstat(os.path.join(root, rel))

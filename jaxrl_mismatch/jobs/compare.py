@@ -83,7 +83,7 @@ import sys
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxrl_mismatch.outputs import staged_file
+from jaxrl_mismatch.outputs import file_fingerprint, staged_file
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, summarize, write_table
 from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl_checked, warn_skipped
 from jaxrl_mismatch.train.config_resume import config_changes
@@ -624,8 +624,37 @@ def check_out(spec: Spec) -> None:
                  "`out` (nothing was changed)")
 
 
+_MARKER_HEAD = "written by jaxrl-mismatch compare: its runs (VARIANT/seed_N), tables and figure"
+
+
+def _recorded(out: str) -> dict[str, str]:
+    """{output file: its fingerprint when compare last wrote it}, from the marker (none in an older marker)."""
+    text = _read_text(os.path.join(out, OUT_MARKER)) or ""
+    rows = (line.split("\t", 1) for line in text.splitlines()[1:])
+    return {r[0]: r[1] for r in rows if len(r) == 2 and r[0] in OUTPUT_FILES}
+
+
+def _keep_edited(out: str) -> None:
+    """An output a user changed since compare wrote it (notes added to table.md) is renamed aside,
+    `NAME.edited-<ns>`, before compare writes its own again: never overwritten."""
+    for name, fingerprint in _recorded(out).items():
+        path = os.path.join(out, name)
+        if os.path.isfile(path) and file_fingerprint(path) != fingerprint:
+            aside = f"{path}.edited-{time.time_ns()}"
+            os.rename(path, aside)
+            print(f"compare: {path} changed since compare wrote it; kept as {aside}", file=sys.stderr, flush=True)
+
+
+def _record_outputs(out: str) -> None:
+    with staged_file(os.path.join(out, OUT_MARKER)) as tmp, open(tmp, "w") as f:
+        f.write("\n".join([_MARKER_HEAD, *(f"{n}\t{fp}" for n in OUTPUT_FILES
+                                             if (fp := file_fingerprint(os.path.join(out, n))) is not None)]) + "\n")
+
+
 def write_outputs(spec: Spec) -> tuple[str, bool]:
-    """table.md, table.json and compare.png of the grid as it is on disk; (the Markdown, all runs ok?)."""
+    """table.md, table.json and compare.png of the grid as it is on disk; (the Markdown, all runs ok?). Outputs a
+    user changed since compare wrote them are kept aside first (`_keep_edited`)."""
+    _keep_edited(spec.out)
     results = {v: [run_result(j) for j in spec.jobs if j.variant == v] for v in spec.variants}
     table = summarize(results, spec.collapse)
     md = write_table(table, spec.collapse, os.path.join(spec.out, "table.md"), os.path.join(spec.out, "table.json"),
@@ -641,6 +670,7 @@ def write_outputs(spec: Spec) -> tuple[str, bool]:
         from jaxrl_mismatch.report.plot import PANELS, plot_overlay
 
         plot_overlay(groups, os.path.join(spec.out, "compare.png"), panels=spec.panels or PANELS, title=spec.name)
+    _record_outputs(spec.out)
     return md, all(r.ok for runs in results.values() for r in runs)
 
 
@@ -677,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(spec.out, exist_ok=True)
     if not os.path.exists(os.path.join(spec.out, OUT_MARKER)):
         with open(os.path.join(spec.out, OUT_MARKER), "w") as f:
-            f.write("written by jaxrl-mismatch compare: its runs (VARIANT/seed_N), tables and figure\n")
+            f.write(_MARKER_HEAD + "\n")
     if not args.table_only:
         finished = sum(r.ok for r in results.values())
         if finished:

@@ -326,6 +326,14 @@ def test_compare_never_writes_into_a_folder_of_the_users(tmp_path, fake_model):
     assert compare.main([str(spec_path), "--table-only"]) == 0
     assert (out / compare.OUT_MARKER).is_file() and (out / "table.md").read_text() != "mine\n"
     assert compare.main([str(spec_path), "--table-only"]) == 0  # its own output again
+    # A table the user has since added notes to is kept aside, not overwritten (it was, silently).
+    ours = (out / "table.md").read_text()
+    (out / "table.md").write_text(ours + "\nmy notes\n")
+    assert compare.main([str(spec_path), "--table-only"]) == 0
+    kept = [p for p in out.iterdir() if p.name.startswith("table.md.edited-")]
+    assert len(kept) == 1 and kept[0].read_text() == ours + "\nmy notes\n" and (out / "table.md").read_text() == ours
+    assert compare.main([str(spec_path), "--table-only"]) == 0  # unchanged since: replaced, nothing more kept
+    assert len([p for p in out.iterdir() if p.name.startswith("table.md.edited-")]) == 1
 
 
 def _legacy_out(tmp_path, fake_model) -> tuple[Path, Path]:
