@@ -71,7 +71,8 @@ def summary(results: Path, task: str = "short") -> tuple[str, dict]:
             intervals += c.get("ci95") is not None
             if excludes_zero(c):
                 excluding.append(f"{algo} {name}")
-        rows.append(f"| `{algo}` | {finals} | {collapses} | " + " | ".join(paired_cell(c) for c in cells.values()) + " |")
+        rows.append(f"| `{algo}` | {finals} | {collapses} | "
+                    + " | ".join(paired_cell(c) for c in cells.values()) + " |")
     lines = ["| algorithm | val final bf16 / fp16 / fp32 | collapsed | fp16 − bf16 | fp32 − bf16 | fp16 − fp32 (control) |",
              "| --- | --- | --- | --- | --- | --- |", *rows]
     exact_rows = []  # the exact grids: PPO's (`exact`) and any other algorithm's (`exact_ALGO`)

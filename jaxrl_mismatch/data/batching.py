@@ -115,8 +115,8 @@ def tokenize_prompts(
     for Qwen) — the same ids a vLLM engine gets from the same text. A prompt with characters outside a
     closed vocabulary, with no tokens at all (an engine has nothing to continue) or longer than
     ``max_prompt_len`` raises a `PromptError` naming it, as does a question (with a template) holding a
-    special token's text (a chat turn ended or begun from inside the data): ``where[i]`` (its file and line) when given, else
-    its position ("prompt 3").
+    special token's text (a chat turn ended or begun from inside the data): ``where[i]`` (its file and line)
+    when given, else its position ("prompt 3").
     """
     tmpl = get_template(template) if template is not None else None
     rendered = [tmpl.render(t) if tmpl is not None else t for t in texts]

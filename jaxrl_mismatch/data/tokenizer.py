@@ -99,7 +99,8 @@ class TextTokenizer:
         if unk is None:
             return
         enc = self.tokenizer.encode(text, add_special_tokens=False)
-        bad = sorted({text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk} | set(self.special_tokens_in(text)))
+        unknown = {text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk}
+        bad = sorted(unknown | set(self.special_tokens_in(text)))
         if bad:
             raise UnknownCharactersError(f"text {text[:60]!r} has characters outside the tokenizer's vocabulary: {bad}")
 

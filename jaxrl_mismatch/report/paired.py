@@ -102,6 +102,6 @@ def paired_markdown(paired: Mapping[str, Mapping[str, Any]], baseline: str | Non
     lines += ["", f"Paired against `{baseline}` seed by seed (same seed: same data order, same held-out prompts): "
               f"mean of the per-seed differences variant − {baseline} [{CONFIDENCE:.0%} Student-t interval over the "
               f"paired seeds], then wins k/n = seeds where the variant is higher, and how many tied (equal values: "
-              f"common with discrete accuracies) or were NaN; the other seeds are lower. Per-seed differences: table.json "
-              "(`paired`)."]
+              f"common with discrete accuracies) or were NaN; the other seeds are lower. Per-seed differences: "
+              "table.json (`paired`)."]
     return "\n".join(lines) + "\n"

@@ -17,8 +17,9 @@ lock (`RolloutSession._recovering` pushes the last weights again).
 
 Resume: the checkpoint's data position is the start of the oldest batch not yet trained on, with that batch's
 index (`resume_state`): what was in flight is regenerated on resume, never half-used, and after dropped batches
-the resumed producer continues their indices (seeds, mismatch onset) and count. Errors of the producer reach the trainer at its
-next `take` / `before_push`, so the loop's failure path (checkpoint, resumable message) is the synchronous one.
+the resumed producer continues their indices (seeds, mismatch onset) and count. Errors of the producer reach
+the trainer at its next `take` / `before_push`, so the loop's failure path (checkpoint, resumable message) is
+the synchronous one.
 """
 
 from __future__ import annotations

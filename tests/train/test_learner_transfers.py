@@ -242,8 +242,8 @@ def test_broadcast_carries_nd_arrays_across_processes_and_the_lead_goes_first(tm
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
                    PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "built")], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "built")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"ok {i}" in out, out[-3000:]
