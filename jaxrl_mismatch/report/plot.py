@@ -369,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="PNG path (default RUN_DIR/report.png; for several runs overlay.png in their common parent)")
     args = p.parse_args(argv)
+    if args.out is not None and not args.out.strip():  # it fell back to the default path, unlike every other --out
+        raise UsageError("--out: empty; give a .png/.pdf/.svg path or leave the flag out for the default")
     real = [os.path.realpath(d) for d in args.run_dirs]
     if twice := next((d for d, r in zip(args.run_dirs, real) if real.count(r) > 1), None):
         raise UsageError(f"RUN_DIR {twice}: given twice; an overlay takes each run directory once")

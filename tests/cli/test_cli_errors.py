@@ -241,6 +241,8 @@ def test_report_names_skipped_lines_and_refuses_garbage_and_bad_outputs(tmp_path
     for out, needle in (("x.txt", "unsupported figure format .txt"), ("notes.png", "already exists")):
         assert_one_line_error(cli("report", str(run), "--out", str(tmp_path / out)), f"--out {tmp_path / out}", needle)
     assert (tmp_path / "notes.png").read_text() == "my notes, not a figure"
+    assert_one_line_error(cli("report", str(run), "--out", ""), "--out: empty")  # it wrote the default path
+    assert not (run / "report.png").exists()
     ok = cli("report", str(run), "--out", str(tmp_path / "r.png"))
     assert ok.returncode == 0, ok.stderr
     assert [line for line in ok.stderr.splitlines() if line.strip()] == [
