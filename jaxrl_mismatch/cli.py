@@ -40,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if not argv:  # no command: the usage on stderr and exit 2, as a missing argument is everywhere else
+        print(_usage(), file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
         print(f"error: unknown command {name!r}; valid: {', '.join(_COMMANDS)}", file=sys.stderr)

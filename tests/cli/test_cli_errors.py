@@ -54,6 +54,8 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
     out = cli("--help")
     assert out.returncode == 0 and all(c in out.stdout for c in ("train", "serve", "export"))
     assert_one_line_error(cli("trian"), "unknown command 'trian'")
+    bare = cli()  # no command: exit 0 before, as if something had run
+    assert bare.returncode == 2 and not bare.stdout and "commands:" in bare.stderr
 
 
 @pytest.mark.parametrize("args, needles", [
