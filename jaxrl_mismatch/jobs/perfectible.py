@@ -84,7 +84,7 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out file that an earlier perfectible run wrote (nothing else)")
     a = p.parse_args(argv)
-    file_flag, split_flag, template_flag = a.file, a.split, a.template
+    file_flag, split_flag, template_flag, temperature_flag = a.file, a.split, a.template, a.temperature
     a.asked = {"--engine": a.engine, "--dtype": a.dtype}  # given on the command line: checked against --address
     c = None
     if a.config:
@@ -133,7 +133,8 @@ def parse_args(argv: Sequence[str]):
     if not 0.0 <= a.lo <= a.hi <= 1.0:
         raise UsageError(f"{PROG}: need 0 <= --lo <= --hi <= 1, got {a.lo}, {a.hi}")
     if not (math.isfinite(a.temperature) and a.temperature >= 0):
-        raise UsageError(f"--temperature must be a number >= 0, got {a.temperature}")
+        where = "--temperature" if temperature_flag is not None else f"{label}: rollout.temperature"
+        raise UsageError(f"{where} must be a number >= 0, got {a.temperature}")
     check_seed("--seed", a.seed)
     if a.task not in _tasks():
         raise UsageError(f"--task {a.task}: unknown task; valid: {', '.join(_tasks())}")

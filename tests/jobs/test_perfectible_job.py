@@ -79,7 +79,9 @@ def test_template_and_config_fields_are_named_in_one_line(tmp_path, capsys):
     for extra, needle in (("    c.rollout.max_tokens = None\n", "rollout.max_tokens must be int, got None"),
                           ("    c.task.template = 'nope'\n", "task.template nope: unknown prompt template"),
                           ("    del c.rollout['engine']\n", "missing field rollout.engine"),
-                          ("    c.rollout.dtype = 'float64'\n", "rollout.dtype 'float64' is not one of")):
+                          ("    c.rollout.dtype = 'float64'\n", "rollout.dtype 'float64' is not one of"),
+                          # named the --temperature flag, which was not given
+                          ("    c.rollout.temperature = float('nan')\n", "rollout.temperature must be a number >= 0")):
         cfg.write_text(body.format(model=str(model), extra=extra))
         _refused(capsys, [f"--config {cfg}: {needle}"], "perfectible", "--config", str(cfg), "--address", NO_SERVER,
                  "--out", out)
