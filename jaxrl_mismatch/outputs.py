@@ -71,17 +71,11 @@ def file_fingerprint(path: str) -> str | None:
     return f"{st.st_size}\t{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
 
 
-def _fingerprint(root: str, rel: str) -> str | None:
-    """"size\tmtime_ns" of a regular file (a link is not followed); None for a folder or anything else."""
-    st = os.lstat(os.path.join(root, rel))
-    return f"{st.st_size}\t{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
-
-
 def _marker_lines(root: str) -> list[str]:
     """The marker's listing of `root`: every entry, a regular file's with its fingerprint."""
     lines = []
     for rel in sorted(_entries(root)):
-        fp = _fingerprint(root, rel)
+        fp = file_fingerprint(os.path.join(root, rel))
         lines.append(rel if fp is None else f"{rel}\t{fp}")
     return lines
 
@@ -107,7 +101,7 @@ def _foreign_entries(path: str, kind: str) -> list[str] | None:
     present = _entries(path) - {marker_name(kind)}
     foreign = sorted(present - set(written))
     changed = sorted(rel for rel in present & set(written)
-                     if written[rel] is not None and _fingerprint(path, rel) != written[rel])
+                     if written[rel] is not None and file_fingerprint(os.path.join(path, rel)) != written[rel])
     return foreign + [f"{rel} (changed since written)" for rel in changed]
 
 

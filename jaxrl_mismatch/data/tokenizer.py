@@ -16,6 +16,7 @@ Runtime code depends only on ``tokenizers`` (transformers is a test-only depende
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -80,12 +81,17 @@ class TextTokenizer:
                 f"vocab_size is {model_vocab_size}; this tokenizer does not belong to this model"
             )
 
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens, read once (not per prompt of a dataset)."""
+        return tuple(sorted({t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                             if t.special and t.content}))
+
     def special_tokens_in(self, text: str) -> list[str]:
         """The special (control) tokens whose text occurs in ``text``. ``tokenizers`` matches them anywhere in
         the input, whatever ``add_special_tokens`` says, so ``<|im_end|>`` or ``<eos>`` written in a question
         is encoded as that control token."""
-        specials = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
-        return sorted(t for t in specials if t and t in text)
+        return [t for t in self._special_texts if t in text]
 
     def check_known(self, text: str) -> None:
         """Raise when ``text`` contains characters this tokenizer maps to ``<unk>``.
