@@ -19,7 +19,8 @@ of the row per token; `rollout/spec_exact.py`: one forward per row verifying a K
 benchmarks/exact_engine.py), so μ and the trainer's π(θ_old) are the same bits.
 
 Limits: exactness holds on one device per row (a single-device or data-parallel trainer mesh); FSDP or
-tensor parallelism split reductions across devices and change their order.
+tensor parallelism split reductions across devices and change their order. On a data-parallel mesh the rows
+are split over the devices (`jax.shard_map`, `models.sharding.row_split_axes`): each device its own rows.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.attention import CHUNKED_MIN_SEQ
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask
 from jaxrl_mismatch.models.scoring import target_scores
+from jaxrl_mismatch.models.sharding import row_shards, row_split_axes
 
 EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
 
@@ -150,22 +154,30 @@ def exact_token_logprobs(model: Transformer, tokens: Int[Array, "rows length"], 
     return jax.lax.map(lambda a: row_scores(model, a[0], a[1], temperature, a[2])[0], (tokens, n_valid, kept))
 
 
-EXACT_BLOCK = 8  # rows per jitted call of the trainer's scorer (any value gives the same bits)
+EXACT_BLOCK = 8  # rows per device per jitted call of the trainer's scorer (any value gives the same bits)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _score_block(graphdef, params, tokens, n_valid, temperature, kept=None):
-    return exact_token_logprobs(nnx.merge(graphdef, params), tokens, n_valid, temperature, kept)
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"))
+def _score_block(graphdef, params, tokens, n_valid, temperature, kept=None, mesh=None):
+    def rows(params, tokens, n_valid, temperature, kept):
+        return exact_token_logprobs(nnx.merge(graphdef, params), tokens, n_valid, temperature, kept)
+
+    axes = row_split_axes(mesh, tokens.shape[0])
+    if axes:  # each device its own rows (else every device of the mesh would score every row)
+        spec = P(axes)
+        rows = jax.shard_map(rows, mesh=mesh, in_specs=(P(), spec, spec, P(), spec), out_specs=spec, check_vma=False)
+    return rows(params, tokens, n_valid, temperature, kept)
 
 
 def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_mask: np.ndarray,
                 response_mask: np.ndarray, *, max_tokens: int, temperature: float,
-                kept: np.ndarray | None = None) -> np.ndarray:
+                kept: np.ndarray | None = None, mesh: Mesh | None = None) -> np.ndarray:
     """Host driver of the trainer's exact scorer: log π(y_t) of a right-padded batch `[B, S]` as `[B, S-1]`,
     each row computed at its canonical length (from its prompt length, i.e. its first response target,
-    and the rollout's `max_tokens`), in blocks of `EXACT_BLOCK` rows. Equal, bit for bit, to the log-probs
-    the engine returned for the same rows in exact mode — with top-k/top-p too, given the engine's kept-set
-    sizes `kept` `[B, S-1]` (`RolloutBatch.kept_count`)."""
+    and the rollout's `max_tokens`), in blocks of `EXACT_BLOCK` rows per device. Equal, bit for bit, to the
+    log-probs the engine returned for the same rows in exact mode — with top-k/top-p too, given the engine's
+    kept-set sizes `kept` `[B, S-1]` (`RolloutBatch.kept_count`). `mesh`: a data-parallel mesh holding `params`
+    (`models.sharding.row_split_axes`) scores a block's rows split over its devices."""
     tokens, attention_mask, response_mask = (np.asarray(a) for a in (tokens, attention_mask, response_mask))
     b, s = tokens.shape
     n_valid = attention_mask.sum(axis=1).astype(np.int32)
@@ -174,21 +186,24 @@ def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_ma
     if np.any(n_valid > lengths):
         r = int(np.argmax(n_valid > lengths))
         raise ValueError(f"row {r}: {n_valid[r]} tokens exceed prompt {prompt_len[r]} + max_tokens {max_tokens}")
+    shards = row_shards(mesh)
+    block_rows = EXACT_BLOCK * shards
     out = np.zeros((b, s - 1), np.float32)
     for length in np.unique(lengths):
         rows = np.flatnonzero(lengths == length)
-        for start in range(0, len(rows), EXACT_BLOCK):
-            block = rows[start:start + EXACT_BLOCK]
-            ids = np.zeros((EXACT_BLOCK, length), np.int32)
-            n = np.zeros((EXACT_BLOCK,), np.int32)
+        for start in range(0, len(rows), block_rows):
+            block = rows[start:start + block_rows]
+            ids = np.zeros((block_rows, length), np.int32)
+            n = np.zeros((block_rows,), np.int32)
             width = min(s, length)
             ids[: len(block), :width] = tokens[block, :width]
             n[: len(block)] = n_valid[block]
             k = None
             if kept is not None:
-                k = np.zeros((EXACT_BLOCK, length - 1), np.int32)
+                k = np.zeros((block_rows, length - 1), np.int32)
                 k[: len(block), : width - 1] = np.asarray(kept)[block, : width - 1]
                 k = jnp.asarray(k)
-            logp = np.asarray(_score_block(graphdef, params, jnp.asarray(ids), jnp.asarray(n), np.float32(temperature), k))
+            logp = np.asarray(_score_block(graphdef, params, jnp.asarray(ids), jnp.asarray(n), np.float32(temperature),
+                                           k, mesh=mesh if shards > 1 else None))
             out[block, : width - 1] = logp[: len(block), : width - 1]
     return out * response_mask

@@ -228,6 +228,23 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in ("data", "fsdp", "expert") if a in mesh.shape)
 
 
+def row_shards(mesh: Mesh | None) -> int:
+    """How many devices a per-row computation can split its rows over, each device computing its own rows alone
+    with whole weights: the ``data`` axis of a data-parallel mesh, else 1 (no mesh, or weights split over
+    ``fsdp``/``tensor``/``expert``: a row would need other devices' weights)."""
+    if mesh is None or any(size > 1 for name, size in mesh.shape.items() if name != "data"):
+        return 1
+    return mesh.shape.get("data", 1)
+
+
+def row_split_axes(mesh: Mesh | None, rows: int) -> tuple[str, ...]:
+    """The mesh axes ``jax.shard_map`` splits a ``[rows, ...]`` per-row computation over: ``("data",)`` when
+    `row_shards` > 1 divides `rows`, else (). Why: a per-row ``lax.map`` under plain jit gathers the rows and
+    runs every row on every device of a data-parallel mesh, N× the work on N devices."""
+    shards = row_shards(mesh)
+    return ("data",) if shards > 1 and rows % shards == 0 else ()
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a ``[batch, seq, ...]`` array: batch over ``data`` and ``fsdp`` (and ``expert`` when the
     mesh has it), the rest replicated.

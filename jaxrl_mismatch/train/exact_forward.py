@@ -36,9 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.exact import canonical_length, prompt_lengths, row_scores
+from jaxrl_mismatch.models.sharding import row_split_axes
 
 
 def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]) -> Float[Array, "b t"]:
@@ -48,10 +51,12 @@ def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]
 
 class ExactForward(NamedTuple):
     """The update's exact forward (`trainer.exact_forward`): the scorer's graphdef (no remat), the rollout's
-    `max_tokens`, and the longest prompt a row can have (`task.max_prompt_len`; None: the batch width)."""
+    `max_tokens`, the longest prompt a row can have (`task.max_prompt_len`; None: the batch width), and the
+    trainer's mesh (a data-parallel one splits the rows over its devices, `models.sharding.row_split_axes`)."""
     graphdef: nnx.GraphDef
     max_tokens: int
     max_prompt_len: int | None = None
+    mesh: Mesh | None = None
 
 
 def candidate_lengths(seq_len: int, max_tokens: int, max_prompt_len: int | None = None) -> tuple[int, ...]:
@@ -76,16 +81,17 @@ def check_prompt_lengths(attention_mask: np.ndarray, response_mask: np.ndarray, 
 
 def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b s"], attention_mask: Int[Array, "b s"],
                            response_mask: Float[Array, "b t"], *, max_tokens: int, temperature: float | Array,
-                           kept: Int[Array, "b t"] | None = None, max_prompt_len: int | None = None
-                           ) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+                           kept: Int[Array, "b t"] | None = None, max_prompt_len: int | None = None,
+                           mesh: Mesh | None = None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
     """(log π(y_t), entropy) of every target `tokens[:, 1:]`, each row by the exact scorer's program.
 
     Equal bit for bit to `models.exact.score_exact(...)` on the response tokens (the scorer multiplies by the
     mask; here masked positions are left to the objective), with the same canonical length per row: the
     prompt length is the first response target's index + 1, or the row's length if it has no response.
     `max_prompt_len`: no row's prompt is longer (the caller checks, `check_prompt_lengths`), so only the
-    canonical lengths such rows can have are compiled."""
-    model = nnx.merge(graphdef, params)
+    canonical lengths such rows can have are compiled. `mesh`: on a data-parallel mesh each device scores its
+    own rows (`jax.shard_map`); under plain jit the per-row loop would gather the batch and every device would
+    score every row. A row's bits do not depend on which device computes it."""
     # The scorer and the samplers get T as a traced argument; a constant T here would let XLA turn x / T into
     # x · (1/T), other bits at T ≠ 1 (measured in fp32 at T = 0.7). The barrier keeps it a value like theirs.
     temperature = jax.lax.optimization_barrier(jnp.asarray(temperature, jnp.float32))
@@ -97,23 +103,36 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
     branch = jnp.sum(jnp.asarray(lengths)[None, :] < need[:, None], axis=1).astype(jnp.int32)
     branch = jnp.minimum(branch, len(lengths) - 1)
 
-    def at_length(length: int):
-        def run(row, n, k):
-            ids = row[:length] if length <= s else jnp.pad(row, (0, length - s))
-            if k is not None:
-                k = k[: length - 1] if length <= s else jnp.pad(k, (0, length - s))
-            logp, ent = row_scores(model, ids, n, temperature, k, entropy=True)
-            fit = lambda x: x[: s - 1] if length - 1 >= s - 1 else jnp.pad(x, (0, s - length))  # noqa: E731
-            return fit(logp), fit(ent)
-        return run
+    def rows(params, temperature, tokens, n_valid, branch, kept):
+        model = nnx.merge(graphdef, params)
 
-    branches = [at_length(length) for length in lengths]
+        def at_length(length: int):
+            def run(row, n, k):
+                ids = row[:length] if length <= s else jnp.pad(row, (0, length - s))
+                if k is not None:
+                    k = k[: length - 1] if length <= s else jnp.pad(k, (0, length - s))
+                logp, ent = row_scores(model, ids, n, temperature, k, entropy=True)
 
-    def one_row(args):
-        row, n, b, k = args
-        return jax.lax.switch(b, branches, row, n, k)
+                def fit(x):
+                    return x[: s - 1] if length - 1 >= s - 1 else jnp.pad(x, (0, s - length))
 
-    logp, entropy = jax.lax.map(one_row, (tokens.astype(jnp.int32), n_valid, branch, kept))
+                return fit(logp), fit(ent)
+            return run
+
+        branches = [at_length(length) for length in lengths]
+
+        def one_row(args):
+            row, n, b, k = args
+            return jax.lax.switch(b, branches, row, n, k)
+
+        return jax.lax.map(one_row, (tokens, n_valid, branch, kept))
+
+    axes = row_split_axes(mesh, b)
+    if axes:  # each device its own rows, whole weights (a data-parallel mesh replicates them)
+        spec = P(axes)
+        rows = jax.shard_map(rows, mesh=mesh, in_specs=(P(), P(), spec, spec, spec, spec), out_specs=(spec, spec),
+                             check_vma=False)
+    logp, entropy = rows(params, temperature, tokens.astype(jnp.int32), n_valid, branch, kept)
     if max_prompt_len is None:  # every row's length is a candidate
         return logp, entropy
     over = (need > lengths[-1])[:, None]  # a row longer than the bound the program was compiled for

@@ -21,7 +21,7 @@ from jaxrl_mismatch.metrics import StatsAccumulator
 from jaxrl_mismatch.models import load_hf, params_to_hf
 from jaxrl_mismatch.models.exact import score_exact
 from jaxrl_mismatch.models.scoring import make_scorer
-from jaxrl_mismatch.models.sharding import batch_axes
+from jaxrl_mismatch.models.sharding import batch_axes, make_mesh
 from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
@@ -52,6 +52,9 @@ class Learner:
                                         scan_layers=cfg.scan_layers, attention_impl=cfg.attention_impl)
         model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
         self._exact_graphdef = split_model(model)[0]
+        # The exact scorer's rows split over the devices holding the weights it is given: the trainer's mesh on one
+        # process; on several, `gather_params` hands it host arrays, scored on this process's own devices.
+        self._score_mesh = self.mesh if jax.process_count() == 1 else make_mesh({"data": -1}, jax.local_devices())
         model.remat = cfg.remat_policy
         graphdef, params = split_model(model)
         self._graphdef = graphdef
@@ -59,7 +62,7 @@ class Learner:
         # π is scored at the rollout temperature: the distribution μ actually sampled from.
         kw = dict(chunk_size=cfg.chunk_size, temperature=cfg.temperature)
         # The update's π(θ) by the exact scorer's program (trainer.exact_forward): what the update is compiled with.
-        self._exact_forward_spec = (ExactForward(self._exact_graphdef, cfg.max_tokens, cfg.max_prompt_len)
+        self._exact_forward_spec = (ExactForward(self._exact_graphdef, cfg.max_tokens, cfg.max_prompt_len, self.mesh)
                                     if cfg.exact_forward else None)
         self._update_fn = make_update_fn(graphdef, cfg.optimizer, self.objective, num_microbatches=cfg.microbatches,
                                          max_grad_norm=cfg.max_grad_norm, **kw, mesh=self.mesh,
@@ -128,7 +131,7 @@ class Learner:
             batch = batch.replace(old_logp=score_exact(
                 self._exact_graphdef, distributed.gather_params(self.state.params), batch.tokens, batch.attention_mask,
                 batch.response_mask, max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
-                kept=batch.kept_count))
+                kept=batch.kept_count, mesh=self._score_mesh))
         if self.cfg.packing and (batch.old_logp is None or self.ref_params is not None):
             # θ_old / reference forwards on packed rows: one group per batch shard keeps each device's rows local.
             # The update needs other groups (one per microbatch of a reshuffled minibatch): `prepare` drops these.
@@ -147,7 +150,7 @@ class Learner:
             tokens, mask = np.asarray(batch.tokens)[idx], np.asarray(batch.attention_mask)[idx]
             out[idx] = score_exact(self._exact_graphdef, distributed.gather_params(params), tokens, mask, response[idx],
                                    max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
-                                   kept=None if kept is None else kept[idx])
+                                   kept=None if kept is None else kept[idx], mesh=self._score_mesh)
             return out
         return score_rows(self._forward, params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), rows,
                           kept=kept, packed=self.cfg.packing, multiple=self._batch_shards) * response

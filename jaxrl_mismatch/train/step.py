@@ -193,7 +193,7 @@ def make_update_fn(
             exact_logp, exact_entropy = exact_forward_logprobs(
                 exact_forward.graphdef, jax.lax.stop_gradient(params), mb.tokens, mb.attention_mask, mb.response_mask,
                 max_tokens=exact_forward.max_tokens, temperature=temperature, kept=mb.kept_count,
-                max_prompt_len=exact_forward.max_prompt_len)
+                max_prompt_len=exact_forward.max_prompt_len, mesh=exact_forward.mesh)
             logp, entropy = exact_valued(exact_logp, logp), exact_valued(exact_entropy, entropy)
         elif mb.packed is not None:  # sequence packing: only the transformer runs packed
             if mb.replay_routing is not None:

@@ -113,24 +113,30 @@ def test_first_minibatch_ratio_is_exactly_one(tiny_checkpoints, tmp_path, dtype)
         assert ratios[False][:2] != (1.0, 1.0), ratios
 
 
+def _random_rows(rng: np.random.Generator, b: int, s: int, max_tokens: int) -> tuple[np.ndarray, ...]:
+    """`b` right-padded rows of width `s`: a prompt of 3-9 random tokens, then up to `max_tokens` - 1 more."""
+    from tests.rollout.conftest import VOCAB
+
+    plen = rng.integers(3, 10, size=b)
+    n = np.minimum(plen + rng.integers(1, max_tokens, size=b), s)
+    tokens = np.where(np.arange(s)[None] < n[:, None], rng.integers(1, VOCAB, size=(b, s)), 0).astype(np.int32)
+    attention_mask = (np.arange(s)[None] < n[:, None]).astype(np.int32)
+    response_mask = ((np.arange(1, s)[None] >= plen[:, None]) & (np.arange(1, s)[None] < n[:, None])
+                     ).astype(np.float32)
+    return tokens, attention_mask, response_mask
+
+
 def test_exact_forward_equals_the_scorer_at_a_temperature_given_as_a_python_float(tiny_checkpoints):
     """The update gets T from the config (a Python float, a constant in its program); the scorer gets it as an
     argument. At T = 0.7 in fp32 XLA's x / const -> x * (1/const) gave other bits until the exact forward kept
     T a value (issue 23); the same rewrite of a division by a traced T still hit rows of canonical length 16
     (5 of 17 log-probs) until the exact head divided behind a barrier (`models.exact.chunk_logprobs`)."""
-    from tests.rollout.conftest import VOCAB
 
     _, model = load_hf(str(tiny_checkpoints["untied"]), policy=precision.policy("fp32", param_dtype="float32"))
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(0)
     for s, max_tokens in ((30, 20), (16, 6)):
-        b = 6
-        plen = rng.integers(3, 10, size=b)
-        n = np.minimum(plen + rng.integers(1, max_tokens, size=b), s)
-        tokens = np.where(np.arange(s)[None] < n[:, None], rng.integers(1, VOCAB, size=(b, s)), 0).astype(np.int32)
-        attention_mask = (np.arange(s)[None] < n[:, None]).astype(np.int32)
-        response_mask = ((np.arange(1, s)[None] >= plen[:, None]) & (np.arange(1, s)[None] < n[:, None])
-                         ).astype(np.float32)
+        tokens, attention_mask, response_mask = _random_rows(rng, 6, s, max_tokens)
         ref = score_exact(graphdef, params, tokens, attention_mask, response_mask, max_tokens=max_tokens,
                           temperature=0.7)
         logp, _ = jax.jit(lambda p: exact_forward_logprobs(graphdef, p, tokens, attention_mask, response_mask,
@@ -187,3 +193,36 @@ def test_exact_forward_refuses_packing_by_name():
     c.model.path, c.trainer.exact_forward, c.trainer.scan_layers = "x", True, True
     with pytest.raises(ConfigError, match=r"trainer\.scan_layers"):
         validate(c)
+
+
+def test_on_a_data_parallel_mesh_each_device_scores_its_own_rows_with_the_same_bits(tiny_checkpoints):
+    """On a data-parallel mesh the per-row loop under plain jit gathered the batch (an all-gather of the tokens)
+    and ran every row on every device: N× the work on N devices. Given the mesh, the exact forward and the
+    scorer split the rows over its devices (`jax.shard_map`) — no all-gather — and every row keeps its bits."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxrl_mismatch.models.sharding import make_mesh
+
+    mesh = make_mesh({"data": -1})
+    assert mesh.shape["data"] == 8
+    _, model = load_hf(str(tiny_checkpoints["untied"]), policy=precision.policy("fp32", param_dtype="float32"),
+                       mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    max_tokens = 20
+    tokens, attention_mask, response_mask = _random_rows(np.random.default_rng(1), 16, 30, max_tokens)
+    rows = NamedSharding(mesh, P("data"))
+    placed = [jax.device_put(x, rows) for x in (tokens, attention_mask, response_mask)]
+    out = {}
+    for name, m in (("plain", None), ("mesh", mesh)):
+        fn = jax.jit(lambda p, t, a, r, m=m: exact_forward_logprobs(graphdef, p, t, a, r, max_tokens=max_tokens,
+                                                                    temperature=1.0, mesh=m))
+        hlo = fn.lower(params, *placed).compile().as_text()
+        out[name] = np.asarray(fn(params, *placed)[0]), "all-gather" in hlo
+    assert out["plain"][1] and not out["mesh"][1]  # the control gathers the rows; the split version does not
+    ref = score_exact(graphdef, params, tokens, attention_mask, response_mask, max_tokens=max_tokens, temperature=1.0)
+    split = score_exact(graphdef, params, tokens, attention_mask, response_mask, max_tokens=max_tokens,
+                        temperature=1.0, mesh=mesh)
+    m = response_mask > 0
+    assert np.array_equal(split, ref)
+    assert np.array_equal(out["mesh"][0][m], ref[m]) and np.array_equal(out["plain"][0][m], ref[m])
