@@ -17,6 +17,7 @@ from jaxrl_mismatch.schedules.controllers import (
 )
 from jaxrl_mismatch.schedules.optim import (
     OPTIMIZERS,
+    configured_hyperparams,
     get_lr,
     make_optimizer,
     replicated,
@@ -46,6 +47,7 @@ __all__ = [
     "MissingMetricError",
     "Schedule",
     "combine",
+    "configured_hyperparams",
     "constant_schedule",
     "cosine_schedule",
     "get_lr",

@@ -192,6 +192,17 @@ def set_learning_rate(opt_state: PyTree, value: float, sharding: jax.sharding.Sh
     return set_hyperparams(opt_state, sharding, learning_rate=value)
 
 
+def configured_hyperparams(opt_state: PyTree) -> dict[str, float]:
+    """The host-settable hyperparameters of `opt_state` as built from the config (learning_rate when constant,
+    b1, b2, eps, weight_decay, momentum), as host floats: not `lr_scale` (the controller's) nor a scheduled one.
+
+    Why: they live in the optimizer state, so a restored checkpoint carries the values of the run that wrote it;
+    a resume that accepted a changed `optim.*` sets these again (`set_hyperparams`) to train with the new ones."""
+    inject = _inject_state(opt_state)
+    return {name: float(np.asarray(value)) for name, value in inject.hyperparams.items()
+            if name != "lr_scale" and name not in inject.hyperparams_states}
+
+
 def get_lr(opt_state: PyTree) -> Float[Array, ""]:
     """Effective LR `learning_rate × lr_scale`, as used by the most recent update (works inside jit).
 

@@ -22,7 +22,7 @@ from jaxrl_mismatch.models import load_hf, params_to_hf
 from jaxrl_mismatch.models.exact import score_exact
 from jaxrl_mismatch.models.scoring import make_scorer
 from jaxrl_mismatch.models.sharding import batch_axes, make_mesh
-from jaxrl_mismatch.schedules import get_lr, set_learning_rate, set_lr_scale
+from jaxrl_mismatch.schedules import configured_hyperparams, get_lr, set_hyperparams, set_lr_scale
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.behaviour import BehaviourScorer
@@ -75,6 +75,7 @@ class Learner:
                                                     mesh=self.mesh, **kw), self.mesh)
         self.state: TrainState = place_state(
             init_state(params, cfg.optimizer, precision.loss_scale_for(policy), seed=cfg.seed), self.mesh)
+        self._configured_hparams = configured_hyperparams(self.state.opt_state)  # set again on resume (load_state)
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if self.objective.kl_coef else None
         self.minibatch_rows = cfg.minibatch_rows
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
@@ -225,12 +226,11 @@ class Learner:
         return abstract_state_of(self.state)
 
     def load_state(self, state: TrainState) -> None:
-        """Adopt a restored state. A constant LR lives in the Optax state as a hyperparameter, so the
-        configured value is set again: a resume that changed `optim.lr` trains at the new LR."""
-        self.state = state
-        if self.cfg.constant_lr is not None:
-            self.state = self.state.replace(
-                opt_state=set_learning_rate(self.state.opt_state, self.cfg.constant_lr, self.mesh))
+        """Adopt a restored state. The optimizer's host-settable hyperparameters (a constant LR, b1, b2, eps,
+        weight_decay) live in the Optax state, so the configured values are set again: a resume that accepted a
+        changed `optim.lr` or `optim.weight_decay` trains with the new value (the controller's `lr_scale` and a
+        scheduled LR come from the checkpoint)."""
+        self.state = state.replace(opt_state=set_hyperparams(state.opt_state, self.mesh, **self._configured_hparams))
 
 
 def _floats(metrics: dict) -> dict[str, float]:

@@ -20,7 +20,7 @@ from jaxrl_mismatch.objectives import objective_config
 from jaxrl_mismatch.train.config import ConfigError, exact_forward_enabled
 from jaxrl_mismatch.train.config_checks import check_mesh, check_model
 from jaxrl_mismatch.train.objective import LossInterventions, PolicyLoss
-from jaxrl_mismatch.train.optimizer import build_optimizer, build_schedule
+from jaxrl_mismatch.train.optimizer import build_optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,6 @@ class LearnerConfig:
     objective: PolicyLoss
     optimizer: Any  # optax.GradientTransformation of config.optim
     max_grad_norm: float
-    constant_lr: float | None  # optim.lr when the in-graph schedule is a constant (set again on resume), else None
 
     @property
     def minibatch_rows(self) -> int:
@@ -100,5 +99,4 @@ def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
         rows=c.batch.prompts_per_step * c.rollout.group_size, ppo_epochs=c.batch.ppo_epochs,
         minibatches=c.batch.minibatches, microbatches=c.batch.microbatches, seed=c.seed,
         objective=build_policy_loss(c), optimizer=build_optimizer(c.optim), max_grad_norm=c.optim.max_grad_norm,
-        constant_lr=None if callable(build_schedule(c.optim)) else float(c.optim.lr),
     )

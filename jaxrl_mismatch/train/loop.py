@@ -31,7 +31,8 @@ from jaxrl_mismatch.runlog import RunWriter
 from jaxrl_mismatch.schedules import MissingMetricError
 from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch, rollout_fields
-from jaxrl_mismatch.train.checkpoint import Checkpointer, CheckpointDamagedError, require_meta
+from jaxrl_mismatch.train.checkpoint import (Checkpointer, CheckpointDamagedError, CheckpointMismatchError,
+                                             require_meta)
 from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
 from jaxrl_mismatch.train.config import ConfigError
 from jaxrl_mismatch.train.config_resume import config_changes
@@ -491,7 +492,15 @@ class Trainer:
                 + ". Pass --accept-config-changes to continue with the new values, or use a new run_dir")
         if changes:
             log.warning("resuming with %d changed config field(s): %s", len(changes), "; ".join(changes))
-        return self.ckpt.restore(step, abstract_state=self.learner.abstract_state())
+        try:
+            return self.ckpt.restore(step, abstract_state=self.learner.abstract_state())
+        except CheckpointMismatchError as e:  # another model at model.path, or an accepted change of optimizer
+            changed = ", ".join(change.split(":", 1)[0] for change in changes)
+            raise ConfigError(
+                f"{where}: does not fit this run's model and optimizer state"
+                + (f" (changed since it was written: {changed})" if changed else "")
+                + f": {' '.join(str(e).split())[:300]}; resume with the model and optimizer it was written with, "
+                "or use a new run_dir") from None
 
     def _save(self, position: tuple[dict, int] | None = None) -> None:
         data_state, index = position if position is not None else self._data_position()

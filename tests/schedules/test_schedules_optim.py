@@ -119,6 +119,25 @@ def test_clipping_and_defaults():
     np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-6)  # clipped to global norm 1
 
 
+def test_configured_hyperparameters_carry_a_changed_config_into_a_restored_state():
+    """A resume restores the optimizer state of the run that wrote it, hyperparameters included; the Learner sets
+    the configured ones again (`configured_hyperparams`), so an accepted `optim.weight_decay` change reaches the
+    update. Not lr_scale (the controller's) nor a scheduled LR."""
+    params, zero = {"w": jnp.full((3,), 2.0)}, {"w": jnp.zeros(3)}
+    saved = S.make_optimizer("adamw", learning_rate=1e-3, weight_decay=0.01, max_grad_norm=None).init(params)
+    saved = optax.tree_utils.tree_set(saved, lr_scale=jnp.float32(0.5))  # a controller's decay, kept
+    new = S.make_optimizer("adamw", learning_rate=1e-3, weight_decay=0.5, b2=0.95, max_grad_norm=None)
+    wanted = S.configured_hyperparams(new.init(params))
+    assert wanted == pytest.approx({"learning_rate": 1e-3, "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.5})
+    restored = S.set_hyperparams(saved, jax.devices()[0], **wanted)
+    step, _ = new.update(zero, restored, params)  # zero gradient: the update is the decay alone, −lr·scale·wd·w
+    np.testing.assert_allclose(step["w"], -1e-3 * 0.5 * 0.5 * 2.0, rtol=1e-6)
+    stale, _ = new.update(zero, saved, params)  # the checkpoint's own hyperparameters: the old decay
+    np.testing.assert_allclose(stale["w"], -1e-3 * 0.5 * 0.01 * 2.0, rtol=1e-6)
+    assert "learning_rate" not in S.configured_hyperparams(
+        S.make_optimizer(learning_rate=S.constant_schedule(1e-3)).init(params))
+
+
 def test_scheduled_learning_rate_cannot_be_overridden():
     opt = S.make_optimizer(learning_rate=S.constant_schedule(1e-3))
     state = opt.init({"w": jnp.zeros(2)})

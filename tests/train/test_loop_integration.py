@@ -383,6 +383,21 @@ def _config_file(path: Path, c) -> Path:
     return path
 
 
+def checkpoint_leaves(run_dir: Path, step: int) -> dict[str, object]:
+    """Every leaf (parameters, optimizer state, loss scale) of checkpoint `step`, as host arrays by path."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = run_dir / "checkpoints" / str(step) / "state"
+    ckptr = ocp.PyTreeCheckpointer()
+    meta = ckptr.metadata(path)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+
+
 @pytest.mark.slow
 def test_resume_with_changed_config_is_refused_unless_accepted(base_model, tmp_path):
     run_dir = tmp_path / "run"
@@ -403,10 +418,23 @@ def test_resume_with_changed_config_is_refused_unless_accepted(base_model, tmp_p
     # A field that does not change the run (steps, logging) resumes without a word.
     # Accepted, with another precision too: fp32's loss scale (S = 1) is not carried into fp16 (it was: fp16
     # gradients unscaled until S had doubled 15 times, 200 steps apart).
+    # A change the checkpoint's state cannot take (another optimizer: other state tensors) is one line, exit 2,
+    # naming the checkpoint and the changed field (it was exit 1 and ~23 lines); the checkpoint stays.
+    out = subprocess.run([*cmd[:6], "--config.steps=2", "--accept-config-changes", "--config.optim.name=sgd"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"{run_dir / 'checkpoints' / '1'}: does not fit this run's model and optimizer state" in errors[0]
+    assert "(changed since it was written: optim.name)" in errors[0] and "new run_dir" in errors[0]
+    assert (run_dir / "checkpoints" / "1").is_dir()
     out = subprocess.run([*cmd[:6], "--config.steps=2", "--accept-config-changes", "--config.optim.lr=0.005",
-                          "--config.objective.preset=dapo", "--config.trainer.precision=fp16"], capture_output=True,
-                         text=True, timeout=600, cwd=REPO, env=env)
+                          "--config.objective.preset=dapo", "--config.trainer.precision=fp16",
+                          "--config.optim.weight_decay=0.5"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+    # The accepted optimizer change reaches the state the update reads (the checkpoint carried weight_decay 0.01).
+    hparams = {k.split("'")[-2]: float(v) for k, v in checkpoint_leaves(run_dir, 2).items() if "'hyperparams'" in k}
+    assert hparams["weight_decay"] == pytest.approx(0.5) and hparams["learning_rate"] == pytest.approx(0.005)
     assert "finished steps 1 → 2" in out.stdout
     assert "validation after step 1" in out.stdout + out.stderr  # validation numbers in the progress output
     assert "config.trainer.precision changed since the checkpoint: the loss scale starts afresh at 32768" in out.stderr

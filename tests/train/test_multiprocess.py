@@ -20,7 +20,7 @@ import pytest
 
 from jaxrl_mismatch.runlog import read_jsonl
 
-from .test_loop_integration import REPO, _config_file, tiny_config
+from .test_loop_integration import REPO, _config_file, checkpoint_leaves, tiny_config
 
 MESH = "--config.trainer.mesh.data=4", "--config.trainer.mesh.fsdp=2"
 
@@ -52,25 +52,10 @@ def _records(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
 
 
-def _state(run_dir: Path, step: int) -> dict[str, object]:
-    """Every leaf (parameters, optimizer state, loss scale) of checkpoint `step`, as host arrays by path."""
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
-
-    path = run_dir / "checkpoints" / str(step) / "state"
-    ckptr = ocp.PyTreeCheckpointer()
-    meta = ckptr.metadata(path)
-    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-
-
 def _same_state(a: Path, b: Path, step: int) -> None:
     import numpy as np
 
-    sa, sb = _state(a, step), _state(b, step)
+    sa, sb = checkpoint_leaves(a, step), checkpoint_leaves(b, step)
     assert sa.keys() == sb.keys() and any("params" in k for k in sa)
     for k in sa:
         np.testing.assert_allclose(np.asarray(sa[k], np.float64), np.asarray(sb[k], np.float64), rtol=2e-4, atol=2e-6,
