@@ -83,6 +83,7 @@ class MissingMetricError(KeyError):
 
     def __init__(self, controller: str, metric: str, available: Iterable[str]) -> None:
         self.metric, self.available = metric, sorted(available)
+        self.field = "metric"  # the argument that named it; a combined controller prefixes `controllers[i].`
         super().__init__(f"{controller} needs metric {metric!r}; got {self.available}")
 
 class Controller(abc.ABC):
@@ -522,8 +523,12 @@ class Combined(Controller):
         # first one a step ahead (the caller may fix the metrics and retry the same step).
         saved = [child.state_dict() for child in self.controllers]
         try:
-            for child in self.controllers:
-                child.update(step, metrics)
+            for i, child in enumerate(self.controllers):
+                try:
+                    child.update(step, metrics)
+                except MissingMetricError as e:
+                    e.field = f"controllers[{i}].{e.field}"  # which child's argument (config: kwargs.controllers)
+                    raise
         except Exception:
             for child, state in zip(self.controllers, saved):
                 child.load_state_dict(state)

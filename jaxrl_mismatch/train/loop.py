@@ -223,7 +223,7 @@ class Trainer:
                 scale = self.controller.update(self.step, metrics)
             except MissingMetricError as e:  # a typo in the config: one line naming the field, not a KeyError
                 near = difflib.get_close_matches(e.metric, e.available, n=1)
-                raise ConfigError(f"config.controller.kwargs.metric: {e.metric!r} is not a metric of a training step"
+                raise ConfigError(f"config.controller.kwargs.{e.field}: {e.metric!r} is not a metric of a training step"
                                   + (f"; did you mean {near[0]!r}?" if near else f" (they are {listing(e.available)})")
                                   ) from None
             self.learner.set_lr_scale(scale)
@@ -450,7 +450,13 @@ class Trainer:
         saved_controller = meta.get("controller")
         if not any(ch.startswith("controller.") for ch in changes):
             if self.controller is not None and saved_controller is not None:
-                self.controller.load_state_dict(saved_controller)
+                try:
+                    self.controller.load_state_dict(saved_controller)
+                except ValueError as e:  # a state this code cannot continue (an older controller rule's)
+                    self.learner.set_lr_scale(1.0)
+                    log.warning("config.controller: the checkpoint's controller state cannot continue (%s): the LR "
+                                "multiplier is reset to 1.0 and the controller starts afresh at step %d",
+                                " ".join(str(e).split()), self.step)
         elif self._same_controller(saved_controller):
             # Only the config's text changed (a default written out, say): the controller it builds is the saved
             # one, so its state and the multiplier it left continue, as in an uninterrupted run.

@@ -369,9 +369,14 @@ def test_combined_product_and_min_and_round_trip():
 
 def test_combined_is_atomic_when_a_metric_is_missing():
     ctrl = C.combine(C.LengthTriggeredDecay(), C.MetricTriggered("mm", threshold=1.0))
-    with pytest.raises(KeyError, match="'mm'"):
+    with pytest.raises(KeyError, match="'mm'") as missing:
         ctrl.update(0, {KEY: 1000.0})
+    # the argument that named it, as the trainer's error names the config field (kwargs.controllers[1].metric)
+    assert missing.value.field == "controllers[1].metric"
     assert ctrl.controllers[0].state_dict()["state"]["last_step"] == -1
+    with pytest.raises(C.MissingMetricError) as missing:
+        C.MetricTriggered("mm", threshold=1.0).update(0, {})
+    assert missing.value.field == "metric"
     ctrl.update(0, {KEY: 1000.0, "mm": 0.0})  # the same step can be retried
 
 

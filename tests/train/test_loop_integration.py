@@ -6,6 +6,8 @@ checkpoint format and task spec are exactly what the demo uses.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import subprocess
@@ -146,7 +148,7 @@ def test_a_controller_metric_that_no_step_logs_is_a_config_error(base_model, tmp
 
 
 @pytest.mark.slow
-def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, tmp_path):
+def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, tmp_path, caplog):
     """With --accept-config-changes, turning the controller off kept the old multiplier in the optimizer state for
     the rest of the run, and another controller's kwargs ended the resume with exit 1."""
 
@@ -165,9 +167,29 @@ def test_a_controller_changed_at_resume_starts_afresh_at_scale_one(base_model, t
     _run(c, accept_config_changes=True)
     last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
     assert last["step"] == 2 and last["lr"] == pytest.approx(5e-4) and last["controller/scale"] == 0.5
+    # The same config, but the checkpoint's controller state is in a format this code cannot continue (the old
+    # alarm rule's, format 1): it ended the resume with a traceback; now the controller starts afresh at 1.0.
+    metas = [m for m in (run_dir / "checkpoints" / "3").rglob("*") if m.is_file() and m.suffix in ("", ".json")]
+    patched = 0
+    for m in metas:
+        try:
+            meta = json.loads(m.read_text())
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("controller"), dict):
+            meta["controller"].pop("format")
+            m.write_text(json.dumps(meta))
+            patched += 1
+    assert patched == 1
+    c.steps = 4
+    with caplog.at_level(logging.WARNING):
+        _run(c)
+    assert "the checkpoint's controller state cannot continue (metric_triggered state was saved by the old" in caplog.text
+    last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
+    assert last["step"] == 3 and last["lr"] == pytest.approx(1e-3)  # afresh: multiplier 1.0, the alarm re-arms
     for name, kwargs in (("metric_triggered", {"metric": "length/mean", "threshold": 1e9}), ("none", {})):
         c = tiny_config(base_model, run_dir)
-        c.steps, c.eval.every = 4 if name != "none" else 5, 0
+        c.steps, c.eval.every = 5 if name != "none" else 6, 0
         c.controller.name, c.controller.kwargs = name, kwargs
         _run(c, accept_config_changes=True)
         last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0][-1]
@@ -462,8 +484,6 @@ def test_exact_mode_run_has_zero_mismatch_and_injected_noise_shows_up(base_model
 @pytest.mark.slow
 def test_perfectible_output_keeps_the_input_format_so_the_training_task_reads_it(base_model, tmp_path):
     """MATH-format input → MATH-format output (the R1 sanity config's `math` task reads it: issue 13)."""
-    import json
-
     from jaxrl_mismatch.data import get_task
     from jaxrl_mismatch.jobs.perfectible import main as perfectible
 
