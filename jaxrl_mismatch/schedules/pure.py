@@ -61,7 +61,8 @@ def linear_warmup_schedule(peak_value: float, warmup_steps: int, init_value: flo
     """
     _check_positive("peak_value", peak_value)
     _check_non_negative_int("warmup_steps", warmup_steps)
-    if not (math.isfinite(init_value) and init_value >= 0):
+    if isinstance(init_value, bool) or not isinstance(init_value, (int, float)) or not (
+            math.isfinite(init_value) and init_value >= 0):
         raise ValueError(f"init_value must be a finite number >= 0, got {init_value!r}")
 
     def schedule(count: Int[ArrayLike, ""]) -> Float[Array, ""]:

@@ -33,6 +33,9 @@ def build_schedule(optim: ml_collections.ConfigDict):
         sched = float(optim.lr)
     else:
         first = {"constant": "value", "linear_warmup": "peak_value"}.get(optim.schedule, "init_value")
+        if first in kwargs:  # else "make_schedule() got multiple values for keyword argument"
+            raise ValueError(f"{first}: schedule {optim.schedule!r} takes its {first} from optim.lr; set optim.lr "
+                             f"instead of schedule_kwargs.{first}")
         sched = make_schedule(optim.schedule, **{first: float(optim.lr)}, **kwargs)
     if optim.warmup_steps:
         after = sched if callable(sched) else make_schedule("constant", value=float(optim.lr))

@@ -161,3 +161,18 @@ def test_num_train_beyond_the_warm_starts_problems_is_refused(tmp_path):
     _refused(c, f"config.task.num_train: {n + 1}", f"only {n} distinct", check=check_warmstart_args)
     c.task.num_train = n
     check_warmstart_args(c)
+
+
+@pytest.mark.parametrize("schedule, kwargs, message", [
+    # optim.lr fills the schedule's first value: it was "make_schedule() got multiple values for keyword argument"
+    ("step_decay", {"decay_period": 10, "init_value": 1e-3},
+     r"config\.optim\.schedule_kwargs: init_value: schedule 'step_decay' takes its init_value from optim\.lr; set "
+     r"optim\.lr instead"),
+    ("linear_warmup", {"warmup_steps": 10, "peak_value": 1e-3}, r"takes its peak_value from optim\.lr"),
+    # a string was "must be real number, not str", naming no argument
+    ("linear_warmup", {"warmup_steps": 10, "init_value": "0"}, r"init_value must be a finite number >= 0, got '0'"),
+])
+def test_schedule_kwargs_that_cannot_be_used_are_named(schedule, kwargs, message):
+    c = _config(**{"optim.schedule": schedule, "optim.schedule_kwargs": kwargs})
+    with pytest.raises(ConfigError, match=message):
+        validate(c)
