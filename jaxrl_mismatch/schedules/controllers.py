@@ -233,7 +233,9 @@ class LengthTriggeredDecay(Controller):
       period), the first halving is at the trigger step and the next ones every `period` after it.
       Halving stops at `floor` (paper: 1/10). The trigger fires once.
 
-    Detection starts after `min_steps_before_detect` observations (default `baseline_window`).
+    Detection starts at the `min_steps_before_detect`-th observation (default `baseline_window`; at least
+    `baseline_window`): with every step observed, step index N − 1. (`MetricTriggered` counts the other way:
+    it first evaluates the observation after its N-th, step index N; both kept as the recorded runs used them.)
     A format-1 state (baseline = mean of the first `baseline_window` lengths) migrates: its saved
     baseline seeds the running minimum; a state that had already fired continues its staircase exactly.
     """
@@ -361,7 +363,8 @@ class MetricTriggered(Controller):
     alarms mean the instability is under way, so the controller cuts at the alarm itself (in the trainer, from the
     update right after the alarm step's).
 
-    Alarm at step t (evaluated every step, after `min_steps_before_detect` observations):
+    Alarm at step t (evaluated every step once `min_steps_before_detect` = N observations have passed, i.e. from
+    the (N+1)-th: step index N when every step is observed; `LengthTriggeredDecay` starts at its N-th):
 
     * `threshold` is set and the (optionally EMA-smoothed) metric is `>= threshold`, or
     * `trend_window` and `trend_slope` are set and the least-squares slope of the smoothed metric over
