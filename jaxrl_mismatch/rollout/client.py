@@ -446,6 +446,10 @@ class RolloutClient:
             return self._call("UpdateWeightsShm",
                               lambda: self._stub.UpdateWeightsShm(msg, timeout=self._timeout_s, metadata=md))
         except RolloutError as e:
+            # An abandoned handler (a deadline passed) may still be reading this buffer: the next push must not
+            # rewrite it under the server, or a version would be applied as a mix of two pushes' bytes.
+            self._shm.close()
+            self._shm = None
             unreachable = e.kind == SHM_UNREACHABLE or e.code == grpc.StatusCode.UNIMPLEMENTED
             if self.weight_transport == "shm" or not unreachable:
                 raise

@@ -28,6 +28,7 @@ forces either ("shm" then fails instead of falling back).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import stat
@@ -82,11 +83,16 @@ class ShmWriter:
     Reused rather than created per push: on this machine a fresh 50 MB shared-memory file costs ~125 ms to
     allocate (400 MB/s) while rewriting an allocated one runs at memcpy speed (benchmarks/rollout.py).
     Safe because the server never keeps views of it: it verifies the bytes and the engine copies them
-    before UpdateWeightsShm answers, and pushes of one client are sequential.
+    before UpdateWeightsShm answers, and pushes of one client are sequential. A push that failed (its
+    deadline passed, say) may still be read by the server's handler: the client then drops this writer and
+    the next push writes a new file (`RolloutClient._push_shm`), never the bytes being read.
     """
 
     def __init__(self) -> None:
-        self._fd = os.memfd_create("jaxrl-weights", os.MFD_CLOEXEC)
+        self._fd = os.memfd_create("jaxrl-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # Sealed against shrinking (it still grows): the server maps it, and a file truncated under a mapping
+        # kills the reader with SIGBUS. The server refuses a file without this seal (`ShmReader`).
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         # Closed when collected or at interpreter exit too (after a SIGKILL the kernel closes it).
         self._finalizer = weakref.finalize(self, os.close, self._fd)
         self._map: mmap.mmap | None = None
@@ -167,6 +173,13 @@ class ShmReader:
                 raise RequestError("fd", f"{path} is {_file_kind(st.st_mode)}, not a shared-memory file")
             if msg.size < 1 or msg.size > st.st_size:
                 raise RequestError("size", f"{msg.size} bytes announced, the shared-memory file has {st.st_size}")
+            try:
+                sealed = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+            except OSError:  # not a memfd (a file that takes no seals)
+                sealed = False
+            if not sealed:  # else the caller could truncate it under our mapping: SIGBUS, the server gone
+                raise RequestError("fd", f"{path} is not a memfd sealed against shrinking (F_SEAL_SHRINK); the "
+                                   "server maps it and a shrunk file would crash the reader")
             key = (st.st_dev, st.st_ino, st.st_size)
             if key != self._key:
                 self.close()

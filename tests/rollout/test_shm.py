@@ -131,7 +131,32 @@ def test_non_finite_weights_are_refused_over_shm_too(served, tiny_checkpoints):
         before = served.engine.info().weight_version
         with pytest.raises(RolloutError, match="non-finite") as err:
             client.push_weights(weights, version=before + 1)
+        # A failed push's buffer may still be read by an abandoned handler: the next push writes a new file.
+        assert client._shm is None
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in str(err.value)
+    assert served.engine.info().weight_version == before
+
+
+@pytest.mark.slow
+def test_a_buffer_the_caller_could_shrink_is_refused_and_ours_cannot_shrink(served, tiny_checkpoints):
+    """The server maps the caller's file; truncated under the mapping it killed the server with SIGBUS (a review's
+    race: exit 135). A file without the shrink seal is refused naming `fd`; the trainer's own cannot shrink."""
+    before = served.engine.info().weight_version
+    stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(f"127.0.0.1:{served.port}"))
+    writer, msg = _shm_msg(read_checkpoint(tiny_checkpoints["untied"]), before + 1)
+    with pytest.raises(PermissionError):
+        os.ftruncate(msg.fd, 0)
+    unsealed = os.memfd_create("unsealed")
+    try:
+        os.write(unsealed, os.pread(msg.fd, msg.size, 0))  # the same bytes, the same checksum
+        msg.fd = unsealed
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWeightsShm(msg, timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    finally:
+        os.close(unsealed)
+        writer.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("fd: ") and "sealed against shrinking" in err.value.details()
     assert served.engine.info().weight_version == before
 
 
