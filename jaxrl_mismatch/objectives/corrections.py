@@ -51,8 +51,11 @@ def _finish(w: jax.Array, mask: TokenMask) -> TokenFloat:
 
 
 def _seq_rho(old_logp, rollout_logp, mask, level: str) -> jax.Array:
-    """Sequence ratio (``seq_sum`` product or ``seq_mean`` geometric mean) broadcast to ``[B, T]``."""
-    return broadcast_seq(jnp.exp(seq_log_ratio(log_rho(old_logp, rollout_logp, mask), mask, level)), mask)
+    """Sequence ratio (``seq_sum`` product or ``seq_mean`` geometric mean) broadcast to ``[B, T]``. The token
+    log-ratios are summed unclamped (a token beyond ±20 would change Π_t ρ_t, FP16 eqs. 5, 10); the clamp acts on
+    the sequence value, before ``exp``."""
+    token = masked_log_diff(old_logp, rollout_logp, mask, clamp=False)
+    return broadcast_seq(jnp.exp(seq_log_ratio(token, mask, level)), mask)
 
 
 def no_correction(old_logp: TokenFloat, rollout_logp: TokenFloat, mask: TokenMask, **_) -> TokenFloat:

@@ -67,7 +67,8 @@ def gspo_surrogate(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloa
     """GSPO(-token) objective with the length-normalised sequence ratio (objective-hacking eq. 16)."""
     m = as_bool_mask(mask)
     a = _adv(advantages, m)
-    log_s = broadcast_seq(seq_log_ratio(log_ratio_ppo(logp, old_logp, m), m, "seq_mean"), m)
+    # the geometric mean of the unclamped token ratios; the clamp acts on the mean (ratios.py)
+    log_s = broadcast_seq(seq_log_ratio(masked_log_diff(logp, old_logp, m, clamp=False), m, "seq_mean"), m)
     s_tok = jnp.exp(sg(log_s)) * score(logp, m)
     obj = jnp.minimum(s_tok * a, jnp.clip(s_tok, 1.0 - eps_low, 1.0 + eps_high) * a)
     s = jnp.exp(log_s)
@@ -80,7 +81,9 @@ def gmpo_surrogate(logp: TokenFloat, old_logp: TokenFloat, advantages: TokenFloa
     """GMPO objective: ``A · geometric mean of token ratios``, token log-ratios clipped to [−ε, ε] (GMPO eq. 1)."""
     m = as_bool_mask(mask)
     a = _adv(advantages, m)
-    lr = log_ratio_ppo(logp, old_logp, m)
+    # Unclamped: GMPO's pessimistic side is not clipped and its gradient (A·g·∇log r_t / |y|) is not scaled by
+    # r_t, so a clamp at ±20 would drop a token's gradient; only the sequence mean is clamped before exp.
+    lr = masked_log_diff(logp, old_logp, m, clamp=False)
     sgn = jnp.sign(a)
     # min over (unclipped, clipped) of sgn·log r, i.e. PPO's pessimistic choice applied in log space.
     lr_c = sgn * jnp.minimum(sgn * lr, sgn * jnp.clip(lr, -eps, eps))

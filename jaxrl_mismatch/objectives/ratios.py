@@ -14,14 +14,16 @@ Convention (pinned by ``tests/objectives/test_obj_corrections.py::test_conventio
   (FP16 eqs. 5, 10); it drifts far from 1 on long responses.
   ``seq_mean`` — ``(1/|y|) Σ_t log ρ_t``: the length-normalised geometric mean (GSPO, Geo-RS); stays O(1).
 
-Numerical safety: every log-difference is clamped to ±``LOG_RATIO_CLAMP`` (= 20, e^20 ≈ 4.9e8) before
-``exp`` — at the token level, and again after a sequence reduction — so ratios and their squares
-(e^40 ≈ 2.4e17) stay finite in float32 for any finite inputs. Inside the clamp the values are exact; outside,
-the gradient of the clamped quantity is zero. Mostly a clip or a truncation would zero it there anyway, but
-not for PPO's (and GMPO's) A < 0 branch without a dual clip, where r·A is unclipped: there the clamp acts as a
-dual clip at r = e^20 (a gradient of ≈ 4.9e8·|A| per token would be a blow-up in any case). GSPO and PG take
-their gradient through ``score`` (exp(logp − sg(logp)), unclamped), which keeps it beyond the clamp. The rejection
-masks compare unclamped log-ratios (``corrections.rejection_mask``), so their bounds hold beyond e^±20.
+Numerical safety: every log-ratio is clamped to ±``LOG_RATIO_CLAMP`` (= 20, e^20 ≈ 4.9e8) before ``exp``, so
+ratios and their squares (e^40 ≈ 2.4e17) stay finite in float32 for any finite inputs: a token ratio at the token
+level, a sequence ratio after its reduction — which sums the *unclamped* token log-ratios (sequence IS weights,
+GSPO's and GMPO's geometric means), since a token beyond ±20 changes Π_t ρ_t (+25 and −24 are ρ(y) = e, not 1).
+Inside the clamp the values are exact; outside, the gradient of the clamped quantity is zero. Mostly a clip or a
+truncation would zero it there anyway, but not for PPO's A < 0 branch without a dual clip, where r·A is
+unclipped: there the clamp acts as a dual clip at r = e^20 (a gradient of ≈ 4.9e8·|A| per token would be a
+blow-up in any case). GSPO and PG take their gradient through ``score`` (exp(logp − sg(logp)), unclamped), and
+GMPO through exp(lr − sg(lr)), which keep it beyond the clamp (GMPO's token gradient is not scaled by r_t). The
+rejection masks compare unclamped log-ratios (``corrections.rejection_mask``), so their bounds hold beyond e^±20.
 Padding positions are replaced with 0 (log-ratio) by ``jnp.where`` before any arithmetic, so garbage,
 huge or infinite values in padding never reach a loss or a metric.
 """

@@ -263,3 +263,12 @@ def test_extreme_log_ratios_stay_finite(scale, seed):
     for name in REJECTIONS:
         low, high = REJ_BOUNDS.get(name.split("_")[0], (None, None))
         assert np.all(np.isfinite(np.asarray(rejection_mask(name, old, roll, mask, low=low, high=high))))
+
+
+@pytest.mark.parametrize("name", ["seq_sum_is", "seq_sum_tis", "seq_sum_mis"])
+def test_sequence_weights_sum_token_log_ratios_beyond_the_clamp(name):
+    """log ρ(y) = Σ_t log ρ_t (FP16 eqs. 5, 10) from the unclamped tokens: +25 and −24 give ρ(y) = e. Each token
+    was clamped to ±20 before the sum, which gave 1 (a review's case); only the sequence value is clamped."""
+    old, roll, mask = jnp.array([[0.0, -24.0]]), jnp.array([[-25.0, 0.0]]), jnp.ones((1, 2), bool)
+    got = np.asarray(is_weights(name, old, roll, mask, cap=3.0, low=LOW))
+    np.testing.assert_allclose(got[0], [math.e, math.e], rtol=1e-6)

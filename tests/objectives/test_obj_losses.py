@@ -258,3 +258,26 @@ def test_policy_loss_accepts_preset_name_and_is_jittable():
     jitted = jax.jit(lambda *a: policy_loss(cfg, logp=a[0], old_logp=a[1], rollout_logp=a[2], advantages=a[3],
                                             mask=a[4], norm=a[5]))(logp, old, roll, adv, mask, norm)[0]
     np.testing.assert_allclose(eager, jitted, rtol=1e-6)
+
+
+def test_gmpo_keeps_a_token_gradient_beyond_the_log_ratio_clamp():
+    """GMPO's pessimistic side is unclipped and its token gradient, A·g·∇log r_t / |y| (GMPO eq. 1), is not
+    scaled by r_t: a token at log r = −25 (A > 0) has the same gradient as the others. The ±20 clamp of each
+    token's log-ratio zeroed it (a review's case: 0 against −0.0121)."""
+    t = 50
+    old = jnp.full((1, t), -1.0)
+    logp = old.at[0, 7].add(-25.0)
+    adv, mask = jnp.ones((1, t)), jnp.ones((1, t), bool)
+    cfg = objective_config("gmpo")
+    norm = batch_constants(cfg, mask, old, old)
+    loss = lambda x: policy_loss(cfg, logp=x, old_logp=old, rollout_logp=old, advantages=adv, mask=mask,  # noqa: E731
+                                 norm=norm)[0]
+
+    def reference(x, eps=0.4):  # −(Π_t min(r_t, clip(r_t, e^−ε, e^ε)))^(1/|y|) for A = 1
+        lr = x - old
+        return -jnp.exp(jnp.mean(jnp.minimum(lr, jnp.clip(lr, -eps, eps))))
+
+    np.testing.assert_allclose(loss(logp), reference(logp), rtol=1e-5)
+    got, want = jax.grad(loss)(logp), jax.grad(reference)(logp)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-9)
+    assert float(got[0, 7]) < -0.01
