@@ -232,13 +232,17 @@ class JaxEngine(Engine):
         samples = np.zeros((n_rows,), np.int32)
         for r, (i, j) in enumerate(rows):
             keys[r], samples[r] = spec.prompt_offset + i, j
+        # Padding rows (up to the bucketed row count) may draw nothing: with the batch's limit they decoded their
+        # own continuation, and the loop ran until they stopped too (up to max_tokens past the real rows' end).
+        limits = np.zeros((n_rows,), np.int32)
+        limits[: len(rows)] = spec.max_tokens
         stop = np.full((MAX_STOP_SLOTS,), -1, np.int32)
         stop[: len(spec.stop_token_ids)] = spec.stop_token_ids
         base_key = seed_key_data(spec.seed)
         out = _sample_program(
             self._graphdef, params, self._rest, jnp.asarray(ids), jnp.asarray(mask), base_key,
             jnp.asarray(keys), jnp.asarray(samples), np.float32(spec.temperature), np.int32(spec.top_k),
-            np.float32(spec.top_p), jnp.asarray(stop), np.int32(spec.max_tokens), np.float32(spec.logit_noise_std),
+            np.float32(spec.top_p), jnp.asarray(stop), jnp.asarray(limits), np.float32(spec.logit_noise_std),
             None if row_src is None else jnp.asarray(row_src),
             new_len=new_len, filtering=sampling.uses_filtering(spec.top_k, spec.top_p, spec.temperature),
             inject=spec.logit_noise_std > 0, routing=spec.return_routing,
@@ -311,11 +315,11 @@ def _sample_program(
     base_key, prompt_idx: Int[Array, " rows"], sample_idx: Int[Array, " rows"],
     temperature, top_k, top_p,
     stop_ids: Int[Array, " stops"],
-    max_tokens, sigma,
+    max_tokens: Int[Array, " rows"], sigma,
     row_src: Int[Array, " rows"] | None = None,
     *, new_len: int, filtering: bool, inject: bool, routing: bool = False,
 ) -> tuple[Int[Array, "rows new"], Float[Array, "rows new"], Int[Array, " rows"], Bool[Array, " rows"], Array, Array]:
-    """Prefill + sampled decode until every row stopped or `max_tokens` (≤ new_len) tokens exist.
+    """Prefill + sampled decode until every row stopped or has its `max_tokens` (≤ new_len; 0 for padding) tokens.
 
     `row_src`: None, one prompt row per sampled row; else the prompts are the distinct ones, each prefilled
     once, and row r decodes from a copy of prompt row `row_src[r]`'s cache and last logits.

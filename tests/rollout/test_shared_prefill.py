@@ -64,3 +64,23 @@ def test_distinct_rows_keeps_first_use_order():
     assert first == [0, 1, 3, 5] and src.tolist() == [0, 1, 0, 2, 1, 3]
     first, src = distinct_rows([])
     assert first == [] and src.shape == (0,)
+
+
+def test_padding_rows_draw_nothing_so_the_loop_ends_with_the_real_rows(tiny_checkpoints, monkeypatch):
+    """The rows are bucketed to a power of two; the padding rows had the batch's max_tokens, so each decoded a
+    continuation of its own and the loop ran until they stopped too (a review: 73 steps for real rows of ≤ 5
+    tokens at max_tokens 1024). They now have a limit of 0: 0 tokens, and the real rows' completions unchanged."""
+    program, lengths = jax_engine._sample_program, []
+
+    def spy(*args, **kwargs):
+        out = program(*args, **kwargs)
+        lengths.append(np.asarray(out[2]))
+        return out
+
+    monkeypatch.setattr(jax_engine, "_sample_program", spy)
+    engine = JaxEngine(str(tiny_checkpoints["untied"]), share_prefill=False)
+    spec = SamplingSpec(n=1, max_tokens=64, temperature=1.0, seed=5, stop_token_ids=(5, 11))
+    out = engine.generate(PROMPTS[:3], spec)  # 3 rows in a program of 4
+    (got,) = lengths
+    assert got.shape == (4,) and got[3] == 0
+    assert got[:3].tolist() == [len(g[0].token_ids) for g in out]
