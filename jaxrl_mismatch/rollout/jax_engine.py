@@ -179,6 +179,14 @@ class JaxEngine(Engine):
         kept = np.zeros((len(rows), spec.max_tokens), np.int32) if filtering else None
         if spec.return_routing and (spec.exact or not self.cfg.is_moe):
             raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
+        # The server checks these per request (`validation.py`); in-process callers (attribute, analyze) reach
+        # the engine directly: an empty row sampled from a fully masked prefill, positions past the model's range.
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            if len(p) + spec.max_tokens > self._max_model_len:
+                raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_tokens ({spec.max_tokens}) exceeds "
+                                 f"max_model_len {self._max_model_len}")
         for start in range(0, len(rows), self._max_batch_rows):
             if cancelled is not None and cancelled.is_set():
                 raise GenerationCancelled(f"the caller went away after {start} of {len(rows)} rows")

@@ -17,7 +17,8 @@ alone (independent of sort stability), which is what lets a trainer rebuild it f
 
 Order of operations (as vLLM and HF transformers): temperature, then top-k, then top-p on the top-k
 renormalised distribution. A temperature below GREEDY_TEMPERATURE (vLLM's threshold, 0 included) means
-greedy decoding: μ is the point mass on the arg-max (top_k = 1 at temperature 1), log-prob 0.
+greedy decoding: top_k = 1 at temperature 1, i.e. μ is the point mass on the arg-max, log-prob 0 (shared
+equally by tokens tied exactly for the largest logit: the top-k mask keeps ties, as vLLM's does).
 """
 
 from __future__ import annotations

@@ -59,6 +59,10 @@ def test_greedy_temperatures_are_a_point_mass_on_the_argmax(temperature):
 def test_ties_at_the_boundary_are_all_kept():
     logits = jnp.array([[3.0, 1.0, 1.0, 1.0, 0.0]])
     assert keep_mask(logits, 1.0, 2, 1.0).tolist() == [[True, True, True, True, False]]
+    # greedy with an exact tie for the largest logit: both kept, log ½ each (as vLLM's top-k; docs/rollout.md)
+    lp = np.asarray(processed_logprobs(jnp.array([[2.0, 3.0, 3.0, 1.0]]), 0.0, 0, 1.0))
+    np.testing.assert_allclose(lp[0, 1:3], np.log(0.5), rtol=1e-6)
+    assert np.isneginf(lp[0, [0, 3]]).all()
 
 
 def test_trainer_side_token_logprob():

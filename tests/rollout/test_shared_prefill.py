@@ -84,3 +84,15 @@ def test_padding_rows_draw_nothing_so_the_loop_ends_with_the_real_rows(tiny_chec
     (got,) = lengths
     assert got.shape == (4,) and got[3] == 0
     assert got[:3].tolist() == [len(g[0].token_ids) for g in out]
+
+
+def test_the_engine_itself_refuses_an_empty_prompt_and_rows_past_max_model_len(tiny_checkpoints):
+    """The server checks these; in-process callers reach the engine directly (a review: a 60-token prompt with
+    max_tokens 40 under max_model_len 64 sampled 40 tokens, an empty prompt sampled from a masked prefill)."""
+    engine = JaxEngine(str(tiny_checkpoints["untied"]), max_model_len=64)
+    spec = SamplingSpec(n=1, max_tokens=40, temperature=1.0, seed=5)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: 60 tokens \+ max_tokens \(40\) exceeds max_model_len 64"):
+        engine.generate([[3, 4], [7] * 60], spec)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: empty prompt"):
+        engine.generate([[]], spec)
+    assert len(engine.generate([[7] * 24], spec)[0][0].token_ids) <= 40  # 24 + 40 = 64 fits
