@@ -51,3 +51,14 @@ def test_a_failed_figure_write_keeps_the_previous_figure(draw, tmp_path, monkeyp
     with pytest.raises(OSError, match="disk full"):
         draw(str(out))
     assert out.read_bytes() == previous and [p.name for p in tmp_path.iterdir()] == ["figure.png"]
+
+
+def test_log_axes_draw_when_every_log_prob_is_zero(tmp_path):
+    """Greedy sampling of a confident model: every log-prob 0 gave the log-axes hexbin an empty extent and
+    `--axes log` ended in "Invalid vmin or vmax" after the table was printed (a review's case)."""
+    summary = collections.defaultdict(lambda: 0.25)
+    dump = {"logp_train": np.zeros(8), "logp_rollout": np.zeros(8)}
+    out = tmp_path / "pairs.png"
+    analysis.plot_pairs([("fp32:float32", dump, summary, np.array([4, 4]), np.zeros(2))], ["pi_low"], str(out),
+                        axes="log")
+    assert out.stat().st_size > 0

@@ -31,7 +31,7 @@ from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
 from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
 from jaxrl_mismatch.outputs import staged_dir, write_json
-from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
+from jaxrl_mismatch.rollout.validation import MAX_STOP_TOKEN_IDS, vllm_temperature_problem
 from jaxrl_mismatch.jobs._inputs import model_config, task_json
 from jaxrl_mismatch.usage import INT32_MAX, UsageError, check_seed, existing_file, int_list, physical_memory_bytes
 
@@ -136,7 +136,7 @@ def summarize(dump: dict[str, np.ndarray], cfg: MetricsConfig = MetricsConfig())
     out["analysis/sequences"] = float(lp_tr.shape[0])
     out["analysis/logp_abs_diff_max"] = float(np.max(np.abs(d))) if d.size else 0.0
     out["analysis/logp_abs_diff_mean"] = float(np.mean(np.abs(d))) if d.size else 0.0
-    seq_lr = np.sum(np.clip(lp_tr.astype(np.float64) - lp_ro, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask, axis=1)
+    _, seq_lr = _seq_log_ratio(dump)
     out["analysis/seq_log_ratio_mean"] = float(seq_lr.mean())
     out["analysis/seq_log_ratio_std"] = float(seq_lr.std())
     out["analysis/seq_log_ratio_abs_max"] = float(np.max(np.abs(seq_lr)))
@@ -150,8 +150,10 @@ def summarize(dump: dict[str, np.ndarray], cfg: MetricsConfig = MetricsConfig())
 
 
 def _seq_log_ratio(dump: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(response lengths, log π(y)/μ(y)) per sequence: the unclamped token log-ratios summed, the sum clamped to
+    ±LOG_RATIO_CLAMP — the trainer's sequence ratio (`metrics.step`, `objectives.ratios`)."""
     lp_tr, lp_ro, mask = response_arrays(dump)
-    lr = np.sum(np.clip(lp_tr.astype(np.float64) - lp_ro, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask, axis=1)
+    lr = np.clip(np.sum((lp_tr.astype(np.float64) - lp_ro) * mask, axis=1), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return mask.sum(axis=1), lr
 
 
@@ -338,7 +340,7 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
     results in the order of `a.pairs`."""
     from jaxrl_mismatch.data.batching import pad_rows
     from jaxrl_mismatch.rollout import SamplingSpec
-    from jaxrl_mismatch.rollout.engine import check_finite_logprobs
+    from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError, check_finite_logprobs
     from jaxrl_mismatch.rollout.session import RolloutSession
 
     cfg = ModelConfig.from_hf(a.model)
@@ -366,11 +368,15 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
         with RolloutSession.launch(work_dir=work_dir, engine=a.engine, model=a.model, dtype=engine) as session:
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=tok_vocab)
-            groups = session.generate(prompts, spec)
+            try:
+                groups = session.generate(prompts, spec)
+                check_finite_logprobs(groups)
+            except NonFiniteLogprobsError as e:  # the engine's dtype overflows on this model: no pair can be made
+                raise UsageError(f"--pairs ...:{engine}: the {engine} engine's log-probs of --model {a.model} are not "
+                                 f"finite ({e}); leave this engine dtype out") from None
         # The stopped server's push token is no output: the folder gets ordinary permissions when renamed into place.
         with contextlib.suppress(FileNotFoundError):
             os.remove(session.server.token_file)
-        check_finite_logprobs(groups)
         comps = [groups[i][j] for i, j in zip(prompt_id, sample_id)]
         rows = pad_rows(row_prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], pad_id=0)
         t_sample = time.perf_counter() - t0
@@ -476,6 +482,9 @@ def _check_args(a: argparse.Namespace) -> None:
     a.stop_ids = int_list("--stop-ids", a.stop_ids) if a.stop_ids else []
     if bad := [i for i in a.stop_ids if not 0 <= i < cfg.vocab_size]:
         raise UsageError(f"--stop-ids: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
+    a.stop_ids = list(dict.fromkeys(a.stop_ids))  # a repeated id stops nothing more
+    if len(a.stop_ids) > MAX_STOP_TOKEN_IDS:  # the rollout server's bound: refused now, not after it started
+        raise UsageError(f"--stop-ids: at most {MAX_STOP_TOKEN_IDS} distinct ids, got {len(a.stop_ids)}")
     if a.max_tokens is None:
         a.max_tokens = task_json("--model", a.model)[1] or DEFAULT_MAX_TOKENS
     for flag, value in (("--num-prompts", a.num_prompts), ("--n", a.n), ("--max-tokens", a.max_tokens),

@@ -92,11 +92,12 @@ def _sample_index(p: Float[Array, "*rows vocab"], u: Float[Array, " draws"]) -> 
     return jnp.minimum(idx, last_positive).astype(jnp.int32)
 
 
-def _kl_low_vs_ref(p_low: Float[Array, "*rows vocab"], p_ref: Float[Array, "*rows vocab"]) -> Float[Array, "*rows"]:
-    """KL(p̃/Σp̃ ‖ p) over the vocabulary, float32 (0·log 0 = 0)."""
+def _kl_low_vs_ref(p_low: Float[Array, "*rows vocab"], z: Float[Array, "*rows vocab"]) -> Float[Array, "*rows"]:
+    """KL(p̃/Σp̃ ‖ p) over the vocabulary, float32 (0·log 0 = 0), with log p = log_softmax(z): log(softmax(z))
+    was −inf where p underflowed in float32 while p̃ > 0 (large scales), an infinite KL for a finite one."""
     q = p_low / jnp.sum(p_low, axis=-1, keepdims=True)
     safe = jnp.where(q > 0, q, 1.0)
-    return jnp.sum(jnp.where(q > 0, q * (jnp.log(safe) - jnp.log(p_ref)), 0.0), axis=-1)
+    return jnp.sum(jnp.where(q > 0, q * (jnp.log(safe) - jax.nn.log_softmax(z, axis=-1)), 0.0), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("vocab", "tokens", "dtype", "shared_logits"))
@@ -127,7 +128,7 @@ def simulate_softmax(seed: Int[Array, ""], scale: Float[Array, ""], *, vocab: in
         z = logits(0)
         p_ref, p_low = jax.nn.softmax(z, axis=-1), low_precision_softmax(z, dtype)
         idx = _sample_index(p_low, u)
-        return p_ref[idx], p_low[idx], _kl_low_vs_ref(p_low, p_ref)[None]
+        return p_ref[idx], p_low[idx], _kl_low_vs_ref(p_low, z)[None]
 
     chunk = min(SIM_CHUNK, tokens)
     n_chunks = -(-tokens // chunk)
@@ -140,7 +141,7 @@ def simulate_softmax(seed: Int[Array, ""], scale: Float[Array, ""], *, vocab: in
         p_ref, p_low = jax.nn.softmax(z, axis=-1), low_precision_softmax(z, dtype)
         idx = _sample_index(p_low, us)
         take = lambda p: jnp.take_along_axis(p, idx[:, None], axis=-1)[:, 0]  # noqa: E731
-        return take(p_ref), take(p_low), _kl_low_vs_ref(p_low, p_ref)
+        return take(p_ref), take(p_low), _kl_low_vs_ref(p_low, z)
 
     p_ref, p_low, kl = jax.lax.map(one_chunk, (t_idx, u_pad))
     return p_ref.reshape(-1)[:tokens], p_low.reshape(-1)[:tokens], kl.reshape(-1)[:tokens]

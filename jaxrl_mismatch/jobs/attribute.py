@@ -41,7 +41,7 @@ from jaxrl_mismatch.models import kv_cache, load_hf, make_scorer
 from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positions_from_mask
 from jaxrl_mismatch.models.sharding import tree_path
 from jaxrl_mismatch.outputs import staged_dir, write_json
-from jaxrl_mismatch.rollout.engine import SamplingSpec
+from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError, SamplingSpec
 from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
 from jaxrl_mismatch.jobs._inputs import model_config
 from jaxrl_mismatch.usage import UsageError, check_seed
@@ -244,8 +244,12 @@ def _load_pair(model_dir: str, trainer: str, engine: str, components):
 def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list[int]], *, components, n: int,
                    max_tokens: int, temperature: float, seed: int) -> dict:
     """Sample with the engine, then the per-layer divergence and the ablation matrix of one (trainer, engine) pair."""
-    completions = JaxEngine(model_dir, dtype=engine).generate(
-        prompts, SamplingSpec(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed))
+    try:
+        completions = JaxEngine(model_dir, dtype=engine).generate(
+            prompts, SamplingSpec(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed))
+    except NonFiniteLogprobsError as e:  # the engine's dtype overflows on this model: the pair has no samples
+        raise UsageError(f"--pairs {trainer}:{engine}: the {engine} engine's log-probs of --model {model_dir} are "
+                         f"not finite ({e}); leave this engine dtype out") from None
     ids, pmask, resp, mu_engine, prompt_idx = _rows(prompts, completions)
     tokens = np.concatenate([ids, resp], axis=1)
     mask = np.concatenate([pmask, np.ones_like(resp)], axis=1)

@@ -35,6 +35,7 @@ def _scatter(ax, dump: dict, summary: dict, axes: str) -> None:
     else:
         x, y = lp_tr, lp_ro
         lo = float(min(x.min(), y.min())) if x.size else -1.0
+        lo = min(lo, -1.0)  # every log-prob 0 (greedy, a certain model) gave an empty extent: no figure
         hi, label = 0.0, "log {} probability"
     if x.size:
         hb = ax.hexbin(x, y, gridsize=60, bins="log", mincnt=1, extent=(lo, hi, lo, hi), cmap="viridis")

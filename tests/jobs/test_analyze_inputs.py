@@ -159,3 +159,37 @@ def test_bf16_softmax_table_sizes_the_seed_column():
         text, _ = analyze_softmax.softmax_tables({"setting": setting, "seeds": rows, "comparison": comparison})
         line = next(ln for ln in text.splitlines() if ln.startswith("2147483647"))
         assert line.split()[:2] == ["2147483647", "1.0000"], line
+
+
+def test_more_stop_ids_than_the_server_takes_are_refused_before_it_starts(ckpt, tmp_path):
+    """The rollout server takes at most 64 stop ids; 65 passed the flag check and failed after the server had
+    started (exit 1). Refused with the flag now; repeated ids count once."""
+    from jaxrl_mismatch.rollout.validation import MAX_STOP_TOKEN_IDS
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('[3, 4, 5]\n')
+    ids = ",".join(str(i) for i in range(1, MAX_STOP_TOKEN_IDS + 2))
+    msg = _refused(["rollouts", "--model", ckpt, "--prompt-ids", str(prompts), "--stop-ids", ids,
+                    "--out", str(tmp_path / "o")], "--stop-ids")
+    assert f"at most {MAX_STOP_TOKEN_IDS} distinct ids, got {MAX_STOP_TOKEN_IDS + 1}" in msg
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_engine_dtype_that_overflows_is_named_not_a_traceback(monkeypatch):
+    """An engine whose log-probs are not finite (the model overflows in fp16) ended `analyze attribute` with
+    exit 1 and a NonFiniteLogprobsError; it is one usage line naming the pair and the model (exit 2)."""
+    from jaxrl_mismatch.jobs import attribute
+    from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError
+
+    class Overflowing:
+        def __init__(self, model_dir, dtype):
+            pass
+
+        def generate(self, prompts, spec):
+            raise NonFiniteLogprobsError(0, 0, 0, float("nan"), 0)
+
+    monkeypatch.setattr(attribute, "JaxEngine", Overflowing)
+    with pytest.raises(UsageError, match=r"^--pairs fp32:float16: the float16 engine's log-probs of --model m are "
+                                         r"not finite \(.*\); leave this engine dtype out$"):
+        attribute.attribute_pair("m", "fp32", "float16", [[1, 2]], components=(), n=1, max_tokens=2,
+                                 temperature=1.0, seed=0)

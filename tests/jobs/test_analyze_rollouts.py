@@ -209,3 +209,15 @@ def test_rollouts_bad_model_and_prompt_files(ckpt_dir, tmp_path):
                       "--out", str(tmp_path / "o")])
     with pytest.raises(UsageError, match="--model"):  # a random checkpoint has no tokenizer for --task
         analyze.main(["rollouts", "--model", ckpt_dir, "--task", "arithmetic", "--out", str(tmp_path / "o")])
+
+
+def test_sequence_log_ratio_is_the_trainers():
+    """log π(y)/μ(y) sums the unclamped token log-ratios and clamps the sum (metrics.step, objectives.ratios):
+    tokens +25, −10, 0 give 15; each token clamped to ±20 first gave 10 (a review's case)."""
+    from jaxrl_mismatch.jobs.analyze_rollouts import _seq_log_ratio
+
+    dump = {"prompt_id": np.zeros(3, np.int32), "sample_id": np.zeros(3, np.int32), "position": np.arange(3),
+            "logp_train": np.array([-1.0, -12.0, -0.5], np.float32),
+            "logp_rollout": np.array([-26.0, -2.0, -0.5], np.float32)}
+    lengths, lr = _seq_log_ratio(dump)
+    assert lengths.tolist() == [3] and lr.tolist() == pytest.approx([15.0])

@@ -169,3 +169,19 @@ def test_bf16_softmax_refuses_an_out_folder_it_did_not_write(tmp_path):
     (tmp_path / "file").write_text("mine")  # --out names a file: refused in one line, not a FileExistsError
     with pytest.raises(UsageError, match=f"--out {tmp_path / 'file'}: is a file"):
         analyze.main(["bf16-softmax", "--out", str(tmp_path / "file")])
+
+
+def test_kl_is_finite_where_the_float32_softmax_underflows():
+    """At a large logit scale p = softmax(z) underflows to 0 in float32 where p̃ > 0: log p was −inf and the KL
+    of such a row inf (1 of 200 rows at --scale 1000, a review). log_softmax keeps it finite and right."""
+    z = jnp.asarray(np.random.default_rng(2).normal(0, 1000.0, (200, 64)).astype(np.float32))
+    p_low = analyze_softmax.low_precision_softmax(z, "bfloat16")
+    kl = np.asarray(analyze_softmax._kl_low_vs_ref(p_low, z))
+    assert np.all(np.isfinite(kl))
+    q = np.asarray(p_low, np.float64)
+    q = q / q.sum(-1, keepdims=True)
+    z64 = np.asarray(z, np.float64)
+    log_p = z64 - z64.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    want = np.sum(np.where(q > 0, q * (np.log(np.where(q > 0, q, 1.0)) - log_p), 0.0), axis=-1)
+    np.testing.assert_allclose(kl, want, rtol=1e-3, atol=1e-5)
