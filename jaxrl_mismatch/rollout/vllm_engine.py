@@ -121,16 +121,6 @@ def _to_torch(arr: np.ndarray):
 
 
 # -- functions run on the vLLM worker (in this process) through collective_rpc -------------------------
-def _file_store(worker) -> str | None:
-    """The file of torch.distributed's FileStore vLLM's single-process executor rendezvoused through
-    (`file://$TMPDIR/vllm_dist_<hex>`), or None. vLLM never removes it: one file left in /tmp per engine."""
-    method = getattr(worker, "distributed_init_method", None) or ""
-    path = method[len("file://"):] if method.startswith("file://") else ""
-    name = os.path.basename(path)
-    ok = name.startswith("vllm_dist_") and all(c in "0123456789abcdef" for c in name[len("vllm_dist_"):])
-    return path if ok else None
-
-
 def _inspect_lm_head(worker) -> dict:
     """Whether the LM head shares the embedding Parameter and uses a CPU pre-packed GEMM."""
     model = worker.model_runner.get_model()
@@ -300,7 +290,6 @@ class VLLMEngine(Engine):
             self._vocab_size = int(model_config.hf_config.vocab_size)
             tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
             head = self._llm.collective_rpc(_inspect_lm_head)[0]
-            self._dist_file = self._llm.collective_rpc(_file_store)[0]  # removed at close
             if tied and not head["shares_embedding"]:
                 raise RuntimeError(
                     f"{self._architecture}: config ties the word embeddings but vLLM's model has no "
@@ -394,9 +383,6 @@ class VLLMEngine(Engine):
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
             cleanup_dist_env_and_memory()
-            if getattr(self, "_dist_file", None):  # vLLM's rendezvous file, created for this engine
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._dist_file)
         finally:
             if acquired:
                 self._lock.release()
