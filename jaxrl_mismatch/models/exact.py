@@ -20,7 +20,7 @@ benchmarks/exact_engine.py), so μ and the trainer's π(θ_old) are the same bit
 
 Limits: exactness holds on one device per row (a single-device or data-parallel trainer mesh); FSDP or
 tensor parallelism split reductions across devices and change their order. On a data-parallel mesh the rows
-are split over the devices (`jax.shard_map`, `models.sharding.row_split_axes`): each device its own rows.
+are split over the devices (`jax.shard_map`, `models.sharding.split_rows`): each device its own rows.
 """
 
 from __future__ import annotations
@@ -32,13 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.attention import CHUNKED_MIN_SEQ
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask
 from jaxrl_mismatch.models.scoring import target_scores
-from jaxrl_mismatch.models.sharding import row_shards, row_split_axes
+from jaxrl_mismatch.models.sharding import row_shards, split_rows
 
 EXACT_CHUNK = 16  # LM-head positions per chunk: small, so the engine's one-position head wastes little
 
@@ -162,10 +161,7 @@ def _score_block(graphdef, params, tokens, n_valid, temperature, kept=None, mesh
     def rows(params, tokens, n_valid, temperature, kept):
         return exact_token_logprobs(nnx.merge(graphdef, params), tokens, n_valid, temperature, kept)
 
-    axes = row_split_axes(mesh, tokens.shape[0])
-    if axes:  # each device its own rows (else every device of the mesh would score every row)
-        spec = P(axes)
-        rows = jax.shard_map(rows, mesh=mesh, in_specs=(P(), spec, spec, P(), spec), out_specs=spec, check_vma=False)
+    rows = split_rows(rows, mesh, tokens.shape[0], (False, True, True, False, True))  # each device its own rows
     return rows(params, tokens, n_valid, temperature, kept)
 
 
@@ -177,7 +173,7 @@ def score_exact(graphdef: nnx.GraphDef, params, tokens: np.ndarray, attention_ma
     and the rollout's `max_tokens`), in blocks of `EXACT_BLOCK` rows per device. Equal, bit for bit, to the
     log-probs the engine returned for the same rows in exact mode — with top-k/top-p too, given the engine's
     kept-set sizes `kept` `[B, S-1]` (`RolloutBatch.kept_count`). `mesh`: a data-parallel mesh holding `params`
-    (`models.sharding.row_split_axes`) scores a block's rows split over its devices."""
+    (`models.sharding.row_shards`) scores a block's rows split over its devices."""
     tokens, attention_mask, response_mask = (np.asarray(a) for a in (tokens, attention_mask, response_mask))
     b, s = tokens.shape
     n_valid = attention_mask.sum(axis=1).astype(np.int32)

@@ -237,12 +237,17 @@ def row_shards(mesh: Mesh | None) -> int:
     return mesh.shape.get("data", 1)
 
 
-def row_split_axes(mesh: Mesh | None, rows: int) -> tuple[str, ...]:
-    """The mesh axes ``jax.shard_map`` splits a ``[rows, ...]`` per-row computation over: ``("data",)`` when
-    `row_shards` > 1 divides `rows`, else (). Why: a per-row ``lax.map`` under plain jit gathers the rows and
-    runs every row on every device of a data-parallel mesh, N× the work on N devices."""
+def split_rows(fn: Any, mesh: Mesh | None, rows: int, split: Sequence[bool]) -> Any:
+    """`fn` run by each device on its own rows of a ``[rows, ...]`` per-row computation (``jax.shard_map`` over
+    ``data``): the arguments flagged in `split` are split on dim 0, the others replicated, every output split.
+    `fn` itself when `row_shards` is 1 or does not divide `rows`. Why: a per-row ``lax.map`` under plain jit
+    gathers the rows and runs every row on every device of a data-parallel mesh, N× the work on N devices."""
     shards = row_shards(mesh)
-    return ("data",) if shards > 1 and rows % shards == 0 else ()
+    if shards == 1 or rows % shards:
+        return fn
+    spec = P("data")
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec if s else P() for s in split), out_specs=spec,
+                         check_vma=False)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -37,11 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models.exact import canonical_length, prompt_lengths, row_scores
-from jaxrl_mismatch.models.sharding import row_split_axes
+from jaxrl_mismatch.models.sharding import split_rows
 
 
 def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]) -> Float[Array, "b t"]:
@@ -52,7 +51,7 @@ def exact_valued(exact: Float[Array, "b t"], differentiable: Float[Array, "b t"]
 class ExactForward(NamedTuple):
     """The update's exact forward (`trainer.exact_forward`): the scorer's graphdef (no remat), the rollout's
     `max_tokens`, the longest prompt a row can have (`task.max_prompt_len`; None: the batch width), and the
-    trainer's mesh (a data-parallel one splits the rows over its devices, `models.sharding.row_split_axes`)."""
+    trainer's mesh (a data-parallel one splits the rows over its devices, `models.sharding.split_rows`)."""
     graphdef: nnx.GraphDef
     max_tokens: int
     max_prompt_len: int | None = None
@@ -127,11 +126,8 @@ def exact_forward_logprobs(graphdef: nnx.GraphDef, params, tokens: Int[Array, "b
 
         return jax.lax.map(one_row, (tokens, n_valid, branch, kept))
 
-    axes = row_split_axes(mesh, b)
-    if axes:  # each device its own rows, whole weights (a data-parallel mesh replicates them)
-        spec = P(axes)
-        rows = jax.shard_map(rows, mesh=mesh, in_specs=(P(), P(), spec, spec, spec, spec), out_specs=(spec, spec),
-                             check_vma=False)
+    # each device its own rows, whole weights (a data-parallel mesh replicates them)
+    rows = split_rows(rows, mesh, b, (False, False, True, True, True, True))
     logp, entropy = rows(params, temperature, tokens.astype(jnp.int32), n_valid, branch, kept)
     if max_prompt_len is None:  # every row's length is a candidate
         return logp, entropy
