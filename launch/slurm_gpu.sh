@@ -8,7 +8,8 @@
 #
 # Local mode (no SLURM, one machine, CPU): the same multi-process job, to test it before paying for nodes:
 #   LOCAL_PROCESSES=2 LOCAL_DEVICES=4 bash launch/slurm_gpu.sh CONFIG [overrides...]
-# starts LOCAL_PROCESSES trainer processes with LOCAL_DEVICES CPU devices each and a coordinator on a free
+# starts LOCAL_PROCESSES trainer processes with LOCAL_DEVICES CPU devices each (the caller's XLA_FLAGS are kept,
+# the device count appended) and a coordinator on a free
 # loopback port (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); process 0 manages the rollout
 # server as in a one-process run. Like srun --kill-on-bad-exit, one failing process stops the others; the exit
 # code is the first failure's. PYTHON picks the interpreter (default .venv/bin/python). LOCAL_PROCESSES and
@@ -116,7 +117,7 @@ on_exit() {  # the launcher's own exit (a failure of its own included): no proce
 trap on_exit EXIT
 trap stop_all INT TERM HUP
 for ((i = 0; i < LOCAL_PROCESSES; i++)); do
-  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$devices" \
+  JAX_PLATFORMS=cpu XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$devices" \
     JAX_COORDINATOR_ADDRESS="127.0.0.1:$port" JAX_NUM_PROCESSES="$LOCAL_PROCESSES" JAX_PROCESS_ID="$i" \
     "$py" -m jaxrl_mismatch.cli train --config "$config" --config.distributed.initialize=always "$@" &
   running+=($!)

@@ -212,13 +212,16 @@ def test_slurm_local_first_failure_stops_the_others(tmp_path):
     (tmp_path / "cfg.py").write_text("")
     start = time.monotonic()
     out = _run(["bash", "launch/slurm_gpu.sh", f"{tmp_path}/cfg.py:v", "--config.a=b c", "--config.x=;y"],
-               tmp_path, LOCAL_PROCESSES="3", LOCAL_DEVICES="2", PYTHON=str(py), timeout=30)
+               tmp_path, LOCAL_PROCESSES="3", LOCAL_DEVICES="2", PYTHON=str(py), timeout=30,
+               XLA_FLAGS="--xla_cpu_use_fusion_emitters=false")
     assert time.monotonic() - start < 20, "process 2 (sleeping) was not stopped"
     assert out.returncode == 3, (out.returncode, out.stderr)
     assert "no such job" not in out.stderr and "wait:" not in out.stderr, out.stderr
     for i in range(3):
         args = (tmp_path / f"proc{i}.args").read_text().splitlines()
-        assert args == ["3", "--xla_force_host_platform_device_count=2", "-m", "jaxrl_mismatch.cli", "train",
+        # the caller's XLA flags are kept; the device count is appended (XLA takes a flag's last value)
+        assert args == ["3", "--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=2",
+                        "-m", "jaxrl_mismatch.cli", "train",
                         "--config", f"{tmp_path}/cfg.py:v", "--config.distributed.initialize=always",
                         "--config.a=b c", "--config.x=;y"]
 

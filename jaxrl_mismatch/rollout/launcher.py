@@ -23,6 +23,19 @@ from jaxrl_mismatch.rollout.server import build_parser
 from jaxrl_mismatch.usage import UsageError
 
 
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def server_xla_flags(flags: str) -> str:
+    """The trainer's `XLA_FLAGS` for its local rollout server: all but the fake CPU device count.
+
+    Why: the engine's bits are a property of program, shapes, device and compiler flags (docs/rollout.md,
+    exact mode), so the flags a user sets for the trainer (`--xla_gpu_autotune_level=0`, deterministic ops,
+    CPU code generation) must reach the engine too; only `--xla_force_host_platform_device_count` stays
+    behind, since the server is a single-device process."""
+    return " ".join(f for f in flags.split() if f.split("=", 1)[0] != _DEVICE_COUNT_FLAG)
+
+
 class ServerStartError(RolloutError):
     """The rollout server subprocess exited or did not become ready; the message quotes its log."""
 
@@ -88,8 +101,9 @@ class ManagedServer:
             os.remove(self.ready_file)
         args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", *serve_argv(self.options)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # The server is a single-device process: the trainer's fake-device flags must not leak into it.
-        env.pop("XLA_FLAGS", None)
+        env["XLA_FLAGS"] = server_xla_flags(os.environ.get("XLA_FLAGS", ""))
+        if not env["XLA_FLAGS"]:
+            del env["XLA_FLAGS"]
         with open(self.log_path, "a") as log:
             log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
             log.flush()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.child_env import child_env
+
 pytestmark = pytest.mark.slow  # every test here runs the command line in a new process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,7 +19,7 @@ CONFIG = str(REPO / "configs" / "tiny_cpu.py")
 
 
 def cli(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"} | (env or {})
+    e = child_env(JAX_PLATFORMS="cpu", **(env or {}))
     return subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd, env=e)
 
@@ -33,7 +35,7 @@ def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str, code:
 
 def test_python_dash_m_runs_the_same_command_line():
     """`python -m jaxrl_mismatch` (what cli.py's usage mentions) had no __main__ module."""
-    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e = child_env()
     ok = subprocess.run([sys.executable, "-m", "jaxrl_mismatch", "--help"], capture_output=True, text=True, cwd=REPO,
                         env=e, timeout=60)
     assert ok.returncode == 0 and "usage: jaxrl-mismatch" in ok.stdout

@@ -16,6 +16,7 @@ from jaxrl_mismatch import cli as jcli
 from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.runlog import RunWriter
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 NO_SERVER = "127.0.0.1:1"  # perfectible --address: the prompts are refused before it is tried
@@ -23,7 +24,7 @@ NO_SERVER = "127.0.0.1:1"  # perfectible --address: the prompts are refused befo
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The command line in a new process; a hang (a FIFO opened for reading) fails the test at `timeout`."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = child_env(JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
 

@@ -20,6 +20,7 @@ from jaxrl_mismatch.jobs import compare
 from jaxrl_mismatch.report.summary import CollapseRule, RunResult, run_stats, summarize
 from jaxrl_mismatch.runlog import RunWriter, read_jsonl
 from jaxrl_mismatch.usage import UsageError
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,9 +130,8 @@ def test_spec_file_problems_and_the_cli_exit_code(tmp_path, fake_model):
         compare.main([str(tmp_path / "broken.py")])
     # Through the command line: exit 2, one line, no traceback.
     path = write_spec(tmp_path, _spec(tmp_path, fake_model, seeds=[]))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", "compare", str(path)], capture_output=True,
-                         text=True, cwd=REPO, env=env, timeout=120)
+                         text=True, cwd=REPO, env=child_env(), timeout=120)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr
     assert lines[0].startswith("error: spec ") and "seeds:" in lines[0]
@@ -524,7 +524,7 @@ def _finite(v) -> bool:
 @pytest.mark.slow
 def test_grid_runs_end_to_end_resumes_and_reports_a_failed_run(base_model, tmp_path, monkeypatch, capsys):
     # The trainers are single-process CPU jobs: the test session's 8 fake devices must not reach them.
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", child_env().get("XLA_FLAGS", ""))
     broken = tmp_path / "broken_model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the path check; the trainer fails loading it

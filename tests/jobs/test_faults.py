@@ -27,6 +27,7 @@ import pytest
 from jaxrl_mismatch.runlog import read_jsonl
 from jaxrl_mismatch.train.checkpoint import CheckpointDamagedError
 from jaxrl_mismatch.usage import EXIT_STOPPED, EXIT_STORAGE, UsageError
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
@@ -39,8 +40,7 @@ WARMSTART = ["--steps", "200", "--num-eval", "0", "--hidden", "64", "--heads", "
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu",
-                                                                       "PYTHONPATH": str(REPO)}
+    return child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
 
 
 def cli(*args: str, preexec=None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.child_env import child_env
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "rollout-test-token"
 VOCAB = 97
@@ -70,7 +72,7 @@ class ServerProcess:
         self.ready: dict | None = None
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1")
+        env = child_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         env.pop("JAXRL_ROLLOUT_TOKEN", None)
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)

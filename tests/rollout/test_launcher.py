@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jaxrl_mismatch.rollout.launcher import ManagedServer, serve_argv
+from jaxrl_mismatch.rollout.launcher import ManagedServer, serve_argv, server_xla_flags
 from jaxrl_mismatch.usage import UsageError
 from tests.rollout.conftest import make_tiny_qwen3
 
@@ -36,10 +36,17 @@ def test_managed_server_exits_when_the_trainer_is_killed(tmp_path):
         "print(s.proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # The trainer's XLA flags reach its server (the same compiler flags on both sides), all but the fake CPU
+    # device count (the server is one device).
+    flags = "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, XLA_FLAGS=flags))
     try:
         server_pid = int(trainer.stdout.readline())
         assert _alive(server_pid)
+        with open(f"/proc/{server_pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        assert env[b"XLA_FLAGS"] == b"--xla_cpu_use_fusion_emitters=false"
         trainer.send_signal(signal.SIGKILL)  # no chance to stop the server itself
         trainer.wait(timeout=10)
         deadline = time.monotonic() + 30
@@ -53,6 +60,14 @@ def test_managed_server_exits_when_the_trainer_is_killed(tmp_path):
             os.kill(server_pid, signal.SIGKILL)
         except (ProcessLookupError, UnboundLocalError):
             pass
+
+
+def test_server_gets_the_trainers_xla_flags_but_the_fake_device_count():
+    assert server_xla_flags("") == ""
+    assert server_xla_flags("--xla_force_host_platform_device_count=8") == ""
+    assert server_xla_flags("--xla_gpu_autotune_level=0 --xla_force_host_platform_device_count=8 "
+                            "--xla_gpu_deterministic_ops=true") == (
+        "--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true")
 
 
 def test_serve_argv_comes_from_the_servers_own_parser(tmp_path):

@@ -23,6 +23,7 @@ from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc, shm
 from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.server import RolloutServer
+from tests.child_env import child_env
 
 from .conftest import REPO, TOKEN, read_checkpoint, wait_until
 
@@ -222,7 +223,7 @@ def _ours_in_dev_shm() -> set[str]:
 @pytest.mark.slow
 def test_trainer_killed_mid_push_leaves_nothing_behind(served, tiny_checkpoints):
     before = _ours_in_dev_shm()
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = child_env(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, f"127.0.0.1:{served.port}", TOKEN,
                              str(tiny_checkpoints["untied"])], env=env, stdout=subprocess.PIPE, text=True)
     try:

@@ -22,6 +22,7 @@ import pytest
 from jaxrl_mismatch.runlog import read_jsonl
 from jaxrl_mismatch.train.config import ConfigError, base_config
 from jaxrl_mismatch.train.config_checks import check_paths, validate
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,7 +146,7 @@ def test_kill_9_of_the_trainer_resumes_without_reusing_a_sample(base_model, tmp_
     c.steps = 6
     c.checkpoint.every = 1
     cfg = _config_file(tmp_path / "cfg.py", c)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", str(cfg)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = run_dir / "metrics.jsonl"

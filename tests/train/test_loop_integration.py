@@ -19,6 +19,7 @@ import pytest
 from jaxrl_mismatch.train.config import ConfigError, base_config
 from jaxrl_mismatch.train.config_checks import check_paths, validate
 from jaxrl_mismatch.runlog import read_jsonl
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -427,7 +428,7 @@ def test_resume_with_changed_config_is_refused_unless_accepted(base_model, tmp_p
     c.steps = 1
     _run(c)
     cfg = _config_file(tmp_path / "cfg.py", c)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "-m", "jaxrl_mismatch.cli", "train", "--config", str(cfg), "--config.steps=2",
            "--config.optim.lr=0.005", "--config.objective.preset=dapo"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl_mismatch.runlog import read_jsonl
+from tests.child_env import child_env
 
 from .test_loop_integration import REPO, _config_file, checkpoint_leaves, tiny_config
 
@@ -41,9 +42,8 @@ def config_file(tiny_base_model, tmp_path_factory) -> Path:
 
 
 def _launch(config: Path, run_dir: Path, processes: int, devices: int, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LOCAL_PROCESSES=str(processes), LOCAL_DEVICES=str(devices), PYTHON=sys.executable,
-               PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
+    env = child_env(LOCAL_PROCESSES=str(processes), LOCAL_DEVICES=str(devices), PYTHON=sys.executable,
+                    PYTHONPATH=str(REPO))
     cmd = ["bash", "launch/slurm_gpu.sh", str(config), f"--config.run_dir={run_dir}", *MESH, *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
