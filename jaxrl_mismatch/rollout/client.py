@@ -64,6 +64,12 @@ from jaxrl_mismatch.rollout.protocol import (
 
 log = logging.getLogger(__name__)
 
+
+def _unresolved(e: grpc.RpcError) -> bool:
+    """The call failed because the target's host name did not resolve (gRPC's resolver message)."""
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAVAILABLE and ("resolving" in details or "dns resolution" in details)
+
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 CHANNEL_OPTIONS = [
@@ -297,6 +303,11 @@ class RolloutClient:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
             except grpc.RpcError as e:
+                if last == "no answer" and _unresolved(e):
+                    # Waiting is right for a host that appears later (a cluster's service name), but a typo'd host
+                    # should not look like a slow start for the whole wait: say so at once.
+                    log.warning("rollout server %s: its host name does not resolve (%s); waiting up to %.0fs for it",
+                                self.target, e.details(), timeout_s)
                 last = f"{e.code().name}: {e.details()}"
             if time.monotonic() >= deadline:
                 raise RolloutError(f"rollout server {self.target} not ready after {timeout_s:.0f}s (last: {last})")

@@ -407,6 +407,22 @@ def test_client_gives_up_waiting_with_a_clear_error():
         RolloutClient(f"127.0.0.1:{port}", wait_ready_s=1.0)
 
 
+def test_a_host_name_that_does_not_resolve_is_said_at_once(caplog):
+    """A typo'd --address host waited the whole startup timeout (600 s) looking like a slow start; the wait stays
+    (a cluster's service name can appear later), but the first failed lookup is logged, once."""
+    from jaxrl_mismatch.rollout.client import RolloutError
+
+    caplog.set_level("WARNING", logger="jaxrl_mismatch.rollout.client")
+    with pytest.raises(RolloutError, match="nosuchhost.invalid:1 not ready after 2s"):
+        RolloutClient("nosuchhost.invalid:1", wait_ready_s=2.0)
+    said = [r.getMessage() for r in caplog.records if "does not resolve" in r.getMessage()]
+    assert len(said) == 1 and "nosuchhost.invalid:1" in said[0] and "waiting up to 2s" in said[0]
+    caplog.clear()
+    with pytest.raises(RolloutError):  # a host that resolves, nobody listening: no such line
+        RolloutClient(f"127.0.0.1:{free_port()}", wait_ready_s=1.0)
+    assert not [r for r in caplog.records if "does not resolve" in r.getMessage()]
+
+
 class _CountingGetInfo:
     """Wraps a client's GetInfo stub to count the attempts one call makes."""
 
