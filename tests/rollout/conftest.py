@@ -92,7 +92,7 @@ class ServerProcess:
             self.ready = None
         if self.ready is None:
             self.kill()
-            raise RuntimeError(f"server did not become ready; output:\n" + "\n".join(self.lines[-40:]))
+            raise RuntimeError("server did not become ready; output:\n" + "\n".join(self.lines[-40:]))
         self.port = self.ready["port"]
         return self
 

@@ -19,13 +19,13 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc, shm
+from jaxrl_mismatch.rollout import rollout_pb2_grpc, shm
 from jaxrl_mismatch.rollout.client import RolloutClient, RolloutError
 from jaxrl_mismatch.rollout.engine import SamplingSpec
 from jaxrl_mismatch.rollout.server import RolloutServer
 from tests.child_env import child_env
 
-from .conftest import REPO, TOKEN, read_checkpoint, wait_until
+from .conftest import REPO, TOKEN, read_checkpoint
 
 SPEC = SamplingSpec(n=2, max_tokens=8, seed=3)
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5]]
