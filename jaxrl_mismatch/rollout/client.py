@@ -70,6 +70,7 @@ def _unresolved(e: grpc.RpcError) -> bool:
     details = (e.details() or "").lower()
     return e.code() == grpc.StatusCode.UNAVAILABLE and ("resolving" in details or "dns resolution" in details)
 
+
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 CHANNEL_OPTIONS = [
