@@ -236,6 +236,8 @@ class RolloutFleet:
                     self._fail(m, "died" if _exited(m) else f"failed ({e})", pieces[i], pending, i, len(idle) + len(inflight))
             now = time.monotonic()
             for fut, (m, i, t0) in list(inflight.items()):
+                if fut.done():  # it finished after the wait (while a failure above was handled): the next wait has it
+                    continue
                 dead = _exited(m)
                 if dead or now - t0 > self.stall_timeout_s:
                     del inflight[fut]  # its late answer, if any, is dropped

@@ -185,3 +185,36 @@ def test_a_stalled_server_is_taken_out_and_its_prompts_answered_once(three_serve
         assert _tokens(got) == _tokens(reference) and not stalled.up and fleet.failovers == 1
         assert "stalled (" in caplog.text and "> stall_timeout_s 8) during Generate" in caplog.text
         stalled.session.generate = real
+
+
+def test_an_answer_that_came_while_another_server_was_taken_down_is_kept(three_servers, tiny_checkpoints, caplog):
+    """The stall check also looked at calls that had finished after the last wait: while one failed server was being
+    taken down (up to 11 s stopping a launched one), the others' answers aged past stall_timeout_s, and good answers
+    were thrown away and healthy servers taken out as "stalled"."""
+    import time
+
+    import grpc
+
+    from jaxrl_mismatch.rollout.client import RolloutError
+
+    weights = _perturbed(tiny_checkpoints["untied"])
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, stall_timeout_s=2.0) as fleet:
+        fleet.push(weights)
+        reference = fleet.generate(PROMPTS, SPEC)
+        failing = fleet.members[0]
+        real_generate, real_close = failing.session.generate, failing.session.client.close
+
+        def fail(prompts, spec):
+            raise RolloutError("Generate failed: UNAVAILABLE", code=grpc.StatusCode.UNAVAILABLE)
+
+        def slow_close():  # taking it down outlasts the stall timeout; the others answer meanwhile
+            time.sleep(3.0)
+            real_close()
+
+        failing.session.generate, failing.session.client.close = fail, slow_close
+        got = fleet.generate(PROMPTS, SPEC)
+        assert _tokens(got) == _tokens(reference)
+        assert not failing.up and all(m.up for m in fleet.members[1:]) and fleet.failovers == 1, caplog.text
+        assert "stalled" not in caplog.text
+        failing.session.generate = real_generate
