@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import os
 
-from jaxrl_mismatch.rollout.launcher import server_xla_flags
+from jaxrl_mismatch.rollout.launcher import server_env
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """`os.environ` without `--xla_force_host_platform_device_count`, updated with `extra`."""
-    env = dict(os.environ)
-    flags = server_xla_flags(env.pop("XLA_FLAGS", ""))
-    if flags:
-        env["XLA_FLAGS"] = flags
-    return env | extra
+    return server_env(os.environ) | extra

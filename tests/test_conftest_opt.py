@@ -2,9 +2,8 @@
 
 Unmarked tests, and the processes they start, compile with `jax_disable_most_optimizations` and XLA:CPU's older
 emitters; tests marked `xla_full_opt` (exact mode's bit-for-bit claims) compile with XLA's default optimization,
-as users do. jit's
-in-memory cache does not key on that flag, so a marked test after an unmarked one must compile its programs
-again rather than reuse the unoptimized ones.
+as users do. jit's in-memory cache does not key on that flag, so a marked test after an unmarked one must compile
+its programs again rather than reuse the unoptimized ones.
 """
 
 import os

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from jaxrl_mismatch.rollout.client import RolloutError
@@ -34,6 +35,13 @@ def server_xla_flags(flags: str) -> str:
     CPU code generation) must reach the engine too; only `--xla_force_host_platform_device_count` stays
     behind, since the server is a single-device process."""
     return " ".join(f for f in flags.split() if f.split("=", 1)[0] != _DEVICE_COUNT_FLAG)
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a single-device child process: `XLA_FLAGS` by `server_xla_flags`, dropped when nothing is left."""
+    env = dict(environ)
+    flags = server_xla_flags(env.pop("XLA_FLAGS", ""))
+    return env | {"XLA_FLAGS": flags} if flags else env
 
 
 class ServerStartError(RolloutError):
@@ -100,10 +108,7 @@ class ManagedServer:
         if os.path.exists(self.ready_file):
             os.remove(self.ready_file)
         args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", *serve_argv(self.options)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["XLA_FLAGS"] = server_xla_flags(os.environ.get("XLA_FLAGS", ""))
-        if not env["XLA_FLAGS"]:
-            del env["XLA_FLAGS"]
+        env = server_env(os.environ) | {"PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "a") as log:
             log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
             log.flush()
