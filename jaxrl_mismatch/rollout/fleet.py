@@ -18,7 +18,13 @@ prime-rl put a router in front of several engines). The fleet is that router, in
 - **Rejoin.** A down server is brought back in the background (a launched one is restarted on its port; an
   attached one is polled) and, at the next push, gets the current weights and rejoins.
 - **Stop only when none is left**: `NoServerLeftError` (a `RolloutError`, so the trainer checkpoints and
-  prints its resume message) once no server can serve the step.
+  prints its resume message) once no server can serve the step — or `PieceFailedError` once one piece has
+  failed on `PIECE_FAILURES` servers: then the request, not the servers, is the likely cause (a prompt that
+  crashes the engine, a request longer than `stall_timeout_s`), and re-sending it would take every server down.
+- **Every call is bounded**: a push or GetInfo still running after one call's deadline (`timeout_s`, the
+  trainer's `rollout.push_timeout_s`: past it the client is retrying a hung server) takes its server out;
+  `info()` asks the next server when one fails; `close()` waits for revivals at most `ready_timeout_s`, and a
+  revival never leaves a server it started running when it fails or the fleet closed.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +50,15 @@ log = logging.getLogger(__name__)
 
 class NoServerLeftError(RolloutError):
     """No rollout server of the fleet can serve the step (all dead, stalled or behind)."""
+
+
+class PieceFailedError(RolloutError):
+    """One piece of a step failed on `PIECE_FAILURES` different servers: the request is the likely cause."""
+
+
+# Two servers failing the same piece (and no other) point at the request: a third try would most likely take a
+# third server down, and so on until NoServerLeftError hid the cause behind "no server left".
+PIECE_FAILURES = 2
 
 
 def token_pieces(prompts: Sequence[Sequence[int]], spec: SamplingSpec, limits: Limits, parts: int) -> list[slice]:
@@ -90,13 +104,13 @@ class RolloutFleet:
     """See the module docstring. Build with `launch` (N managed servers) or `attach` (addresses)."""
 
     def __init__(self, members: list[_Member], *, start_version: int = 0, stall_timeout_s: float = 600.0,
-                 ready_timeout_s: float = 600.0, restart: bool = True) -> None:
+                 ready_timeout_s: float = 600.0, restart: bool = True, call_timeout_s: float = 600.0) -> None:
         self.members = members
         self.version = int(start_version)
         self.stall_timeout_s, self.ready_timeout_s, self.restart = stall_timeout_s, ready_timeout_s, restart
+        self.call_timeout_s = call_timeout_s  # a push or GetInfo still running after it is taken out (_parallel)
         self._weights: Mapping[str, np.ndarray] | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=4 * len(members), thread_name_prefix="fleet")
-        self._lock = threading.Lock()
         self.failovers = 0  # pieces re-sent to another server
         self._closed = False
         self.limits = self._limits()
@@ -129,7 +143,7 @@ class RolloutFleet:
                         f.result().session.close()
                 raise
         return cls(members, start_version=start_version, stall_timeout_s=stall_timeout_s,
-                   ready_timeout_s=ready_timeout_s, restart=restart)
+                   ready_timeout_s=ready_timeout_s, restart=restart, call_timeout_s=timeout_s)
 
     @classmethod
     def attach(cls, addresses: Sequence[str], *, token: str | None, timeout_s: float = 600.0,
@@ -152,15 +166,25 @@ class RolloutFleet:
                 m.session.close()
             raise
         return cls(members, start_version=start_version, stall_timeout_s=stall_timeout_s,
-                   ready_timeout_s=ready_timeout_s)
+                   ready_timeout_s=ready_timeout_s, call_timeout_s=timeout_s)
 
     # -- the session surface ---------------------------------------------------------------------------
     def info(self) -> EngineInfo:
-        return self._any_up().session.info()
+        """What the first live server that answers serves (one that fails is taken down, the next is asked)."""
+        while True:
+            m = self._any_up()
+            got = self._parallel([m], lambda m: m.session.info())[0]
+            if got is not None:
+                return got
 
     def infos(self) -> list[EngineInfo]:
-        """What every live server serves (the trainer checks them all: a mixed fleet would mix μ)."""
-        return [m.session.info() for m in self.members if m.up] or [self._any_up().session.info()]
+        """What every live server serves (the trainer checks them all: a mixed fleet would mix μ); a server that
+        fails GetInfo is taken down (it sits out until it rejoins at a push, after the server check)."""
+        up = [m for m in self.members if m.up]
+        got = [i for i in self._parallel(up, lambda m: m.session.info()) if i is not None]
+        if not got:
+            raise NoServerLeftError(f"no rollout server answered GetInfo ({self.describe()})")
+        return got
 
     def set_server_check(self, check: Callable[[RolloutClient], None] | None) -> None:
         """Run `check(client)` on every server that comes back (restarted, rejoining, or restarted by someone
@@ -212,6 +236,7 @@ class RolloutFleet:
         pending: deque[int] = deque(range(len(pieces)))
         results: dict[int, list[list[Completion]]] = {}
         inflight: dict[cf.Future, tuple[_Member, int, float]] = {}
+        failed: dict[int, list[str]] = {}  # piece -> "server why" for each server it failed on
         idle = list(live)
         while len(results) < len(pieces):
             while pending and idle:
@@ -233,7 +258,8 @@ class RolloutFleet:
                     if e.code == grpc.StatusCode.INVALID_ARGUMENT:
                         raise  # the request itself is bad: every server would refuse it
                     # a launched server's exit fails its call at once (the client's `alive`), before the poll below
-                    self._fail(m, "died" if _exited(m) else f"failed ({e})", pieces[i], pending, i, len(idle) + len(inflight))
+                    self._fail(m, "died" if _exited(m) else f"failed ({e})", pieces[i], pending, i,
+                               len(idle) + len(inflight), failed)
             now = time.monotonic()
             for fut, (m, i, t0) in list(inflight.items()):
                 if fut.done():  # it finished after the wait (while a failure above was handled): the next wait has it
@@ -242,7 +268,7 @@ class RolloutFleet:
                 if dead or now - t0 > self.stall_timeout_s:
                     del inflight[fut]  # its late answer, if any, is dropped
                     why = "died" if dead else f"stalled ({now - t0:.0f} s > stall_timeout_s {self.stall_timeout_s:g})"
-                    self._fail(m, why, pieces[i], pending, i, len(idle) + len(inflight))
+                    self._fail(m, why, pieces[i], pending, i, len(idle) + len(inflight), failed)
         out: list[list[Completion]] = []
         for i in range(len(pieces)):
             out += results[i]
@@ -253,7 +279,7 @@ class RolloutFleet:
         parts = []
         for m in self.members:
             where = f"log {m.session.server.log_path}" if m.session.server is not None else "external"
-            state = "up" if m.up else "down"
+            state = ("up" if m.up else "down") + (f" ({m.failures} failure(s) so far)" if m.failures else "")
             parts.append(f"{m.name} {state}, {where}")
         return "rollout servers: " + "; ".join(parts)
 
@@ -262,9 +288,10 @@ class RolloutFleet:
         return sum(m.session.restarts for m in self.members)
 
     def close(self) -> None:
-        """Stop launched servers; a restart in progress is waited for (bounded by ready_timeout_s), then stopped."""
+        """Stop launched servers; a restart in progress is waited for at most ready_timeout_s, then stopped (one
+        still starting its server stops it itself: `_revive` looks at `_closed` again once it has started)."""
         self._closed = True
-        cf.wait([m.revival for m in self.members if m.revival is not None])
+        cf.wait([m.revival for m in self.members if m.revival is not None], timeout=self.ready_timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for m in self.members:
             m.session.close()
@@ -276,13 +303,23 @@ class RolloutFleet:
         self.close()
 
     # -- failure and recovery --------------------------------------------------------------------------
-    def _fail(self, m: _Member, why: str, piece: slice, pending: deque, i: int, others: int) -> None:
-        """Take `m` out of the fleet, put its piece back at the head of the queue, start its revival."""
+    def _fail(self, m: _Member, why: str, piece: slice, pending: deque, i: int, others: int,
+              failed: dict[int, list[str]]) -> None:
+        """Take `m` out of the fleet and start its revival; put its piece back at the head of the queue, or raise
+        PieceFailedError if that piece has now failed on PIECE_FAILURES servers."""
+        failed.setdefault(i, []).append(f"{m.name} {why}")
+        self._take_down(m)
+        if len(failed[i]) >= PIECE_FAILURES:
+            hint = (f"; if a request of this size can take that long, raise rollout.stall_timeout_s"
+                    if all("stalled (" in w for w in failed[i]) else "")
+            raise PieceFailedError(
+                f"prompts {piece.start}-{piece.stop - 1} of this step failed on {len(failed[i])} rollout servers "
+                f"({'; '.join(failed[i])}): the request, not the servers, is the likely cause, so it is not sent to "
+                f"another{hint} ({self.describe()})")
         log.warning("rollout server %s %s during Generate: re-sending its %d unfinished prompt(s) %d-%d to the "
                     "%d other server(s)", m.name, why, piece.stop - piece.start, piece.start, piece.stop - 1, others)
         pending.appendleft(i)
         self.failovers += 1
-        self._take_down(m)
 
     def _take_down(self, m: _Member) -> None:
         if not m.up:
@@ -296,18 +333,23 @@ class RolloutFleet:
 
     def _revive(self, m: _Member) -> None:
         """Restart a launched server (or wait for an attached one), with a fresh client; raises if it stays down."""
+        server = m.session.server
         if self._closed:
             raise RolloutError("the fleet is closed")
-        if m.session.server is not None:
-            m.session.server.start()
+        if server is not None:
+            server.start()
         client = m.make_client()
         try:
-            client.wait_until_ready(self.ready_timeout_s if m.session.server is not None else 5.0)
+            if self._closed:  # closed while the server started: close() may have stopped servers already
+                raise RolloutError("the fleet is closed")
+            client.wait_until_ready(self.ready_timeout_s if server is not None else 5.0)
             client.info()
             if self.server_check is not None:
                 self.server_check(client)
         except BaseException:
             client.close()
+            if server is not None:  # not ready, or refused: the next revival starts it afresh, not reuses it
+                server.stop(grace_s=1.0)
             raise
         m.session.client = client
 
@@ -332,15 +374,20 @@ class RolloutFleet:
         cf.wait(pending, timeout=self.ready_timeout_s)
 
     def _parallel(self, members: list[_Member], call: Callable[[_Member], object], what: str = "GetInfo") -> list:
-        """call(m) for each member in parallel; a member whose call fails is taken down (result None)."""
+        """call(m) for each member in parallel; a member whose call fails, or is still running after one call's
+        deadline (a hung but connected server would hold it for that deadline again at each retry), is taken down
+        (result None; its client is closed, so a running call fails soon after)."""
         futures = [self._pool.submit(call, m) for m in members]
+        cf.wait(futures, timeout=self.call_timeout_s)
         out = []
         for m, f in zip(members, futures):
             try:
+                if not f.done():
+                    raise TimeoutError(f"still running after its {self.call_timeout_s:g} s deadline")
                 out.append(f.result())
             except Exception as e:  # noqa: BLE001 - any failure of one member's call (gRPC raises ValueError on a
                 # closed channel) is that member's: it sits the step out, the fleet goes on without it
-                why = str(e) if isinstance(e, RolloutError) else f"{type(e).__name__}: {e}"
+                why = str(e) if isinstance(e, (RolloutError, TimeoutError)) else f"{type(e).__name__}: {e}"
                 log.warning("rollout server %s failed %s (%s); it sits this step out", m.name, what, why)
                 m.up = True  # so that _take_down applies
                 self._take_down(m)

@@ -218,3 +218,120 @@ def test_an_answer_that_came_while_another_server_was_taken_down_is_kept(three_s
         assert not failing.up and all(m.up for m in fleet.members[1:]) and fleet.failovers == 1, caplog.text
         assert "stalled" not in caplog.text
         failing.session.generate = real_generate
+
+
+def _poisoned(fleet, poison, fail):
+    """Every server fails (`fail(prompts, spec)`) the piece holding prompt `poison`, and answers the others."""
+    for m in fleet.members:
+        real = m.session.generate
+        m.session.generate = lambda prompts, spec, real=real: (fail(prompts, spec) if poison in prompts
+                                                                else real(prompts, spec))
+
+
+def test_a_piece_that_fails_on_two_servers_stops_the_step_and_spares_the_third(three_servers, tiny_checkpoints,
+                                                                              caplog):
+    """A request that crashes the engine (or takes longer than stall_timeout_s) fails on every server it is sent
+    to: re-sent each time, it took every server of the fleet down in turn and ended in "no server left", hiding the
+    cause. After PIECE_FAILURES servers the step stops, naming the prompts, and the other servers stay up."""
+    import threading
+
+    import grpc
+
+    from jaxrl_mismatch.rollout.client import RolloutError
+    from jaxrl_mismatch.rollout.fleet import PIECE_FAILURES, PieceFailedError
+
+    assert PIECE_FAILURES == 2
+    weights = _perturbed(tiny_checkpoints["untied"])
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+
+    def crash(prompts, spec):
+        raise RolloutError("Generate failed: INTERNAL (test: this request crashes the engine)",
+                           code=grpc.StatusCode.INTERNAL)
+
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30) as fleet:
+        fleet.push(weights)
+        _poisoned(fleet, PROMPTS[5], crash)
+        with pytest.raises(PieceFailedError, match=r"failed on 2 rollout servers .*INTERNAL.*the request, not the "
+                                                   r"servers, is the likely cause") as e:
+            fleet.generate(PROMPTS, SPEC)
+        assert "stall_timeout_s" not in str(e.value)
+        assert sum(m.up for m in fleet.members) == 1 and fleet.failovers == 1
+        assert "down (1 failure(s) so far)" in str(e.value)
+
+    release = threading.Event()
+
+    def hang(prompts, spec):  # a request that legitimately takes longer than the stall timeout, on any server
+        release.wait(60)
+        raise RolloutError("Generate failed: CANCELLED (test)")
+
+    try:
+        with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, stall_timeout_s=1.5) as fleet:
+            fleet.push(weights)
+            _poisoned(fleet, PROMPTS[0], hang)
+            with pytest.raises(PieceFailedError, match=r"prompts 0-\d+ of this step failed on 2 rollout servers.*"
+                                                       r"stalled.*raise rollout.stall_timeout_s"):
+                fleet.generate(PROMPTS, SPEC)
+            assert sum(m.up for m in fleet.members) == 1
+    finally:
+        release.set()
+
+
+def test_push_and_getinfo_are_bounded_by_one_call_deadline_and_info_fails_over(three_servers, tiny_checkpoints,
+                                                                                caplog):
+    """A hung but connected server held every push for its RPC deadline again at each retry; a failed GetInfo of
+    the first server failed `info()` though two others were up."""
+    import threading
+    import time
+
+    from jaxrl_mismatch.rollout.client import RolloutError
+
+    weights = _perturbed(tiny_checkpoints["untied"], 0.1)
+    addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
+    release = threading.Event()
+    try:
+        with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, timeout_s=2.0) as fleet:
+            fleet.push(weights)
+            hung = fleet.members[0]
+            hung.session.push = lambda *a, **kw: release.wait(60)
+            t0 = time.monotonic()
+            version = fleet.push(weights)
+            assert time.monotonic() - t0 < 20
+            assert not hung.up and [m.served for m in fleet.members[1:]] == [version, version]
+            assert "failed UpdateWeights (still running after its 2 s deadline)" in caplog.text
+            assert len(fleet.generate(PROMPTS, SPEC)) == len(PROMPTS)
+
+            def gone(*a, **kw):
+                raise RolloutError("GetInfo: UNAVAILABLE (test)")
+
+            failing = fleet.members[1]
+            failing.session.info = gone
+            assert fleet.info().weight_version == version and not failing.up  # the third server answered
+            assert [i.weight_version for i in fleet.infos()] == [version]
+            for m in fleet.members[:2]:
+                m.revival.result(timeout=30)  # their background revivals end before the servers are reused
+    finally:
+        release.set()
+
+
+@pytest.mark.slow
+def test_a_revival_that_fails_its_check_stops_the_server_it_started(tmp_path, tiny_checkpoints):
+    """The revival restarted a launched server, then its readiness or server check failed, and the process was left
+    running: the next revival found it alive and reused it instead of starting it afresh."""
+    from jaxrl_mismatch.rollout.client import RolloutError
+
+    ckpt = tiny_checkpoints["untied"]
+    with RolloutFleet.launch(1, work_dir=str(tmp_path), engine="jax", model=str(ckpt), dtype="float32",
+                             ready_timeout_s=180) as fleet:
+        fleet.push(_perturbed(ckpt))
+        member = fleet.members[0]
+
+        def refuse(client):
+            raise RolloutError("refused (test)")
+
+        fleet.set_server_check(refuse)
+        member.session.server.proc.send_signal(signal.SIGKILL)
+        with pytest.raises(NoServerLeftError):
+            fleet.generate(PROMPTS, SPEC)
+        with pytest.raises(RolloutError, match="refused"):
+            member.revival.result(timeout=180)
+        assert member.session.server.starts == 2 and not member.session.server.alive()
