@@ -55,6 +55,13 @@ from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.models.sharding import batch_axes, param_partition_spec
 from jaxrl_mismatch.precision import DTypePolicy
 
+
+def routing_dtype(num_experts: int) -> jnp.dtype:
+    """The narrowest unsigned integer type holding every expert id: what the engines return and send, and what a
+    batch keeps (`train.batch.routing_rows`, `replay_routing`). At the Qwen3-30B-A3B config's step (2,048 rows ×
+    10,240 tokens × 48 sparse layers × top-8) one `[B, S, L, k]` array is 8 GB as uint8, 32 GB as int32."""
+    return jnp.dtype(jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.int32)
+
 _INIT = nnx.initializers.normal(0.02)
 # Routing replay modes (`trainer.routing_replay`): "off" = every forward routes freely; "R2" = the update's θ
 # forwards replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the rollout engine's routing.

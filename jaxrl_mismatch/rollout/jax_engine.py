@@ -43,6 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.models import hf_io, kv_cache, quantize as quant
+from jaxrl_mismatch.models.moe import routing_dtype
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
 from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative, verify_workers_default
@@ -126,7 +127,7 @@ class JaxEngine(Engine):
         options = (("exact", "logit_noise_std", "kept_counts") + (("routing",) if self.cfg.is_moe else ())
                    + (("quantize_strength",) if self._quantize != "none" else ()))
         routing_bytes = (len(self.cfg.sparse_layers) * self.cfg.num_experts_per_tok
-                         * np.dtype(_routing_dtype(self.cfg.num_experts)).itemsize) if self.cfg.is_moe else 0
+                         * np.dtype(routing_dtype(self.cfg.num_experts)).itemsize) if self.cfg.is_moe else 0
         return EngineInfo(architecture=self.cfg.architecture, vocab_size=self.cfg.vocab_size, dtype=self._dtype,
                           engine="jax", weight_version=version, max_model_len=self._max_model_len,
                           options=options, quantize=self._quantize, routing_bytes_per_token=routing_bytes)
@@ -289,11 +290,6 @@ def step_logprobs(
     return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
 
 
-def _routing_dtype(num_experts: int):
-    """The narrowest unsigned integer type holding every expert id (the wire's itemsize)."""
-    return jnp.uint8 if num_experts <= 256 else jnp.uint16
-
-
 class _RoutingRecorder:
     """The model as `kv_cache.prefill` / `decode_step` use it (`forward_prefill`, `forward_cached`, `logits`),
     keeping the expert ids of the last call's tokens, so the cache bookkeeping stays in one place."""
@@ -337,7 +333,7 @@ def _sample_program(
     prompt_len = prompt_ids.shape[1]
     rows = prompt_ids.shape[0] if row_src is None else row_src.shape[0]
     cfg = model.cfg
-    route_dtype = _routing_dtype(cfg.num_experts)
+    route_dtype = routing_dtype(cfg.num_experts)
     route_shape = (len(cfg.sparse_layers), cfg.num_experts_per_tok) if routing else (0, 0)
     runner = _RoutingRecorder(model, route_dtype) if routing else model
     cache = kv_cache.init_cache(cfg, prompt_ids.shape[0], prompt_len + new_len, model.policy.dtype_of("attention"))

@@ -10,13 +10,14 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
     old_logp        f32   [B, S-1]  log π(y_t | θ_old): filled by `Learner.prepare` (the θ_old forward)
     ref_logp        f32   [B, S-1]  reference policy, only with a KL penalty
     token_weight    f32   [B, S-1]  objective-hacking diagnostics φ (eq. 18) × ξ (eq. 21), only when on
-    routing         int32 [B, S, L, k]  MoE: the experts the engine's L sparse layers chose for each token
-                                        (as model input), aligned with `tokens`; 0 on padding. Only when
+    routing         uint8 [B, S, L, k]  MoE: the experts the engine's L sparse layers chose for each token
+                                        (as model input), aligned with `tokens`; 0 on padding; uint16 past
+                                        256 experts (`models.moe.routing_dtype`: 4x less than int32). Only when
                                         the engine returns it (`SamplingSpec.return_routing`); `prepare`
                                         drops it (the update never reads it)
     kept_count      int32 [B, S-1]  top-k/top-p: the engine's kept-set size when it sampled each response
                                     token (0 elsewhere = no truncation); π is renormalised over the same support
-    replay_routing  int32 [B, S, L, k]  MoE routing replay: the experts the θ forward of the update uses
+    replay_routing  uint8 [B, S, L, k]  MoE routing replay: the experts the θ forward of the update uses
                                         (R2: θ_old's own routing, R3: the engine's), filled by `prepare`
     packed          PackedRows          sequence packing (`trainer.packing`; `train/packing.py`) for the
                                         θ_old / reference forwards of `prepare` (the whole batch) and the
@@ -114,12 +115,19 @@ def rollout_fields(*, with_routing: bool, with_kept: bool = False) -> tuple[str,
 
 
 def routing_rows(routing: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
-    """`[B, seq_len, L, k]` int32 of per-row `[len(prompt) + len(completion), L, k]` routings, right-padded
-    with 0 like `tokens` (`data.batching.pad_rows` puts prompt + completion at the start of each row)."""
+    """`[B, seq_len, L, k]` of per-row `[len(prompt) + len(completion), L, k]` routings, right-padded with 0 like
+    `tokens` (`data.batching.pad_rows` puts prompt + completion at the start of each row). The engines' unsigned
+    ids keep their width (uint8 up to 256 experts: at the sizes MoE configs name this array is tens of GB as
+    int32); any other integer type becomes int32."""
     shapes = {tuple(r.shape[1:]) for r in routing}
     if len(shapes) != 1 or any(r.ndim != 3 for r in routing):
         raise ValueError(f"routing: every completion needs a [tokens, layers, k] array of one shape, got {sorted(shapes)}")
-    out = np.zeros((len(routing), seq_len, *shapes.pop()), np.int32)
+    dtype = np.result_type(*routing)
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"routing: expert ids must be integers, got {dtype}")
+    if not (np.issubdtype(dtype, np.unsignedinteger) and dtype.itemsize <= 2):
+        dtype = np.dtype(np.int32)
+    out = np.zeros((len(routing), seq_len, *shapes.pop()), dtype)
     for i, r in enumerate(routing):
         if r.shape[0] > seq_len:
             raise ValueError(f"routing: row {i} has {r.shape[0]} tokens > the batch's {seq_len}")

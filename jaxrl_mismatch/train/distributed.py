@@ -68,7 +68,7 @@ def gather_params(params: Any) -> Any:
     return jax.tree_util.tree_map(to_host, params)
 
 
-_DTYPES = (np.int32, np.float32)
+_DTYPES = (np.int32, np.float32, np.uint8, np.uint16)  # uint: MoE routing (`models.moe.routing_dtype`)
 _MAX_NDIM = 4  # the rollout's arrays: [B, S] tokens … [B, S, L, k] MoE routing
 
 
@@ -143,7 +143,7 @@ def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], d
         for i, k in enumerate(keys):
             a = np.asarray(arrays[k])
             if not 1 <= a.ndim <= _MAX_NDIM or a.dtype.type not in _DTYPES:
-                raise ValueError(f"rollout array {k!r}: need a 1- to {_MAX_NDIM}-d int32/float32 array, "
+                raise ValueError(f"rollout array {k!r}: need a 1- to {_MAX_NDIM}-d int32/float32/uint8/uint16 array, "
                                  f"got {a.dtype}{a.shape}")
             header[i, :2 + a.ndim] = (_DTYPES.index(a.dtype.type), a.ndim, *a.shape)
     header = np.asarray(multihost_utils.broadcast_one_to_all(header))

@@ -45,7 +45,7 @@ from jaxrl_mismatch import precision
 from jaxrl_mismatch.metrics.moe import moe_step_metrics
 from jaxrl_mismatch.metrics.staleness import staleness_metrics
 from jaxrl_mismatch.models import sharding as shd
-from jaxrl_mismatch.models.moe import REPLAY_MODES, RouterOutput
+from jaxrl_mismatch.models.moe import REPLAY_MODES, RouterOutput, routing_dtype
 from jaxrl_mismatch.models.scoring import score_tokens, token_logprobs
 from jaxrl_mismatch.train.batch import PackedRows, RolloutBatch
 from jaxrl_mismatch.train.exact_forward import ExactForward, exact_forward_logprobs, exact_valued
@@ -86,9 +86,10 @@ def forward_packed_logprobs(graphdef: nnx.GraphDef, params: Any, packed: PackedR
             unpack_targets(entropy, packed.unpack_index, packed.unpack_valid, num_groups=g))
 
 
-def _align_with_tokens(ids: Int[Array, "b t layers k"]) -> Int[Array, "b s layers k"]:
-    """Expert ids of the inputs `tokens[:, :-1]` → aligned with `tokens` (the last position, never an input, 0)."""
-    return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, 1), (0, 0), (0, 0)))
+def _align_with_tokens(ids: Int[Array, "b t layers k"], dtype) -> Int[Array, "b s layers k"]:
+    """Expert ids of the inputs `tokens[:, :-1]` → aligned with `tokens` (the last position, never an input, 0),
+    as `dtype` (`models.moe.routing_dtype`: the engine's narrow ids, not int32)."""
+    return jnp.pad(ids.astype(dtype), ((0, 0), (0, 1), (0, 0), (0, 0)))
 
 
 def _split_microbatches(batch: RolloutBatch, n: int, mesh: Mesh | None = None) -> RolloutBatch:
@@ -336,7 +337,8 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
             if batch.old_logp is None:  # else scored already (exact mode: `models.exact.score_exact`)
                 batch = batch.replace(old_logp=old_logp * mask)
             if routing_replay != "off":  # R3: the engine's ids (as forced); R2: θ_old's own choice
-                batch = batch.replace(replay_routing=_align_with_tokens(router.expert_ids))
+                batch = batch.replace(replay_routing=_align_with_tokens(router.expert_ids,
+                                                                        routing_dtype(router.load.shape[-1])))
         elif batch.old_logp is None:
             batch = batch.replace(old_logp=score(params, batch)[0] * mask)
         if ref_params is not None:

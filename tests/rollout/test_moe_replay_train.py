@@ -105,12 +105,13 @@ def r3_data_parallel(moe_dir, fp32_batch):
 
 def test_r3_prepare_reproduces_mu_in_fp32(fp32_batch, r3_data_parallel):
     batch = fp32_batch
-    assert batch.routing.shape == batch.tokens.shape + (2, 2) and batch.routing.dtype == np.int32
+    # the engine's uint8 ids (8 experts) stay uint8 through the batch and prepare: 4x less memory than int32
+    assert batch.routing.shape == batch.tokens.shape + (2, 2) and batch.routing.dtype == np.uint8
     _, _, out, metrics = r3_data_parallel
     m = batch.response_mask.astype(bool)
     err = float(np.max(np.abs(np.asarray(out.old_logp) - batch.rollout_logp)[m]))  # numpy: no eager-op compiles
     assert err <= 1e-5, err
-    assert out.routing is None and out.replay_routing is not None
+    assert out.routing is None and out.replay_routing is not None and out.replay_routing.dtype == np.uint8
     valid = batch.attention_mask[:, :-1].astype(bool)
     np.testing.assert_array_equal(np.asarray(out.replay_routing)[:, :-1][valid], batch.routing[:, :-1][valid])
     # Same weights, same fp32 function: the trainer's own router agrees with the engine's almost everywhere.

@@ -189,6 +189,7 @@ def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch, engine_r
     valid = host_batch["attention_mask"][:, :-1].astype(bool)
     own = _own_routing(graphdef, params, batch, engine_routing)
     np.testing.assert_array_equal(r2.replay_routing[:, :-1][valid], own[valid])
+    assert r2.replay_routing.dtype == np.uint8  # models.moe.routing_dtype(8 experts), not int32
     assert "moe/router_disagree_frac" not in metrics and metrics["moe/router_entropy"] > 0  # no engine routing
     np.testing.assert_allclose(r2.old_logp, off.old_logp, atol=1e-6)  # R2's θ_old forward routes freely
     # At θ = θ_old, replaying θ_old's routing is routing freely: the same gradient.
@@ -364,3 +365,20 @@ def test_moe_prepare_scores_in_row_blocks_with_the_same_routing_metrics_and_a_bl
     for k, v in metrics[1].items():
         assert metrics[4][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     assert temp[4] < 0.5 * temp[1], temp
+
+
+def test_routing_rows_keep_the_engines_narrow_ids():
+    """The engines send uint8 expert ids (uint16 past 256 experts); the batch widened them to int32, 4x the memory:
+    32 GB for one [B, S, L, k] array at the Qwen3-30B-A3B config's step (2,048 rows x 10,240 tokens x 48 x 8)."""
+    from jaxrl_mismatch.models.moe import routing_dtype
+    from jaxrl_mismatch.train.batch import routing_rows
+
+    assert routing_dtype(128) == np.uint8 and routing_dtype(257) == np.uint16
+    rows = [np.full((3, 2, 2), 7, np.uint8), np.full((5, 2, 2), 255, np.uint8)]
+    out = routing_rows(rows, 6)
+    assert out.dtype == np.uint8 and out.shape == (2, 6, 2, 2)
+    assert out[0, :3].min() == 7 and out[0, 3:].max() == 0 and out[1, :5].min() == 255
+    assert routing_rows([r.astype(np.uint16) for r in rows], 6).dtype == np.uint16
+    assert routing_rows([r.astype(np.int64) for r in rows], 6).dtype == np.int32  # a signed source: as before
+    with pytest.raises(ValueError, match="routing: expert ids must be integers, got float32"):
+        routing_rows([r.astype(np.float32) for r in rows], 6)
