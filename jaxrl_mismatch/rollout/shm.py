@@ -155,6 +155,10 @@ class ShmReader:
         if msg.version < current_version:
             raise RequestError("version", f"target version {msg.version} is older than the version in service "
                                f"({current_version}); versions never go backwards")
+        if msg.pid < 1:  # no process has it: a malformed request (INVALID_ARGUMENT), not an unreachable host
+            raise RequestError("pid", f"must be a process id >= 1, got {msg.pid}")
+        if msg.fd < 0:
+            raise RequestError("fd", f"must be a file descriptor >= 0, got {msg.fd}")
         buf = np.frombuffer(self._mapping(msg), np.uint8, count=msg.size)
         got = checksum(buf)
         if got != msg.checksum:

@@ -96,6 +96,10 @@ def _shm_msg(weights, version):
     (lambda m: setattr(m.tensors[0], "dtype", "float16"), grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
     (lambda m: setattr(m, "version", 0), grpc.StatusCode.INVALID_ARGUMENT, "version"),
     (lambda m: setattr(m, "fd", 9999), grpc.StatusCode.FAILED_PRECONDITION, "cannot open"),
+    # no process or descriptor can have these: a malformed request, not a host the server cannot reach
+    (lambda m: setattr(m, "pid", -1), grpc.StatusCode.INVALID_ARGUMENT, "pid: must be a process id >= 1, got -1"),
+    (lambda m: setattr(m, "pid", 0), grpc.StatusCode.INVALID_ARGUMENT, "pid: must be a process id >= 1, got 0"),
+    (lambda m: setattr(m, "fd", -1), grpc.StatusCode.INVALID_ARGUMENT, "fd: must be a file descriptor >= 0, got -1"),
 ])
 def test_bad_shm_push_is_refused_and_old_weights_stay(served, tiny_checkpoints, corrupt, code, needle):
     before = served.engine.info().weight_version
