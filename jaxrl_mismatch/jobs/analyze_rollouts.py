@@ -31,7 +31,7 @@ from jaxrl_mismatch.metrics import MetricsConfig, bucket_names, step_metrics
 from jaxrl_mismatch.models import ModelConfig, load_hf, make_scorer
 from jaxrl_mismatch.objectives.ratios import LOG_RATIO_CLAMP
 from jaxrl_mismatch.outputs import staged_dir, write_json
-from jaxrl_mismatch.rollout.validation import MAX_STOP_TOKEN_IDS, vllm_temperature_problem
+from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE, MAX_STOP_TOKEN_IDS, vllm_temperature_problem
 from jaxrl_mismatch.jobs._inputs import model_config, task_json
 from jaxrl_mismatch.usage import INT32_MAX, UsageError, check_seed, existing_file, int_list, physical_memory_bytes
 
@@ -430,7 +430,7 @@ def add_parser(sub) -> None:
     r.add_argument("--num-prompts", type=int, default=64)
     r.add_argument("--n", type=int, default=4, help="samples per prompt")
     r.add_argument("--max-tokens", type=int, default=None, help="response limit (default: task.json's, else 128)")
-    r.add_argument("--temperature", type=float, default=1.0, help="> 0; the trainer scores π at the same T")
+    r.add_argument("--temperature", type=float, default=1.0, help=">= 1e-5 (lower is greedy); the trainer scores π at the same T")
     r.add_argument("--seed", type=int, default=0,
                    help="sampling seed of the engine: another seed gives other responses to the same prompts")
     r.add_argument("--data-seed", type=int, default=None,
@@ -442,6 +442,15 @@ def add_parser(sub) -> None:
 
 
 BYTES_PER_SAMPLE_TOKEN = 64  # padded rows, both log-probs, masks and the dump: a generous bound per token
+
+
+def check_sampled_temperature(temperature: float) -> None:
+    """π and μ are compared as sampled distributions, softmax(logits / T), as the trainer scores them: below
+    `GREEDY_TEMPERATURE` the engines decode greedily (μ is not that softmax), so such a T is refused, as the
+    trainer refuses it for `rollout.temperature`."""
+    if not (math.isfinite(temperature) and temperature >= GREEDY_TEMPERATURE):
+        raise UsageError(f"--temperature must be >= {GREEDY_TEMPERATURE:g} (below it the engines decode greedily; "
+                         f"π and μ are compared as sampled distributions), got {temperature}")
 
 
 def check_sample_count(num_prompts: int, n: int, max_tokens: int) -> None:
@@ -492,9 +501,7 @@ def _check_args(a: argparse.Namespace) -> None:
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     check_sample_count(a.num_prompts, a.n, a.max_tokens)
-    if not (math.isfinite(a.temperature) and a.temperature > 0):
-        raise UsageError(f"--temperature must be > 0 (π and μ are compared as sampled distributions), got "
-                         f"{a.temperature}")
+    check_sampled_temperature(a.temperature)
     check_seed("--seed", a.seed)
     if why := vllm_temperature_problem(a.engine, a.temperature):  # μ at 0.01, π scored at --temperature
         raise UsageError(f"--temperature: {why}")

@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=2, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="response length (no stop tokens: every row is full)")
-    p.add_argument("--temperature", type=float, default=1.0, help="> 0; the trainer scores π at the same T")
+    p.add_argument("--temperature", type=float, default=1.0, help=">= 1e-5 (lower is greedy); the trainer scores π at the same T")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed of the engine: another seed gives other responses to the same prompts")
     p.add_argument("--data-seed", type=int, default=None,
@@ -89,8 +89,7 @@ def check_args(a: argparse.Namespace) -> None:
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     analyze_rollouts.check_sample_count(a.num_prompts, a.n, a.max_tokens)
-    if not (math.isfinite(a.temperature) and a.temperature > 0):
-        raise UsageError(f"--temperature must be > 0, got {a.temperature}")
+    analyze_rollouts.check_sampled_temperature(a.temperature)
     check_seed("--seed", a.seed)
     a.is_moe = bool(cfg.is_moe)
     default = [c for c in precision.COMPONENTS if c != "router" or a.is_moe]

@@ -160,6 +160,7 @@ def ckpt_dir(tiny_model) -> str:
     (["--engine-dtype", "int8"], "--engine-dtype"),
     (["--temperature", "0"], "--temperature"),
     (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "1e-6"], "--temperature must be >= 1e-05 (below it the engines decode greedily"),
     (["--n", "0"], "--n"),
     (["--num-prompts", "-1"], "--num-prompts"),
     (["--stop-ids", "3"], "--stop-ids"),

@@ -144,6 +144,7 @@ def test_command_writes_json_markdown_and_figure_and_keeps_foreign_dirs(tiny, tm
     (["--n", "0"], "--n"),
     (["--max-tokens", "300"], "--max-tokens"),
     (["--temperature", "0"], "--temperature"),
+    (["--temperature", "5e-6"], "--temperature must be >= 1e-05"),
     (["--prompt-ids", "/nonexistent.jsonl"], "--prompt-ids"),
 ])
 def test_bad_flags(tiny, tmp_path, args, flag):
