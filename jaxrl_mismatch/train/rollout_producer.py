@@ -8,7 +8,8 @@ again when it takes a batch (a version can jump by more than one per step: an ex
 held a higher version, a restart) and **drops** a batch whose oldest sample is more than s versions behind:
 counted in `rollout/dropped_batches`, logged as a warning; its prompts are not reused, as AReaL does. With
 `rollout.fixed_staleness` the trainer's push of step k + 1 waits until batch k + s is made, so every batch
-after the first s is exactly s versions old (experiments; the first s batches are 0, 1, …, s − 1 behind).
+after the first s is exactly s versions old (experiments; the first s batches are 0, 1, …, s − 1 behind, and
+a dropped batch leaves the next s + 1 at s − 1: they train a step earlier than they were made for).
 
 The session sits behind one lock (`LockedSession`): a weight push and a Generate call never overlap, so a
 push is atomic and versioned and a Generate answers from one version; a push waits at most for the Generate

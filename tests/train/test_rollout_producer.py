@@ -93,6 +93,29 @@ def test_fixed_staleness_makes_every_batch_exactly_s_behind():
         p.close()
 
 
+@pytest.mark.parametrize("s", [1, 2])
+def test_under_fixed_staleness_a_dropped_batch_leaves_s_plus_1_steps_one_version_fresher(s):
+    """What docs/rollout.md states: the batch after a dropped one was allowed by the previous push, as every batch
+    is, but it trains a step earlier than it was made for, so it and the next s are s - 1 versions old, not s. (To
+    keep s, a batch would have to be made from weights the server no longer serves.)"""
+    rec = Recorder(delay=0.02)
+    p = _producer(rec, s=s, fixed=True, last=7)
+    try:
+        _push(rec, p)
+        lags = []
+        for step in range(8):
+            item = p.take()
+            if step == 4:
+                p.drop(item, current_version=99)
+                item = p.take()
+            lags.append(step + 1 - rec.seen[item.index])
+            if step < 7:
+                _push(rec, p)
+        assert lags == list(range(s)) + [s] * (4 - s) + [s - 1] * (s + 1) + [s] * (3 - s), lags
+    finally:
+        p.close()
+
+
 def test_resume_state_is_the_oldest_batch_not_trained_on():
     rec = Recorder()
     p = _producer(rec, s=2)
