@@ -13,6 +13,7 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -66,18 +67,38 @@ def listing(names: Sequence[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f", ... ({len(names)} entries)" if len(names) > shown else "")
 
 
+def mode_kind(mode: int) -> str:
+    """What a file of this `st_mode` is, for an error: "a directory", "a file", "a FIFO", "a socket", ..."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return f"a file of type {stat.S_IFMT(mode):#o}"
+
+
+def path_kind(path: str) -> str:
+    """What `path` is, for an error about a path that is not the file or directory expected: "does not exist",
+    "is a directory", "is a FIFO", ... (a FIFO given as a config file was reported as "no such file")."""
+    try:
+        return "is " + mode_kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be looked at ({e.strerror})"
+
+
 def existing_file(flag: str, path: str) -> str:
     """`path` if it is a readable file, else a UsageError naming the flag."""
     if not os.path.isfile(path):
-        what = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise UsageError(f"{flag} {path}: {what}; expected a file")
+        raise UsageError(f"{flag} {path}: {path_kind(path)}; expected a file")
     return path
 
 
 def existing_dir(flag: str, path: str) -> str:
     """`path` if it is a directory, else a UsageError naming the flag."""
     if not os.path.isdir(path):
-        what = "is a file" if os.path.exists(path) else "does not exist"
+        what = path_kind(path)
         raise UsageError(f"{flag} {path}: {what}; expected a directory")
     return path
 
@@ -142,7 +163,7 @@ def call_file_function(path: str, function: str, label: str, *args: Any) -> Any:
     """`function(*args)` of the Python file `path` (a config or spec file); any failure to load or run it is
     one UsageError starting with `label` (e.g. "--config FILE")."""
     if not os.path.isfile(path):
-        raise UsageError(f"{label}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
+        raise UsageError(f"{label}: {path_kind(path)}; expected a Python file")
     name = f"_jaxrl_file_{abs(hash(os.path.abspath(path)))}"
     # The loader is named: for a file not ending in .py, spec_from_file_location finds none and returns None.
     spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.SourceFileLoader(name, path))

@@ -42,6 +42,7 @@ from jaxrl_mismatch.rollout import rollout_pb2
 from jaxrl_mismatch.rollout.engine import TensorSpec
 from jaxrl_mismatch.rollout.protocol import little_endian, tensor_from_bytes, tensor_nbytes
 from jaxrl_mismatch.rollout.validation import RequestError, check_finite_tensor
+from jaxrl_mismatch.usage import mode_kind
 
 ALIGN = 64
 TRANSPORTS = ("auto", "shm", "grpc")
@@ -174,7 +175,7 @@ class ShmReader:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a memfd is a regular file; a FIFO, socket or device cannot be mapped
-                raise RequestError("fd", f"{path} is {_file_kind(st.st_mode)}, not a shared-memory file")
+                raise RequestError("fd", f"{path} is {mode_kind(st.st_mode)}, not a shared-memory file")
             if msg.size < 1 or msg.size > st.st_size:
                 raise RequestError("size", f"{msg.size} bytes announced, the shared-memory file has {st.st_size}")
             try:
@@ -201,14 +202,6 @@ class ShmReader:
             except BufferError:  # an engine kept a view: unmapped when that view is collected
                 pass
         self._map, self._key = None, None
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return kind
-    return f"a file of type {stat.S_IFMT(mode):#o}"
 
 
 def _tensors(msg: rollout_pb2.ShmWeights, buf: np.ndarray, specs: dict[str, TensorSpec]) -> dict[str, np.ndarray]:

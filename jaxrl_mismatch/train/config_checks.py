@@ -20,7 +20,7 @@ from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS,
                                          exact_forward_enabled, flatten)
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE, is_run_dir
-from jaxrl_mismatch.usage import INT32_MAX, SEED_LIMIT, UsageError, host_port, listing
+from jaxrl_mismatch.usage import INT32_MAX, SEED_LIMIT, UsageError, host_port, listing, path_kind
 
 # The rollout protocol's int32 fields (rollout/rollout.proto: SamplingParams n, max_tokens, top_k); a larger value
 # fails protobuf's range check ("Value out of range") at the first Generate, after the model loaded.
@@ -411,12 +411,11 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
             path = c.task.files[split]
             for p in [path] if isinstance(path, str) else list(path):  # paths: `validate` checked their type
                 if not os.path.isfile(p):
-                    what = "is a directory; expected a JSONL file" if os.path.isdir(p) else "does not exist"
-                    raise ConfigError(f"config.task.files.{split}: {p} {what}")
+                    raise ConfigError(f"config.task.files.{split}: {p} {path_kind(p)}; expected a JSONL file")
     token = c.rollout.token_file
     if token and not os.path.isfile(token):  # read only when the server is attached: after the model loaded
-        what = "is a directory" if os.path.isdir(token) else "does not exist"
-        raise ConfigError(f"config.rollout.token_file: {token} {what}; give the file holding the server's token")
+        raise ConfigError(f"config.rollout.token_file: {token} {path_kind(token)}; give the file holding the server's "
+                          "token")
     if c.task.name == "arithmetic" and has_model:  # a warm start's arguments: jobs/_inputs.check_warmstart_args
         from jaxrl_mismatch.data.arithmetic import ArithmeticSpec, read_task_json
 

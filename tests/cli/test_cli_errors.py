@@ -62,7 +62,7 @@ def test_top_level_help_lists_commands_and_unknown_command_is_one_line():
 
 @pytest.mark.parametrize("args, needles", [
     (["train"], ["--config"]),
-    (["train", "--config", "configs/nope.py"], ["--config configs/nope.py", "no such file"]),
+    (["train", "--config", "configs/nope.py"], ["--config configs/nope.py", "does not exist"]),
     (["train", "--config", CONFIG, "--config.optim.lrr=1"], ["config.optim.lrr", "did you mean config.optim.lr"]),
     (["train", "--config", CONFIG, "--config.optim.lr=abc"], ["config.optim.lr", "'abc'"]),
     (["train", "--config", CONFIG, "--config.batch.dynamic_sampling=maybe"], ["config.batch.dynamic_sampling"]),
@@ -335,3 +335,21 @@ def test_an_integer_list_with_an_empty_entry_is_refused(text):
     with pytest.raises(UsageError, match="--seeds: expected"):
         int_list("--seeds", text)
     assert int_list("--seeds", "1, 2") == [1, 2]
+
+
+def test_a_fifo_or_a_directory_given_for_a_file_is_named_as_what_it_is(tmp_path):
+    """A FIFO given as --config was reported as "no such file" (and as "is a file" where a directory was expected):
+    the one line now says what the path is."""
+    import os
+
+    from jaxrl_mismatch.usage import UsageError, existing_dir, existing_file, path_kind
+
+    fifo = tmp_path / "config.py"
+    os.mkfifo(fifo)
+    assert (path_kind(str(fifo)), path_kind(str(tmp_path)), path_kind(str(tmp_path / "x"))) == (
+        "is a FIFO", "is a directory", "does not exist")
+    with pytest.raises(UsageError, match="is a FIFO; expected a directory"):
+        existing_dir("--model", str(fifo))
+    with pytest.raises(UsageError, match="is a directory; expected a file"):
+        existing_file("--prompt-ids", str(tmp_path))
+    assert_one_line_error(cli("train", "--config", str(fifo)), f"--config {fifo}: is a FIFO; expected a Python file")

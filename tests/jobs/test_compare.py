@@ -82,7 +82,7 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
 
 @pytest.mark.parametrize("fields, needles", [
     ({"config": None}, ["config: missing"]),
-    ({"config": "configs/no_such.py"}, ["config: configs/no_such.py", "no such file"]),
+    ({"config": "configs/no_such.py"}, ["config: configs/no_such.py", "does not exist"]),
     ({"variants": {"a": {"optim.schedul": "cosine"}}},
      ["variants.a: config.optim.schedul: unknown field", "did you mean config.optim.schedule"]),
     ({"variants": {"a": {"optim.lr": -1.0}}}, ["variants.a: config.optim.lr: must be > 0"]),
@@ -120,7 +120,7 @@ def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, nee
 
 @pytest.mark.slow
 def test_spec_file_problems_and_the_cli_exit_code(tmp_path, fake_model):
-    with pytest.raises(UsageError, match="no such file"):
+    with pytest.raises(UsageError, match="does not exist"):
         compare.main([str(tmp_path / "nope.py")])
     (tmp_path / "empty.py").write_text("x = 1\n")
     with pytest.raises(UsageError, match="defines no get_spec"):
