@@ -241,9 +241,13 @@ def _check_exact_and_replay(c: ml_collections.ConfigDict) -> None:
         if split:
             raise ConfigError(f"config.rollout.exact: needs a single-device or data-parallel trainer mesh (FSDP and "
                               f"tensor parallelism split reductions across devices), got trainer.mesh {split}")
-    v = c.trainer.exact_forward  # a None-valued field takes literals from the command line: also accept true/false
-    if not (v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in TRUE_WORDS + FALSE_WORDS)):
-        raise ConfigError(f"config.trainer.exact_forward: must be None, True or False, got {c.trainer.exact_forward!r}")
+    # a None-valued field takes literals from the command line: also true/false words, and 1/0 as the boolean fields
+    # take them (`--config.trainer.exact_forward=1` arrives as the int 1)
+    v = c.trainer.exact_forward
+    if not (v is None or isinstance(v, bool) or (isinstance(v, int) and v in (0, 1))
+            or (isinstance(v, str) and v.lower() in TRUE_WORDS + FALSE_WORDS)):
+        raise ConfigError(f"config.trainer.exact_forward: must be None, True or False (or 1 / 0), got "
+                          f"{c.trainer.exact_forward!r}")
     if exact_forward_enabled(c):
         why = "trainer.exact_forward" + (" (implied by rollout.exact)" if c.trainer.exact_forward is None else "")
         if c.trainer.packing:

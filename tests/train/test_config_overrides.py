@@ -118,6 +118,19 @@ def test_a_none_valued_field_takes_true_false_words_as_booleans_and_a_resume_see
     assert c.trainer.exact_forward is True
     apply_override(c, "optim.momentum", "0.5")
     assert c.optim.momentum == 0.5  # numbers stay numbers
+    # 1 / 0, which every boolean field takes, arrive as ints: taken as True / False, not refused
+    from jaxrl_mismatch.train.config import exact_forward_enabled
+    from jaxrl_mismatch.train.config_checks import validate
+
+    for text, on in (("1", True), ("0", False)):
+        d = base_config()
+        d.model.path = "x"
+        apply_override(d, "trainer.exact_forward", text)
+        validate(d)
+        assert exact_forward_enabled(d) is on
+    apply_override(d, "trainer.exact_forward", "2")
+    with pytest.raises(ConfigError, match=r"config.trainer.exact_forward: must be None, True or False \(or 1 / 0\), got 2"):
+        validate(d)
     saved = base_config().to_dict()
     saved["trainer"]["exact_forward"] = "false"  # as a run before this fix saved it
     current = base_config()
