@@ -129,7 +129,7 @@ def test_a_none_valued_field_takes_true_false_words_as_booleans_and_a_resume_see
         validate(d)
         assert exact_forward_enabled(d) is on
     apply_override(d, "trainer.exact_forward", "2")
-    with pytest.raises(ConfigError, match=r"config.trainer.exact_forward: must be None, True or False \(or 1 / 0\), got 2"):
+    with pytest.raises(ConfigError, match=r"exact_forward: must be None, True or False \(or 1 / 0\), got 2"):
         validate(d)
     saved = base_config().to_dict()
     saved["trainer"]["exact_forward"] = "false"  # as a run before this fix saved it
