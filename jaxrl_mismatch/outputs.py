@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from jaxrl_mismatch.usage import UsageError, listing
+from jaxrl_mismatch.usage import UsageError, listing, path_kind
 
 MARKER_PREFIX = ".jaxrl-mismatch-"
 
@@ -117,7 +117,7 @@ def _parent_writable(flag: str, path: str) -> None:
     while not os.path.exists(probe):  # the nearest existing ancestor must let us create the rest
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise UsageError(f"{flag} {path}: {probe} is a file, so the output cannot be created there")
+        raise UsageError(f"{flag} {path}: {probe} {path_kind(probe)}, so the output cannot be created there")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: cannot create it: {probe} is not writable")
 
@@ -131,7 +131,7 @@ def check_out_dir(flag: str, path: str, kind: str, *, force: bool) -> None:
         raise UsageError(f"{flag} {shown}: is a symbolic link; give the directory it points to "
                          f"({os.path.realpath(path)}) or a new path")
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag} {shown}: is a file, not a directory; choose a new directory")
+        raise UsageError(f"{flag} {shown}: {path_kind(path)}, not a directory; choose a new directory")
     _parent_writable(flag, shown)
     flag = f"{flag} {shown}"
     if not os.path.isdir(path):

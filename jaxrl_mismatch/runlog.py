@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxrl_mismatch.outputs import staged_file
-from jaxrl_mismatch.usage import UsageError
+from jaxrl_mismatch.usage import UsageError, path_kind
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -155,7 +155,7 @@ def read_run(run_dir: str, *, warn: bool = True) -> list[dict]:
     it holds no step record. Skipped lines are counted and named in one warning line on stderr."""
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isdir(run_dir):
-        raise UsageError(f"{run_dir}: " + ("is a file, not a run directory" if os.path.exists(run_dir)
+        raise UsageError(f"{run_dir}: " + (f"{path_kind(run_dir)}, not a run directory" if os.path.exists(run_dir)
                                            else "no such run directory"))
     if not os.path.isfile(path):
         raise UsageError(f"{run_dir}: not a run directory (no {METRICS_FILE}; `jaxrl-mismatch train` writes one)")

@@ -89,7 +89,7 @@ from jaxrl_mismatch.runlog import METRICS_FILE, read_jsonl_checked, warn_skipped
 from jaxrl_mismatch.train.config_resume import config_changes
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE
 from jaxrl_mismatch.usage import (EXIT_STOPPED, SEED_LIMIT, ArgumentParser, UsageError, call_file_function,
-                                  listing)
+                                  listing, path_kind)
 
 PROG = "jaxrl-mismatch compare"
 SPEC_FIELDS = ("name", "config", "overrides", "variants", "seeds", "baseline", "controls", "out", "metrics",
@@ -602,7 +602,7 @@ def check_out(spec: Spec) -> None:
     if os.path.islink(out):
         raise _error(spec.path, "out", f"{out} is a symbolic link; give the directory it points to")
     if os.path.lexists(out) and not os.path.isdir(out):
-        raise _error(spec.path, "out", f"{out} is a file; give a directory")
+        raise _error(spec.path, "out", f"{out} {path_kind(out)}; give a directory")
     if not os.path.isdir(out):
         return
     entries = sorted(os.listdir(out))

@@ -388,7 +388,8 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.run_dir: {c.run_dir} is a symbolic link to a missing path "
                           f"({os.readlink(c.run_dir)}); expected a (new or existing) run directory")
     if os.path.lexists(c.run_dir) and not os.path.isdir(c.run_dir):
-        raise ConfigError(f"config.run_dir: {c.run_dir} is a file; expected a (new or existing) run directory")
+        raise ConfigError(f"config.run_dir: {c.run_dir} {path_kind(c.run_dir)}; expected a (new or existing) run "
+                          "directory")
     lock = os.path.join(c.run_dir, LOCK_FILE)
     if os.path.lexists(lock) and (os.path.islink(lock) or not os.path.isfile(lock)):
         raise ConfigError(f"config.run_dir: its run lock {lock} is "

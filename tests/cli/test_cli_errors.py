@@ -352,4 +352,11 @@ def test_a_fifo_or_a_directory_given_for_a_file_is_named_as_what_it_is(tmp_path)
         existing_dir("--model", str(fifo))
     with pytest.raises(UsageError, match="is a directory; expected a file"):
         existing_file("--prompt-ids", str(tmp_path))
+    from jaxrl_mismatch.outputs import check_out_dir
+    from jaxrl_mismatch.runlog import read_run
+
+    with pytest.raises(UsageError, match="is a FIFO, not a directory"):
+        check_out_dir("--out", str(fifo), "export", force=False)
+    with pytest.raises(UsageError, match="is a FIFO, not a run directory"):
+        read_run(str(fifo))
     assert_one_line_error(cli("train", "--config", str(fifo)), f"--config {fifo}: is a FIFO; expected a Python file")
