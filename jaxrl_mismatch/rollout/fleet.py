@@ -21,10 +21,8 @@ prime-rl put a router in front of several engines). The fleet is that router, in
   prints its resume message) once no server can serve the step — or `PieceFailedError` once one piece has
   failed on `PIECE_FAILURES` servers: then the request, not the servers, is the likely cause (a prompt that
   crashes the engine, a request longer than `stall_timeout_s`), and re-sending it would take every server down.
-- **Every call is bounded**: a push or GetInfo still running after one call's deadline (`timeout_s`, the
-  trainer's `rollout.push_timeout_s`: past it the client is retrying a hung server) takes its server out;
-  `info()` asks the next server when one fails; `close()` waits for revivals at most `ready_timeout_s`, and a
-  revival never leaves a server it started running when it fails or the fleet closed.
+- `info()` asks the next server when one fails; a revival never leaves a server it started running when its
+  readiness or server check fails, or when the fleet closed meanwhile.
 """
 
 from __future__ import annotations
@@ -104,11 +102,10 @@ class RolloutFleet:
     """See the module docstring. Build with `launch` (N managed servers) or `attach` (addresses)."""
 
     def __init__(self, members: list[_Member], *, start_version: int = 0, stall_timeout_s: float = 600.0,
-                 ready_timeout_s: float = 600.0, restart: bool = True, call_timeout_s: float = 600.0) -> None:
+                 ready_timeout_s: float = 600.0, restart: bool = True) -> None:
         self.members = members
         self.version = int(start_version)
         self.stall_timeout_s, self.ready_timeout_s, self.restart = stall_timeout_s, ready_timeout_s, restart
-        self.call_timeout_s = call_timeout_s  # a push or GetInfo still running after it is taken out (_parallel)
         self._weights: Mapping[str, np.ndarray] | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=4 * len(members), thread_name_prefix="fleet")
         self.failovers = 0  # pieces re-sent to another server
@@ -143,7 +140,7 @@ class RolloutFleet:
                         f.result().session.close()
                 raise
         return cls(members, start_version=start_version, stall_timeout_s=stall_timeout_s,
-                   ready_timeout_s=ready_timeout_s, restart=restart, call_timeout_s=timeout_s)
+                   ready_timeout_s=ready_timeout_s, restart=restart)
 
     @classmethod
     def attach(cls, addresses: Sequence[str], *, token: str | None, timeout_s: float = 600.0,
@@ -166,7 +163,7 @@ class RolloutFleet:
                 m.session.close()
             raise
         return cls(members, start_version=start_version, stall_timeout_s=stall_timeout_s,
-                   ready_timeout_s=ready_timeout_s, call_timeout_s=timeout_s)
+                   ready_timeout_s=ready_timeout_s)
 
     # -- the session surface ---------------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -178,13 +175,10 @@ class RolloutFleet:
                 return got
 
     def infos(self) -> list[EngineInfo]:
-        """What every live server serves (the trainer checks them all: a mixed fleet would mix μ); a server that
-        fails GetInfo is taken down (it sits out until it rejoins at a push, after the server check)."""
-        up = [m for m in self.members if m.up]
-        got = [i for i in self._parallel(up, lambda m: m.session.info()) if i is not None]
-        if not got:
-            raise NoServerLeftError(f"no rollout server answered GetInfo ({self.describe()})")
-        return got
+        """What every live server serves (the trainer checks them all at start-up: a mixed fleet would mix μ). A
+        failure is raised, not failed over: a server taken down here would be revived before the trainer has set
+        its server check, and could rejoin unchecked."""
+        return [m.session.info() for m in self.members if m.up] or [self._any_up().session.info()]
 
     def set_server_check(self, check: Callable[[RolloutClient], None] | None) -> None:
         """Run `check(client)` on every server that comes back (restarted, rejoining, or restarted by someone
@@ -288,10 +282,11 @@ class RolloutFleet:
         return sum(m.session.restarts for m in self.members)
 
     def close(self) -> None:
-        """Stop launched servers; a restart in progress is waited for at most ready_timeout_s, then stopped (one
-        still starting its server stops it itself: `_revive` looks at `_closed` again once it has started)."""
+        """Stop launched servers; a restart in progress is waited for (bounded by its own start-up and readiness
+        timeouts; `ManagedServer.start` / `stop` must not race), and one that started its server after this call
+        stops it itself (`_revive` looks at `_closed` again once the server has started)."""
         self._closed = True
-        cf.wait([m.revival for m in self.members if m.revival is not None], timeout=self.ready_timeout_s)
+        cf.wait([m.revival for m in self.members if m.revival is not None])
         self._pool.shutdown(wait=False, cancel_futures=True)
         for m in self.members:
             m.session.close()
@@ -374,20 +369,17 @@ class RolloutFleet:
         cf.wait(pending, timeout=self.ready_timeout_s)
 
     def _parallel(self, members: list[_Member], call: Callable[[_Member], object], what: str = "GetInfo") -> list:
-        """call(m) for each member in parallel; a member whose call fails, or is still running after one call's
-        deadline (a hung but connected server would hold it for that deadline again at each retry), is taken down
-        (result None; its client is closed, so a running call fails soon after)."""
+        """call(m) for each member in parallel; a member whose call fails is taken down (result None). Not bounded
+        here: a push also casts, may fall back from shared memory to the stream or re-push after a server restart,
+        each with its own deadline, so a fleet-wide limit would take down servers a lone session keeps."""
         futures = [self._pool.submit(call, m) for m in members]
-        cf.wait(futures, timeout=self.call_timeout_s)
         out = []
         for m, f in zip(members, futures):
             try:
-                if not f.done():
-                    raise TimeoutError(f"still running after its {self.call_timeout_s:g} s deadline")
                 out.append(f.result())
             except Exception as e:  # noqa: BLE001 - any failure of one member's call (gRPC raises ValueError on a
                 # closed channel) is that member's: it sits the step out, the fleet goes on without it
-                why = str(e) if isinstance(e, (RolloutError, TimeoutError)) else f"{type(e).__name__}: {e}"
+                why = str(e) if isinstance(e, RolloutError) else f"{type(e).__name__}: {e}"
                 log.warning("rollout server %s failed %s (%s); it sits this step out", m.name, what, why)
                 m.up = True  # so that _take_down applies
                 self._take_down(m)

@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_model_len = 0  # 0 = the model's max_position_embeddings
     c.rollout.startup_timeout_s = 600.0
     c.rollout.generate_timeout_s = 1800.0
-    c.rollout.push_timeout_s = 600.0  # one UpdateWeights deadline (GBs take minutes); a fleet drops a server past it
+    c.rollout.push_timeout_s = 600.0  # deadline of one UpdateWeights stream (GBs over a network take minutes)
     # How long one call keeps retrying a server that does not answer (UNAVAILABLE, deadline exceeded) before
     # the run checkpoints and stops; raise it when a supervisor restarts an external server (vLLM takes minutes)
     c.rollout.retry_s = 10.0

@@ -276,41 +276,22 @@ def test_a_piece_that_fails_on_two_servers_stops_the_step_and_spares_the_third(t
         release.set()
 
 
-def test_push_and_getinfo_are_bounded_by_one_call_deadline_and_info_fails_over(three_servers, tiny_checkpoints,
-                                                                                caplog):
-    """A hung but connected server held every push for its RPC deadline again at each retry; a failed GetInfo of
-    the first server failed `info()` though two others were up."""
-    import threading
-    import time
-
+def test_info_asks_the_next_server_when_one_fails(three_servers, tiny_checkpoints):
+    """A failed GetInfo of the first live server failed `info()` though two others were up."""
     from jaxrl_mismatch.rollout.client import RolloutError
 
-    weights = _perturbed(tiny_checkpoints["untied"], 0.1)
     addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
-    release = threading.Event()
-    try:
-        with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, timeout_s=2.0) as fleet:
-            fleet.push(weights)
-            hung = fleet.members[0]
-            hung.session.push = lambda *a, **kw: release.wait(60)
-            t0 = time.monotonic()
-            version = fleet.push(weights)
-            assert time.monotonic() - t0 < 20
-            assert not hung.up and [m.served for m in fleet.members[1:]] == [version, version]
-            assert "failed UpdateWeights (still running after its 2 s deadline)" in caplog.text
-            assert len(fleet.generate(PROMPTS, SPEC)) == len(PROMPTS)
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30) as fleet:
+        version = fleet.push(_perturbed(tiny_checkpoints["untied"], 0.1))
 
-            def gone(*a, **kw):
-                raise RolloutError("GetInfo: UNAVAILABLE (test)")
+        def gone(*a, **kw):
+            raise RolloutError("GetInfo: UNAVAILABLE (test)")
 
-            failing = fleet.members[1]
-            failing.session.info = gone
-            assert fleet.info().weight_version == version and not failing.up  # the third server answered
-            assert [i.weight_version for i in fleet.infos()] == [version]
-            for m in fleet.members[:2]:
-                m.revival.result(timeout=30)  # their background revivals end before the servers are reused
-    finally:
-        release.set()
+        failing = fleet.members[0]
+        failing.session.info = gone
+        assert fleet.info().weight_version == version and not failing.up  # the second server answered
+        assert all(m.up for m in fleet.members[1:])
+        failing.revival.result(timeout=30)  # its background revival ends before the servers are reused
 
 
 @pytest.mark.slow
