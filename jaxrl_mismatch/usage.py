@@ -84,6 +84,8 @@ def path_kind(path: str) -> str:
         return "is " + mode_kind(os.stat(path).st_mode)
     except FileNotFoundError:
         return "does not exist"
+    except NotADirectoryError:
+        return "does not exist (a folder on its path is a file)"
     except OSError as e:
         return f"cannot be looked at ({e.strerror})"
 

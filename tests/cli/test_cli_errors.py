@@ -348,6 +348,7 @@ def test_a_fifo_or_a_directory_given_for_a_file_is_named_as_what_it_is(tmp_path)
     os.mkfifo(fifo)
     assert (path_kind(str(fifo)), path_kind(str(tmp_path)), path_kind(str(tmp_path / "x"))) == (
         "is a FIFO", "is a directory", "does not exist")
+    assert path_kind(str(fifo / "x")) == "does not exist (a folder on its path is a file)"
     with pytest.raises(UsageError, match="is a FIFO; expected a directory"):
         existing_dir("--model", str(fifo))
     with pytest.raises(UsageError, match="is a directory; expected a file"):
