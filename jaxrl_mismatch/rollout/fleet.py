@@ -305,7 +305,7 @@ class RolloutFleet:
         failed.setdefault(i, []).append(f"{m.name} {why}")
         self._take_down(m)
         if len(failed[i]) >= PIECE_FAILURES:
-            hint = (f"; if a request of this size can take that long, raise rollout.stall_timeout_s"
+            hint = ("; if a request of this size can take that long, raise rollout.stall_timeout_s"
                     if all("stalled (" in w for w in failed[i]) else "")
             raise PieceFailedError(
                 f"prompts {piece.start}-{piece.stop - 1} of this step failed on {len(failed[i])} rollout servers "
