@@ -252,7 +252,7 @@ def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list
     ids, pmask, resp, mu_engine, prompt_idx = _rows(prompts, completions)
     tokens = np.concatenate([ids, resp], axis=1)
     mask = np.concatenate([pmask, np.ones_like(resp)], axis=1)
-    plen, r = ids.shape[1], resp.shape[1]
+    plen = ids.shape[1]
     valid = mask[:, :-1] > 0  # input positions of the trainer's forward
     response_mask = np.zeros(valid.shape, np.float32)
     response_mask[:, plen - 1:] = 1.0
