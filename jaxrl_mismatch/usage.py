@@ -100,8 +100,7 @@ def existing_file(flag: str, path: str) -> str:
 def existing_dir(flag: str, path: str) -> str:
     """`path` if it is a directory, else a UsageError naming the flag."""
     if not os.path.isdir(path):
-        what = path_kind(path)
-        raise UsageError(f"{flag} {path}: {what}; expected a directory")
+        raise UsageError(f"{flag} {path}: {path_kind(path)}; expected a directory")
     return path
 
 

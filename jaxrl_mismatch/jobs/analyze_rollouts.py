@@ -430,7 +430,8 @@ def add_parser(sub) -> None:
     r.add_argument("--num-prompts", type=int, default=64)
     r.add_argument("--n", type=int, default=4, help="samples per prompt")
     r.add_argument("--max-tokens", type=int, default=None, help="response limit (default: task.json's, else 128)")
-    r.add_argument("--temperature", type=float, default=1.0, help=">= 1e-5 (lower is greedy); the trainer scores π at the same T")
+    r.add_argument("--temperature", type=float, default=1.0,
+                   help=f">= {GREEDY_TEMPERATURE:g} (lower is greedy); the trainer scores π at the same T")
     r.add_argument("--seed", type=int, default=0,
                    help="sampling seed of the engine: another seed gives other responses to the same prompts")
     r.add_argument("--data-seed", type=int, default=None,

@@ -42,6 +42,7 @@ from jaxrl_mismatch.models.model import CAPTURED, capture_intermediates, positio
 from jaxrl_mismatch.models.sharding import tree_path
 from jaxrl_mismatch.outputs import staged_dir, write_json
 from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError, SamplingSpec
+from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE
 from jaxrl_mismatch.rollout.jax_engine import _POLICY, JaxEngine, step_logprobs
 from jaxrl_mismatch.jobs._inputs import model_config
 from jaxrl_mismatch.usage import UsageError, check_seed
@@ -69,7 +70,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=2, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="response length (no stop tokens: every row is full)")
-    p.add_argument("--temperature", type=float, default=1.0, help=">= 1e-5 (lower is greedy); the trainer scores π at the same T")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help=f">= {GREEDY_TEMPERATURE:g} (lower is greedy); the trainer scores π at the same T")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed of the engine: another seed gives other responses to the same prompts")
     p.add_argument("--data-seed", type=int, default=None,

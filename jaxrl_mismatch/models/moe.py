@@ -62,6 +62,7 @@ def routing_dtype(num_experts: int) -> jnp.dtype:
     10,240 tokens × 48 sparse layers × top-8) one `[B, S, L, k]` array is 8 GB as uint8, 32 GB as int32."""
     return jnp.dtype(jnp.uint8 if num_experts <= 256 else jnp.uint16 if num_experts <= 65536 else jnp.int32)
 
+
 _INIT = nnx.initializers.normal(0.02)
 # Routing replay modes (`trainer.routing_replay`): "off" = every forward routes freely; "R2" = the update's θ
 # forwards replay θ_old's own routing; "R3" = the θ_old and θ forwards replay the rollout engine's routing.

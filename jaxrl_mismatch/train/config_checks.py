@@ -15,7 +15,7 @@ import shlex
 import ml_collections
 
 from jaxrl_mismatch import precision
-from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
+from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE, vllm_temperature_problem
 from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS, ConfigError, check_schema,
                                          exact_forward_enabled, flatten)
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
@@ -140,7 +140,7 @@ FP16_LOGITS_MIN_TEMPERATURE = 0.01
 
 def _check_sampling(c: ml_collections.ConfigDict) -> None:
     """Sampling, evaluation, fleet and timeout fields, and what each engine can sample."""
-    if not c.rollout.temperature >= 1e-5:
+    if not c.rollout.temperature >= GREEDY_TEMPERATURE:
         raise ConfigError(f"config.rollout.temperature: training rollouts need a temperature > 0 (the trainer "
                           f"scores π as softmax(logits / T)), got {c.rollout.temperature!r}")
     for field in ("rollout", "eval"):

@@ -77,20 +77,29 @@ def test_batch_j_starts_only_after_the_push_of_step_j_minus_s():
         p.close()
 
 
-def test_fixed_staleness_makes_every_batch_exactly_s_behind():
+def _fixed_lags(s: int, *, drop_at: int | None = None, steps: int = 8) -> list[int]:
+    """Each step's lag (trainer's pushes − pushes its batch saw) under fixed staleness s; at step `drop_at` the
+    batch taken is dropped and the next one trains instead."""
     rec = Recorder(delay=0.02)
-    p = _producer(rec, s=2, fixed=True, last=7)
+    p = _producer(rec, s=s, fixed=True, last=steps - 1)
     try:
         _push(rec, p)
         lags = []
-        for step in range(8):
+        for step in range(steps):
             item = p.take()
-            lags.append(step + 1 - (rec.seen[item.index]))  # trainer's pushes − pushes the batch saw
-            if step < 7:
+            if step == drop_at:
+                p.drop(item, current_version=99)
+                item = p.take()
+            lags.append(step + 1 - rec.seen[item.index])
+            if step < steps - 1:
                 _push(rec, p)
-        assert lags == [0, 1, 2, 2, 2, 2, 2, 2]
+        return lags
     finally:
         p.close()
+
+
+def test_fixed_staleness_makes_every_batch_exactly_s_behind():
+    assert _fixed_lags(2) == [0, 1, 2, 2, 2, 2, 2, 2]
 
 
 @pytest.mark.parametrize("s", [1, 2])
@@ -98,22 +107,8 @@ def test_under_fixed_staleness_a_dropped_batch_leaves_s_plus_1_steps_one_version
     """What docs/rollout.md states: the batch after a dropped one was allowed by the previous push, as every batch
     is, but it trains a step earlier than it was made for, so it and the next s are s - 1 versions old, not s. (To
     keep s, a batch would have to be made from weights the server no longer serves.)"""
-    rec = Recorder(delay=0.02)
-    p = _producer(rec, s=s, fixed=True, last=7)
-    try:
-        _push(rec, p)
-        lags = []
-        for step in range(8):
-            item = p.take()
-            if step == 4:
-                p.drop(item, current_version=99)
-                item = p.take()
-            lags.append(step + 1 - rec.seen[item.index])
-            if step < 7:
-                _push(rec, p)
-        assert lags == list(range(s)) + [s] * (4 - s) + [s - 1] * (s + 1) + [s] * (3 - s), lags
-    finally:
-        p.close()
+    lags = _fixed_lags(s, drop_at=4)
+    assert lags == list(range(s)) + [s] * (4 - s) + [s - 1] * (s + 1) + [s] * (3 - s), lags
 
 
 def test_resume_state_is_the_oldest_batch_not_trained_on():
