@@ -17,6 +17,14 @@ state scores target t (T = S − 1), so `mask` is the response mask and ρ_t = �
   set; the rest is "agreed"), and the std of ρ over each set (``moe/rho_std_routing_agreed`` /
   ``moe/rho_std_routing_disagreed``: the paper's §2 "mismatch", the std of eq. 5's ρ, restricted to the set).
   A position's own routing is the one compared; earlier positions reach it only through attention.
+- With asynchronous rollouts (``version_lag``, ``behav_ids``: the router's free top-k at each lagged row's sample
+  version, π_behav's routing, `train/behaviour.py`) the disagreement splits like `metrics/staleness.py` splits
+  log ρ: ``moe/router_disagree_staleness_frac`` compares θ_old's top-k with θ_behav's (what the policy's change
+  over the lag moved; 0 on rows with lag 0, where θ_behav = θ_old) and ``moe/router_disagree_precision_frac``
+  compares θ_behav's with the engine's (the engine's own routing mismatch at the weights it served), each the
+  mean over sparse layers of the share of response positions, with ``_token_frac`` for "any layer". Sets do not
+  subtract: at a position, disagree(engine, θ_old) ≤ disagree(engine, θ_behav) + disagree(θ_behav, θ_old), with
+  equality unless both differ (then the engine may still match θ_old).
 
 Empty sets give 0 (spreads, fractions), never NaN; padding changes nothing.
 """
@@ -46,8 +54,13 @@ def moe_step_metrics(
     *,
     layer_ids: tuple[int, ...],
     rollout_ids: Int[Array, "b t layers k"] | None = None,
+    behav_ids: Int[Array, "b t layers k"] | None = None,
+    version_lag: Int[Array, "b"] | None = None,
 ) -> dict[str, Scalar]:
-    """The ``moe/*`` metrics of one step (module docstring); ``layer_ids`` names the sparse layers (static)."""
+    """The ``moe/*`` metrics of one step (module docstring); ``layer_ids`` names the sparse layers (static).
+
+    ``version_lag`` adds the staleness/precision split, with ``behav_ids`` read on the rows with lag > 0 (None:
+    no row is lagged, θ_behav = θ_old everywhere)."""
     m = as_bool_mask(mask)
     tok = Masked(m)
     layers = entropy.shape[-1]
@@ -65,9 +78,23 @@ def moe_step_metrics(
         "moe/load_max_over_mean_max": jnp.max(max_over_mean),
         "moe/load_cv": jnp.mean(cv),
     }
+
+    def layer_frac(differs):  # [b, t, layers] → [layers]: the share of response positions
+        return jnp.sum(jnp.where(m[..., None], differs, False), axis=(0, 1)) / jnp.maximum(tok.n, 1.0)
+
+    if behav_ids is not None and version_lag is None:
+        raise ValueError("behav_ids needs version_lag (which rows are stale)")
+    if version_lag is not None:
+        stale = (version_lag > 0)[:, None, None, None]
+        behav = router_ids if behav_ids is None else jnp.where(stale, behav_ids.astype(router_ids.dtype), router_ids)
+        parts = [("staleness", router_ids)] + ([] if rollout_ids is None else [("precision", rollout_ids)])
+        for name, other in parts:
+            differs = routing_disagrees(behav, other)
+            out[f"moe/router_disagree_{name}_frac"] = jnp.mean(layer_frac(differs))
+            out[f"moe/router_disagree_{name}_token_frac"] = tok.frac(jnp.any(differs, axis=-1))
     if rollout_ids is not None:
         differs = routing_disagrees(router_ids, rollout_ids)  # [b, t, layers]
-        frac = jnp.sum(jnp.where(m[..., None], differs, False), axis=(0, 1)) / jnp.maximum(tok.n, 1.0)  # [layers]
+        frac = layer_frac(differs)
         out["moe/router_disagree_frac"] = jnp.mean(frac)
         out.update({f"moe/router_disagree_frac_layer{i}": frac[j] for j, i in enumerate(layer_ids)})
         any_differs = jnp.any(differs, axis=-1)
@@ -79,9 +106,12 @@ def moe_step_metrics(
     return {k: f32(v) for k, v in out.items()}
 
 
-def moe_metric_names(layer_ids: tuple[int, ...], *, with_rollout: bool) -> list[str]:
-    """The keys ``moe_step_metrics`` returns, in order."""
+def moe_metric_names(layer_ids: tuple[int, ...], *, with_rollout: bool, with_lag: bool = False) -> list[str]:
+    """The keys ``moe_step_metrics`` returns, in order (``with_lag``: given ``version_lag``)."""
     names = ["moe/router_entropy", "moe/load_max_over_mean", "moe/load_max_over_mean_max", "moe/load_cv"]
+    if with_lag:
+        for part in ("staleness",) + (("precision",) if with_rollout else ()):
+            names += [f"moe/router_disagree_{part}_frac", f"moe/router_disagree_{part}_token_frac"]
     if with_rollout:
         names += ["moe/router_disagree_frac", *(f"moe/router_disagree_frac_layer{i}" for i in layer_ids),
                   "moe/router_disagree_token_frac", "moe/rho_std_routing_agreed", "moe/rho_std_routing_disagreed"]

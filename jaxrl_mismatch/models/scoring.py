@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxrl_mismatch.models import sharding as shd
 from jaxrl_mismatch.models.model import Transformer, positions_from_mask, positions_from_segments
-from jaxrl_mismatch.models.moe import RouterOutput
+from jaxrl_mismatch.models.moe import RouterOutput, routing_dtype
 from jaxrl_mismatch.models.truncation import truncate_to_count, truncated_entropy
 
 
@@ -180,15 +180,24 @@ def score_tokens(
 
 
 def make_scorer(graphdef: nnx.GraphDef, mesh: Mesh | None = None, *, chunk_size: int = 256,
-                temperature: float = 1.0):
+                temperature: float = 1.0, routed: bool = False):
     """`score_tokens` jitted: `fn(params, tokens, attention_mask, kept=None) -> (logp, entropy)`, each `[B, S-1]`
-    float32, sharded like the batch on `mesh` (None: wherever jit puts them). Params keep their sharding."""
+    float32, sharded like the batch on `mesh` (None: wherever jit puts them). Params keep their sharding.
 
-    def fn(params, tokens, attention_mask, kept=None) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
-        return score_tokens(graphdef, params, tokens, attention_mask, chunk_size=chunk_size, temperature=temperature,
-                            kept=kept)[:2]
+    `routed` (a MoE policy): a third output, the routers' own top-k over the inputs `tokens[:, :-1]`,
+    `[B, S-1, sparse layers, k]` in the engines' narrow type (`models.moe.routing_dtype`): what the asynchronous
+    behaviour scorer compares with θ_old's and the engine's routing (`metrics/moe.py`)."""
+
+    def fn(params, tokens, attention_mask, kept=None):
+        s = score_tokens(graphdef, params, tokens, attention_mask, chunk_size=chunk_size, temperature=temperature,
+                         kept=kept)
+        if not routed:
+            return s.logp, s.entropy
+        if s.router is None:
+            raise ValueError("make_scorer(routed=True) needs a mixture-of-experts policy; this one has no router")
+        return s.logp, s.entropy, s.router.router_ids.astype(routing_dtype(s.router.load.shape[-1]))
 
     if mesh is None:
         return jax.jit(fn)
     out_sh = shd.batch_sharding(mesh)
-    return jax.jit(fn, out_shardings=(out_sh, out_sh))
+    return jax.jit(fn, out_shardings=(out_sh,) * (3 if routed else 2))

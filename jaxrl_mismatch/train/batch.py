@@ -28,6 +28,10 @@ Layout (leading dim B = prompts × group size, sharded over ("data", "fsdp"); S 
     behav_logp      f32   [B, S-1]  log π_behav: the trainer's policy at the row's sample version (rows with
                                     lag > 0; `Learner.prepare`), for the staleness/precision split
                                     (`metrics/staleness.py`); `prepare` drops both (the update never reads them)
+    behav_routing   uint8 [B, S-1, L, k]  MoE + asynchronous rollouts: the router's own top-k at the row's
+                                    sample version (π_behav's routing) over the inputs `tokens[:, :-1]`, rows with
+                                    lag > 0 (0 elsewhere), for the routing split of `moe/*` (`metrics/moe.py`);
+                                    `prepare` drops it
 
 The optional fields are None when absent; a pytree with None fields has no leaves there, so jit sees a
 fixed structure per run. The fields without a default are what the rollout produces: multi-host
@@ -89,6 +93,7 @@ class RolloutBatch:
     packed: PackedRows | None = None
     version_lag: Int[Array, "b"] | None = None
     behav_logp: Float[Array, "b t"] | None = None
+    behav_routing: Int[Array, "b t layers k"] | None = None
     kept_count: Int[Array, "b t"] | None = None
 
     @property

@@ -16,6 +16,10 @@ lag 0 are not scored at all: their sample version is the current one, so π_beha
 computes anyway (`metrics/staleness.py` reads π_prox there). These forwards stay outside `prepare`'s jitted
 call: each lag has its own weights and the set of lags varies per step, so one program would compile per
 combination of lags and packed shapes (docs/rollout.md, "Cost").
+
+A mixture-of-experts policy's forward also returns what its routers chose at the row's version (π_behav's
+routing), which splits the `moe/router_disagree_*` metrics the same way (`metrics/moe.py`); exact mode's
+scorer returns no routing.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import numpy as np
 class BehaviourScorer:
     """Keeps the parameters of recent weight versions and scores lagged rows with them."""
 
-    def __init__(self, max_staleness: int, score: Callable[[Any, Any, np.ndarray], np.ndarray]) -> None:
+    def __init__(self, max_staleness: int, score: Callable[[Any, Any, np.ndarray], Any]) -> None:
         self.s = int(max_staleness)
-        self._score = score  # (params, batch, rows [B] bool) -> [B, S-1] host log-probs of `rows` (masked)
+        # (params, batch, rows [B] bool) -> [B, S-1] host log-probs of `rows` (masked), or, for a MoE policy,
+        # (those log-probs, [B, S-1, L, k] the routers' own top-k over the inputs): 0 in the other rows
+        self._score = score
         self._params: dict[int, Any] = {}
         self.version: int | None = None  # the current (latest pushed) version
 
@@ -45,18 +51,31 @@ class BehaviourScorer:
             del self._params[v]
 
     def behav_logp(self, batch) -> np.ndarray | None:
-        """[B, S-1] log π_behav of the rows with `version_lag` > 0 (0 elsewhere); None when no row is lagged.
+        """[B, S-1] log π_behav of the rows with `version_lag` > 0 (0 elsewhere); None when no row is lagged."""
+        scored = self.behaviour(batch)
+        return None if scored is None else scored[0]
+
+    def behaviour(self, batch) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """(log π_behav as `behav_logp`, the routers' top-k at each row's version `[B, S-1, L, k]` or None when
+        the scorer returns no routing); None when no row is lagged.
 
         A lag with no kept version (cannot happen within the bound) raises naming it."""
         lag = None if batch.version_lag is None else np.asarray(batch.version_lag)
         if lag is None or not np.any(lag > 0):
             return None
-        out = np.zeros(np.shape(batch.rollout_logp), np.float32)
+        logp, routing = np.zeros(np.shape(batch.rollout_logp), np.float32), None
         for ell in np.unique(lag[lag > 0]):
             v = self.version - int(ell)
             if v not in self._params:
                 raise ValueError(f"version_lag: rows {ell} versions behind (version {v}) but only versions "
                                  f"{sorted(self._params)} are kept (rollout.max_staleness = {self.s})")
             rows = lag == ell
-            out[rows] = np.asarray(self._score(self._params[v], batch, rows), np.float32)[rows]
-        return out
+            got = self._score(self._params[v], batch, rows)
+            lp, ids = got if isinstance(got, tuple) else (got, None)
+            logp[rows] = np.asarray(lp, np.float32)[rows]
+            if ids is not None:
+                ids = np.asarray(ids)
+                if routing is None:
+                    routing = np.zeros(ids.shape, ids.dtype)
+                routing[rows] = ids[rows]
+        return logp, routing

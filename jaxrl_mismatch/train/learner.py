@@ -31,7 +31,7 @@ from jaxrl_mismatch.train.learner_config import LearnerConfig
 from jaxrl_mismatch.train.minibatches import jit_take_rows, minibatch_order, place_rows
 from jaxrl_mismatch.train.packed_scoring import make_packed_scorer
 from jaxrl_mismatch.train.packing import pack_batch, packed_layout
-from jaxrl_mismatch.train.row_scoring import score_rows
+from jaxrl_mismatch.train.row_scoring import score_rows, score_rows_routed
 from jaxrl_mismatch.train.state import TrainState, abstract_state_of, init_state, split_model
 from jaxrl_mismatch.train.step import (
     jit_prepare,
@@ -70,9 +70,13 @@ class Learner:
         self._update = None  # jitted on the first minibatch (needs its pytree structure)
         self._take_rows = jit_take_rows(self.mesh)
         moe_layers = tuple(self.model_cfg.sparse_layers) if self.model_cfg.is_moe else ()
+        # A MoE policy's π_behav forward (not exact mode's scorer, never packed: `config_checks`) also returns
+        # its routing at the row's version, which splits moe/router_disagree_* (metrics/moe.py).
+        self._routed_behaviour = self.model_cfg.is_moe and not cfg.packing and not cfg.scores_exactly
         self._prepare = jit_prepare(make_prepare_fn(graphdef, self.objective, routing_replay=cfg.routing_replay,
                                                     moe_layers=moe_layers, row_blocks=cfg.microbatches,
-                                                    mesh=self.mesh, **kw), self.mesh)
+                                                    mesh=self.mesh, split_routing=self._routed_behaviour
+                                                    and cfg.max_staleness > 0, **kw), self.mesh)
         self.state: TrainState = place_state(
             init_state(params, cfg.optimizer, precision.loss_scale_for(policy), seed=cfg.seed), self.mesh)
         self._configured_hparams = configured_hyperparams(self.state.opt_state)  # set again on resume (load_state)
@@ -81,7 +85,8 @@ class Learner:
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
         # Asynchronous rollouts: π_behav of stale rows, scored like π(θ_old) (train/behaviour.py).
         scorer = make_packed_scorer if cfg.packing else make_scorer  # packed: no forward on padding
-        self._forward = scorer(graphdef, self.mesh, **kw) if cfg.max_staleness else None
+        routed = dict(routed=True) if self._routed_behaviour else {}
+        self._forward = scorer(graphdef, self.mesh, **kw, **routed) if cfg.max_staleness else None
         self.behaviour = BehaviourScorer(cfg.max_staleness, self._score)
 
     @property
@@ -124,8 +129,8 @@ class Learner:
             self._check_routing(np.asarray(batch.routing))
         if self._exact_forward_spec is not None:  # the update's exact forward: compiled for prompts up to a bound
             check_prompt_lengths(batch.attention_mask, batch.response_mask, self._exact_forward_spec.max_prompt_len)
-        if batch.version_lag is not None and (behav := self.behaviour.behav_logp(batch)) is not None:
-            batch = batch.replace(behav_logp=behav)
+        if batch.version_lag is not None and (behav := self.behaviour.behaviour(batch)) is not None:
+            batch = batch.replace(behav_logp=behav[0], behav_routing=behav[1])
         if self.objective.cfg.proximal == "bypass":  # μ is π_prox: no θ_old forward (objectives/decoupled.py)
             batch = batch.replace(old_logp=batch.rollout_logp)
         elif self.cfg.scores_exactly:
@@ -140,10 +145,11 @@ class Learner:
         key = jax.random.key_data(jax.random.key(seed))
         return self._prepare(self.state.params, self.ref_params, place_batch(batch, self.mesh), key)
 
-    def _score(self, params, batch: RolloutBatch, rows: np.ndarray) -> np.ndarray:
+    def _score(self, params, batch: RolloutBatch, rows: np.ndarray):
         """log π(y_t) of the targets of `rows` ([B] bool) under `params`, masked, on the host (0 in other rows):
         the exact scorer in exact mode, else the teacher-forced forward (what `prepare` computes for π(θ_old)),
-        over the engine's top-k/top-p support when it truncated; only those rows are computed."""
+        over the engine's top-k/top-p support when it truncated; only those rows are computed. A MoE policy's
+        teacher-forced forward also gives its routers' top-k: then (log-probs, routing `[B, S-1, L, k]`)."""
         kept = None if batch.kept_count is None else np.asarray(batch.kept_count)
         response = np.asarray(batch.response_mask)
         if self.cfg.scores_exactly:  # batch-invariant: a subset's rows are bit for bit the whole batch's
@@ -153,8 +159,13 @@ class Learner:
                                    max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
                                    kept=None if kept is None else kept[idx], mesh=self._score_mesh)
             return out
-        return score_rows(self._forward, params, np.asarray(batch.tokens), np.asarray(batch.attention_mask), rows,
-                          kept=kept, packed=self.cfg.packing, multiple=self._batch_shards) * response
+        tokens, mask = np.asarray(batch.tokens), np.asarray(batch.attention_mask)
+        if self._routed_behaviour:
+            logp, routing = score_rows_routed(self._forward, params, tokens, mask, rows, kept=kept,
+                                              multiple=self._batch_shards)
+            return logp * response, routing
+        return score_rows(self._forward, params, tokens, mask, rows, kept=kept, packed=self.cfg.packing,
+                          multiple=self._batch_shards) * response
 
     def _check_routing(self, routing: np.ndarray) -> None:
         shape, experts = self.routing_shape, self.model_cfg.num_experts

@@ -48,21 +48,46 @@ def score_rows(forward: Forward, params: Any, tokens: Int[np.ndarray, "b s"], at
     `forward`: the trainer's scorer (`make_packed_scorer`'s when `packed`, else `make_scorer`'s). `multiple`:
     the batch shards (a gathered subset's row count must split over them). See the module docstring."""
     tokens, attention_mask, rows = np.asarray(tokens), np.asarray(attention_mask), np.asarray(rows, bool)
-    b, s = tokens.shape
-    out = np.zeros((b, s - 1), np.float32)
-    idx = np.flatnonzero(rows)
-    if idx.size == 0:
+    out = np.zeros((tokens.shape[0], tokens.shape[1] - 1), np.float32)
+    if not np.any(rows):
         return out
     if packed and kept is None:  # only the chosen rows' sequences are packed; the rest unpack to 0
         logp = forward(params, tokens, np.where(rows[:, None], attention_mask, 0))[0]
-        out[idx] = distributed.to_host(logp)[idx]
+        out[rows] = distributed.to_host(logp)[rows]
         return out
+    return _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, outputs=(0,))[0]
+
+
+def score_rows_routed(forward: Forward, params: Any, tokens: Int[np.ndarray, "b s"],
+                      attention_mask: Int[np.ndarray, "b s"], rows: Bool[np.ndarray, "b"], *,
+                      kept: Int[np.ndarray, "b t"] | None = None, multiple: int = 1, buckets: int = 8
+                      ) -> tuple[Float[np.ndarray, "b t"], Int[np.ndarray, "b t layers k"]]:
+    """`score_rows` of a MoE policy, unpacked (packed rows carry no routing), with the routers' own top-k over the
+    inputs `tokens[:, :-1]` (`forward`: `make_scorer(..., routed=True)`'s), 0 in every other row."""
+    tokens, attention_mask, rows = np.asarray(tokens), np.asarray(attention_mask), np.asarray(rows, bool)
+    if not np.any(rows):
+        raise ValueError("score_rows_routed: no row chosen (the routing's shape comes from the forward)")
+    logp, ids = _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, outputs=(0, 2))
+    return logp, ids
+
+
+def _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, *, outputs: tuple[int, ...]):
+    """The `outputs` of `forward` (by position) for `rows`, `[B, ...]` on the host, 0 in every other row: the rows
+    gathered and padded to a bucketed count (module docstring), or the whole batch when the bucket is. At least
+    one row is chosen."""
+    b = tokens.shape[0]
+    idx = np.flatnonzero(rows)
     m = bucketed_rows(idx.size, b, multiple=multiple, buckets=buckets)
     if m >= b:  # the bucket is the whole batch: no gather
         take = np.arange(b)
     else:  # padded with copies of a chosen row (real tokens: no all-padding row reaches the model)
         take = np.concatenate([idx, np.full(m - idx.size, idx[0])])
     sub_kept = None if kept is None else np.asarray(kept)[take]
-    logp = distributed.to_host(forward(params, tokens[take], attention_mask[take], sub_kept)[0])
-    out[idx] = logp[idx] if m >= b else logp[:idx.size]
-    return out
+    got = forward(params, tokens[take], attention_mask[take], sub_kept)
+    result = []
+    for i in outputs:
+        x = distributed.to_host(got[i])
+        out = np.zeros((b, *x.shape[1:]), x.dtype)
+        out[idx] = x[idx] if m >= b else x[:idx.size]
+        result.append(out)
+    return result

@@ -286,7 +286,8 @@ def make_update_fn(
 
 def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: int = 256,
                     temperature: float = 1.0, routing_replay: str = "off",
-                    moe_layers: tuple[int, ...] = (), row_blocks: int = 1, mesh: Mesh | None = None) -> Callable:
+                    moe_layers: tuple[int, ...] = (), row_blocks: int = 1, mesh: Mesh | None = None,
+                    split_routing: bool = False) -> Callable:
     """`prepare(params, ref_params, batch, seed) -> (batch, step_metrics)`; see the module docstring.
 
     `ref_params` None means no reference policy (no KL term). `seed` (uint32 key data) drives the
@@ -302,6 +303,9 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
     A batch with `packed` (`trainer.packing`: `train.packing.pack_batch`, one group per batch shard) has its
     θ_old and reference forwards run on the packed rows (dense policies); the returned batch drops the
     packing (the update packs each minibatch anew).
+    `split_routing` (a MoE policy with asynchronous rollouts whose π_behav forward returns routing): a batch with
+    `version_lag` splits `moe/router_disagree_*` into staleness and precision (`metrics/moe.py`) with
+    `behav_routing`, absent when no row is lagged.
     """
     if routing_replay not in REPLAY_MODES:
         raise ValueError(f"routing_replay must be one of {REPLAY_MODES}, got {routing_replay!r}")
@@ -358,8 +362,9 @@ def make_prepare_fn(graphdef: nnx.GraphDef, objective: StepLoss, *, chunk_size: 
             pi_old = old_logp * mask if objective.cfg.proximal == "bypass" else batch.old_logp
             metrics.update(moe_step_metrics(
                 router.router_ids, router.entropy, router.load, pi_old, batch.rollout_logp, mask,
-                layer_ids=moe_layers, rollout_ids=None if batch.routing is None else batch.routing[:, :-1]))
-        return batch.replace(routing=None, packed=None, version_lag=None, behav_logp=None), metrics
+                layer_ids=moe_layers, rollout_ids=None if batch.routing is None else batch.routing[:, :-1],
+                behav_ids=batch.behav_routing, version_lag=batch.version_lag if split_routing else None))
+        return batch.replace(routing=None, packed=None, version_lag=None, behav_logp=None, behav_routing=None), metrics
 
     return prepare
 

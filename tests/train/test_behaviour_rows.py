@@ -161,3 +161,62 @@ def test_learner_behav_logp_of_mixed_lags_equals_whole_batch_scoring(base_ckpt, 
         else:
             np.testing.assert_allclose(got[rows], ref[rows], atol=1e-5, rtol=0)
     assert np.all(got[LAGS == 0] == 0)
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    """A tiny random Qwen3-MoE (2 sparse layers, 8 experts, top-2) in HF format."""
+    from jaxrl_mismatch.models import hf_io
+
+    cfg = tiny_config(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=True)
+    out = tmp_path_factory.mktemp("behaviour_moe") / "ckpt"
+    hf_io.save_hf(Transformer(cfg, precision.policy("fp32", param_dtype="float32"), rngs=nnx.Rngs(0)), cfg, str(out))
+    return out
+
+
+def test_moe_learner_scores_each_lagged_row_s_routing_at_its_version_and_splits_the_routing_metrics(moe_ckpt, tmp_path):
+    """A MoE policy's π_behav forward also returns its routers' own top-k at the row's version (what splits
+    `moe/router_disagree_*`, metrics/moe.py): per lagged row, the ids the routed forward gives at that version's
+    weights (not the current one's), 0 on lag-0 rows, in the engines' uint8; `prepare` then reports both parts."""
+    from jaxrl_mismatch.metrics import moe_metric_names
+    from jaxrl_mismatch.models.scoring import score_tokens
+    from jaxrl_mismatch.train.config import base_config
+    from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
+
+    c = base_config()
+    c.model.path, c.run_dir = str(moe_ckpt), str(tmp_path / "run")
+    c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 4, 2, 8
+    c.rollout.max_staleness, c.rollout.max_tokens = 2, 24
+    learner = Learner(learner_config(c))
+    rng = np.random.default_rng(0)
+    # Versions 1..3: the weights plus noise, so routers choose differently per version.
+    versions = {v: jax.tree.map(lambda x: np.asarray(x) + rng.normal(0, 0.05, np.shape(x)).astype(np.float32),
+                                learner.state.params) for v in (1, 2, 3)}
+    for v, p in versions.items():
+        learner.behaviour.remember(v, p)
+    b = synthetic_batch(batch=8, seq=24, prompt_len=4, seed=5)
+    batch = RolloutBatch(**b, rollout_logp=np.zeros_like(b["response_mask"]), version_lag=LAGS)
+    logp, routing = learner.behaviour.behaviour(batch)
+    assert routing.dtype == np.uint8 and routing.shape == (8, 23, 2, 2)
+    assert np.all(routing[LAGS == 0] == 0) and np.all(logp[LAGS == 0] == 0)
+    valid = b["attention_mask"][:, :-1] > 0
+
+    def own(params):
+        return np.asarray(score_tokens(learner._graphdef, params, b["tokens"], b["attention_mask"],
+                                       chunk_size=8).router.router_ids)
+
+    mine = {v: own(p) for v, p in versions.items()}
+    for lag in (1, 2):
+        rows = LAGS == lag
+        np.testing.assert_array_equal(routing[rows][valid[rows]], mine[3 - lag][rows][valid[rows]])
+        # ... and the versions' routings really differ there, so a wrong version would show
+        assert np.any(np.sort(mine[3 - lag][rows], -1)[valid[rows]] != np.sort(mine[3][rows], -1)[valid[rows]])
+    # Through `prepare` with an engine routing: both parts of the split, finite.
+    engine = np.zeros((8, 24, 2, 2), np.uint8)
+    engine[:, :-1] = mine[3].astype(np.uint8) * valid[:, :, None, None]
+    _, metrics = learner.prepare(batch.replace(routing=engine), seed=0)
+    for key in moe_metric_names((0, 1), with_rollout=True, with_lag=True):
+        assert np.isfinite(metrics[key]), key
+    assert metrics["moe/router_disagree_staleness_frac"] > 0

@@ -42,8 +42,8 @@ def moe_policy(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replay", ["off", "R3"])
-def test_moe_policy_runs_the_loop(moe_policy, tmp_path, replay):
+@pytest.mark.parametrize("replay,staleness", [("off", 0), ("R3", 0), ("off", 1)], ids=["off", "R3", "async"])
+def test_moe_policy_runs_the_loop(moe_policy, tmp_path, replay, staleness):
     c = tiny_config(moe_policy, tmp_path / "run", max_tokens=16)
     c.steps = 2
     c.controller.name, c.controller.kwargs = "none", {}  # tiny_config's controller off (its kwargs would do nothing)
@@ -52,14 +52,28 @@ def test_moe_policy_runs_the_loop(moe_policy, tmp_path, replay):
     c.checkpoint.every = 0
     c.trainer.routing_replay = replay
     c.objective.router_aux_coef = 0.01
+    c.rollout.max_staleness, c.rollout.fixed_staleness = staleness, staleness > 0  # fixed: step 1 is at lag 1
     summary = _run(c)
     assert summary["end_step"] == 2
     steps = [r for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl")) if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1]
     for r in steps:
-        for key in moe_metric_names((1,), with_rollout=True) + ["moe/aux_loss", "grad/norm", "loss/total"]:
+        keys = moe_metric_names((1,), with_rollout=True, with_lag=staleness > 0)
+        for key in keys + ["moe/aux_loss", "grad/norm", "loss/total"]:
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r.get(key))
         assert r["moe/aux_loss"] > 0
-        assert r["mismatch/rho_std"] < 1e-4  # fp32 engine and trainer
+        if staleness:  # a lagged row's μ is the engine at its own version: fp32 precision part only
+            assert r["staleness/precision_rho_std"] < 1e-4
+            # fp32 engine and trainer route alike at the same weights (a near tie may flip a rare token)
+            assert r["moe/router_disagree_precision_frac"] <= 0.01
+            # per position, disagree(engine, θ_old) ≤ disagree(engine, θ_behav) + disagree(θ_behav, θ_old)
+            assert r["moe/router_disagree_frac"] <= (r["moe/router_disagree_precision_frac"]
+                                                     + r["moe/router_disagree_staleness_frac"] + 1e-6)
+        else:
+            assert r["mismatch/rho_std"] < 1e-4  # fp32 engine and trainer
         if replay == "R3":  # the trainer replays the engine's routing: π(θ_old) = μ up to fp32 rounding
             assert r["mismatch/log_ppl_abs_diff"] < 1e-5
+    if staleness:  # step 0 is synchronous (nothing stale); step 1's rows were all sampled one version back, and
+        # the update between moved the router (aux loss): that disagreement is staleness, not precision
+        assert steps[0]["moe/router_disagree_staleness_frac"] == 0 and steps[1]["staleness/version_lag_mean"] == 1
+        assert steps[1]["moe/router_disagree_staleness_frac"] > 0.05

@@ -70,12 +70,12 @@ _JITTED: dict = {}  # one jitted function per (kind, option): jit then reuses it
 _OPT = make_optimizer("sgd", learning_rate=1.0, max_grad_norm=None)
 
 
-def _prepare(graphdef, params, batch: RolloutBatch, replay: str):
+def _prepare(graphdef, params, batch: RolloutBatch, replay: str, split_routing: bool = False):
     mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
-    key = ("prepare", replay)
+    key = ("prepare", replay, split_routing)
     if key not in _JITTED:
         _JITTED[key] = jit_prepare(make_prepare_fn(graphdef, _loss(), chunk_size=8, routing_replay=replay,
-                                                   moe_layers=LAYERS), mesh)
+                                                   moe_layers=LAYERS, split_routing=split_routing), mesh)
     out, metrics = _JITTED[key](params, None, place_batch(batch, mesh), jax.random.key_data(jax.random.key(0)))
     return jax.tree.map(np.asarray, out), {k: float(v) for k, v in metrics.items()}
 
@@ -203,6 +203,55 @@ def test_r2_replays_theta_old_routing_in_the_update(policy, host_batch, engine_r
     g_r2, _ = _grad(graphdef, theta, r2)
     g_off, _ = _grad(graphdef, theta, off)
     assert _max_diff(g_r2, g_off) > 1e-4
+
+
+def test_async_routing_split_puts_each_disagreement_on_staleness_or_precision(policy, host_batch, engine_routing):
+    """Asynchronous rows: θ_behav (the weights a lagged row was sampled with) is θ_old moved by a large step.
+    Lagged rows get a perfect engine at θ_behav (engine ids = θ_behav's own), the others a random engine; so every
+    disagreement of a lagged row is staleness and every one of a fresh row is precision, and the two parts add up
+    to `router_disagree_frac` exactly. Checked against the definition, not only the sum."""
+    graphdef, params = policy
+    batch = RolloutBatch(**host_batch)
+    off, _ = _prepare(graphdef, params, batch.replace(routing=engine_routing), "off")
+    g, _ = _grad(graphdef, params, off)
+    behav_params = jax.tree.map(lambda p, g: np.asarray(p) - np.float32(30.0) * g, params, g)
+    behav = _own_routing(graphdef, behav_params, batch, engine_routing).astype(np.uint8)  # [B, S-1, L, k]
+    own = _own_routing(graphdef, params, batch, engine_routing)
+    lag = np.array([1, 1, 1, 1, 0, 0, 0, 0], np.int32)
+    stale = lag > 0
+    engine = engine_routing.copy()
+    engine[stale, :-1] = behav[stale] * host_batch["attention_mask"][stale, :-1, None, None]
+    given = batch.replace(routing=engine, version_lag=lag, behav_routing=np.where(stale[:, None, None, None], behav, 0))
+    _, m = _prepare(graphdef, params, given, "off", split_routing=True)
+    _, m_sync = _prepare(graphdef, params, batch.replace(routing=engine), "off")  # synchronous: no split
+    # An asynchronous step with no lagged row (no behav_routing): θ_behav = θ_old, all of it is precision.
+    _, m_fresh = _prepare(graphdef, params, batch.replace(routing=engine, version_lag=0 * lag), "off",
+                          split_routing=True)
+    assert m_fresh["moe/router_disagree_staleness_frac"] == 0
+    # Without an engine routing (vLLM returns none) the staleness part is still reported, alone.
+    _, m_vllm = _prepare(graphdef, params, given.replace(routing=None), "off", split_routing=True)
+    assert m_vllm["moe/router_disagree_staleness_frac"] == m["moe/router_disagree_staleness_frac"]
+    assert not any(k.startswith("moe/router_disagree") and "staleness" not in k for k in m_vllm)
+    assert m_fresh["moe/router_disagree_precision_frac"] == pytest.approx(m_fresh["moe/router_disagree_frac"], abs=1e-7)
+    mask = host_batch["response_mask"] > 0
+
+    def layer_frac(a, b, rows):  # mean over layers of the share of all response positions differing in `rows`
+        differs = np.sort(a, -1) != np.sort(b, -1)
+        return np.mean([np.sum(np.any(differs[..., j, :], -1) & mask & rows[:, None]) / mask.sum()
+                        for j in range(len(LAYERS))])
+
+    staleness, precision_ = layer_frac(own, behav, stale), layer_frac(own, engine[:, :-1], ~stale)
+    assert staleness > 0.1 and precision_ > 0.1, (staleness, precision_)  # both parts really occur
+    assert m["moe/router_disagree_staleness_frac"] == pytest.approx(staleness, abs=1e-6)
+    assert m["moe/router_disagree_precision_frac"] == pytest.approx(precision_, abs=1e-6)
+    assert m["moe/router_disagree_staleness_frac"] + m["moe/router_disagree_precision_frac"] == pytest.approx(
+        m["moe/router_disagree_frac"], abs=1e-6)
+    assert m["moe/router_disagree_frac"] == m_sync["moe/router_disagree_frac"]  # the unsplit metric is unchanged
+    names = moe_metric_names(LAYERS, with_rollout=True, with_lag=True)
+    assert set(names) <= set(m) and not any("staleness" in k or "precision" in k for k in m_sync)
+    # Token level: "any layer" of each part, each on its own rows.
+    any_stale = _sets_differ(own, behav, mask) & np.broadcast_to(stale[:, None], mask.shape)[mask]
+    assert m["moe/router_disagree_staleness_token_frac"] == pytest.approx(any_stale.mean(), abs=1e-6)
 
 
 def test_aux_coef_adds_the_load_balancing_gradient(policy, host_batch, engine_routing):
