@@ -55,7 +55,8 @@ def score_rows(forward: Forward, params: Any, tokens: Int[np.ndarray, "b s"], at
         logp = forward(params, tokens, np.where(rows[:, None], attention_mask, 0))[0]
         out[rows] = distributed.to_host(logp)[rows]
         return out
-    return _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, outputs=(0,))[0]
+    logp = _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, outputs=(0,))[0]
+    return logp.astype(np.float32, copy=False)
 
 
 def score_rows_routed(forward: Forward, params: Any, tokens: Int[np.ndarray, "b s"],
