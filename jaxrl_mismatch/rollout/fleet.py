@@ -86,6 +86,7 @@ class _Member:
     up: bool = True
     served: int | None = None  # the fleet version this server serves
     revival: cf.Future | None = None  # a background restart / reconnect in progress
+    reviving: RolloutClient | None = None  # that revival's new client while it waits for the server
     failures: int = 0
 
     @property
@@ -282,14 +283,18 @@ class RolloutFleet:
         return sum(m.session.restarts for m in self.members)
 
     def close(self) -> None:
-        """Stop launched servers; a restart in progress is waited for (bounded by its own start-up and readiness
-        timeouts; `ManagedServer.start` / `stop` must not race), and one that started its server after this call
-        stops it itself (`_revive` looks at `_closed` again once the server has started)."""
+        """Stop launched servers for good and close the clients, then wait for the revivals in progress: each ends
+        at once instead of waiting out its server's start-up or readiness (`ManagedServer.close` stops a start in
+        progress and refuses later ones; the revival's own client is closed, which ends its wait)."""
         self._closed = True
-        cf.wait([m.revival for m in self.members if m.revival is not None])
-        self._pool.shutdown(wait=False, cancel_futures=True)
         for m in self.members:
             m.session.close()
+            if m.reviving is not None:
+                m.reviving.close()
+        cf.wait([m.revival for m in self.members if m.revival is not None])
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for m in self.members:  # a revival that finished just before close() handed its session a new client
+            m.session.client.close()
 
     def __enter__(self) -> RolloutFleet:
         return self
@@ -332,20 +337,24 @@ class RolloutFleet:
         if self._closed:
             raise RolloutError("the fleet is closed")
         if server is not None:
-            server.start()
-        client = m.make_client()
+            server.start()  # raises at once if close() stops it meanwhile
+        client = m.reviving = m.make_client()
         try:
-            if self._closed:  # closed while the server started: close() may have stopped servers already
+            if self._closed:  # closed before `reviving` was set: close() did not see this client
                 raise RolloutError("the fleet is closed")
             client.wait_until_ready(self.ready_timeout_s if server is not None else 5.0)
             client.info()
             if self.server_check is not None:
                 self.server_check(client)
-        except BaseException:
+        except BaseException as e:
             client.close()
             if server is not None:  # not ready, or refused: the next revival starts it afresh, not reuses it
                 server.stop(grace_s=1.0)
+            if self._closed and not isinstance(e, RolloutError):  # its client closed under it (ValueError)
+                raise RolloutError("the fleet is closed") from e
             raise
+        finally:
+            m.reviving = None
         m.session.client = client
 
     def _revived(self, m: _Member) -> bool:

@@ -4,6 +4,10 @@ The launcher talks to it only over gRPC, exactly as to an external server; this 
 process: start it, learn its port from the ready file, restart it on the same port, stop it with SIGTERM
 (graceful). Its command line is built from `server.build_parser()` itself, so a renamed or removed serve
 flag fails here at once instead of at the first restart.
+
+`start` may run in one thread (a fleet's background revival) while `stop` or `close` run in another (a step
+taking the server down, the trainer shutting down): a stop during a start kills the process being started and
+that start raises at once instead of waiting out its start-up; after `close` no start launches a process.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -89,6 +94,11 @@ class ManagedServer:
         serve_argv(self.options)  # fail now on a bad option
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        # `proc`, `starts`, the port and the counters below change under this lock only; a start notices a stop
+        # or close made meanwhile by `_stops` having moved on.
+        self._lock = threading.Lock()
+        self._stops = 0
+        self._closed = False
 
     @property
     def port(self) -> int:
@@ -102,47 +112,67 @@ class ManagedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> str:
-        """Start (or restart, on the port it had) the server and block until it serves; returns host:port."""
-        if self.alive():
-            return self.address
-        if os.path.exists(self.ready_file):
-            os.remove(self.ready_file)
-        args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", *serve_argv(self.options)]
-        env = server_env(os.environ) | {"PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "a") as log:
-            log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
-            log.flush()
-            # Own session: a Ctrl-C in the launcher's terminal reaches only the launcher, which then stops
-            # the server gracefully; --exit-with-parent covers a launcher killed outright.
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.starts += 1
+        """Start (or restart, on the port it had) the server and block until it serves; returns host:port.
+
+        Raises ServerStartError if the process exits, is not ready within `startup_timeout_s`, or is stopped or
+        closed (from another thread) before it is ready; after `close` it starts nothing."""
+        with self._lock:
+            if self._closed:
+                raise ServerStartError("rollout server not started: its launcher is closed")
+            if self.alive():
+                return self.address
+            if os.path.exists(self.ready_file):
+                os.remove(self.ready_file)
+            args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", *serve_argv(self.options)]
+            env = server_env(os.environ) | {"PYTHONUNBUFFERED": "1"}
+            with open(self.log_path, "a") as log:
+                log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
+                log.flush()
+                # Own session: a Ctrl-C in the launcher's terminal reaches only the launcher, which then stops
+                # the server gracefully; --exit-with-parent covers a launcher killed outright.
+                self.proc = proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                    start_new_session=True)
+            self.starts += 1
+            stops = self._stops
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if os.path.exists(self.ready_file):
-                with open(self.ready_file) as f:
-                    self.options["port"] = int(json.load(f)["port"])  # restarts reuse the port
-                return self.address
-            if self.proc.poll() is not None:
-                raise ServerStartError(f"rollout server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            with self._lock:
+                if self._stops != stops:  # stopped (or closed) meanwhile; `stop` killed the process
+                    raise ServerStartError("rollout server stopped while it was starting "
+                                           f"({'its launcher is closed' if self._closed else 'stop requested'})")
+                if os.path.exists(self.ready_file):
+                    with open(self.ready_file) as f:
+                        self.options["port"] = int(json.load(f)["port"])  # restarts reuse the port
+                    return self.address
+            if proc.poll() is not None:
+                raise ServerStartError(f"rollout server exited with code {proc.returncode}:\n{self.log_tail()}")
             time.sleep(0.2)
         self.stop()
         raise ServerStartError(f"rollout server not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM (graceful shutdown), then SIGKILL of the process group if it lingers."""
-        if self.proc is None:
+        """SIGTERM (graceful shutdown), then SIGKILL of the process group if it lingers. A start in progress in
+        another thread raises; `start` may be called again afterwards (not after `close`)."""
+        with self._lock:
+            proc, self.proc = self.proc, None
+            self._stops += 1
+        if proc is None or proc.poll() is not None:
             return
-        if self.proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=grace_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=10)
-        self.proc = None
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+    def close(self) -> None:
+        """`stop` for good: no later `start` launches a process, and one in progress stops now."""
+        with self._lock:
+            self._closed = True
+        self.stop()
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -149,7 +149,7 @@ class RolloutSession:
     def close(self) -> None:
         self.client.close()
         if self.server is not None:
-            self.server.stop()
+            self.server.close()  # for good: a restart in progress elsewhere stops too
 
     def __enter__(self) -> RolloutSession:
         return self

@@ -316,3 +316,37 @@ def test_a_revival_that_fails_its_check_stops_the_server_it_started(tmp_path, ti
         with pytest.raises(RolloutError, match="refused"):
             member.revival.result(timeout=180)
         assert member.session.server.starts == 2 and not member.session.server.alive()
+
+
+@pytest.mark.slow
+def test_close_during_a_revival_stops_the_server_being_started_at_once(tmp_path, tiny_checkpoints):
+    """close() waited for a revival in progress to finish its server's start-up and readiness (up to
+    rollout.startup_timeout_s, 10 min by default, for a big model), then stopped the server it had just started:
+    a trainer stopping after a failed step hung there. Now close() stops that start: the revival ends with the
+    server's start error and the process it spawned is gone."""
+    import time
+
+    from jaxrl_mismatch.rollout.launcher import ServerStartError
+
+    ckpt = tiny_checkpoints["untied"]
+    fleet = RolloutFleet.launch(1, work_dir=str(tmp_path), engine="jax", model=str(ckpt), dtype="float32",
+                                ready_timeout_s=180)
+    try:
+        fleet.push(_perturbed(ckpt))
+        member = fleet.members[0]
+        server = member.session.server
+        first = server.proc
+        first.send_signal(signal.SIGKILL)
+        with pytest.raises(NoServerLeftError):
+            fleet.generate(PROMPTS, SPEC)
+        deadline = time.monotonic() + 30
+        while server.proc in (None, first) and time.monotonic() < deadline:  # the revival spawned its process
+            time.sleep(0.01)
+        spawned = server.proc
+        assert spawned is not None and spawned is not first and server.starts == 2
+    finally:
+        fleet.close()
+    assert member.revival.done()
+    error = member.revival.exception()
+    assert isinstance(error, ServerStartError) and "launcher is closed" in str(error), error
+    assert spawned.poll() is not None and not server.alive()

@@ -91,3 +91,53 @@ def test_the_token_is_never_written_through_a_link(tmp_path):
     with pytest.raises(UsageError, match=r"^rollout server token .*rollout_token is a symbolic link; remove it$"):
         ManagedServer(str(tmp_path / "w"), engine="jax", model="/m", dtype="float32")
     assert theirs.read_text() == "their secret\n"
+
+
+@pytest.mark.slow
+def test_a_stop_from_another_thread_ends_a_start_in_progress_and_close_is_for_good(tmp_path):
+    """A fleet revives a server in a background thread while the step or the shutdown stops it: `stop` set `proc` to
+    None under the start's feet (AttributeError in its wait loop) or, coming just before the process was spawned,
+    stopped nothing, and the start went on to launch a server nobody would stop. Now the start raises at once and
+    kills what it spawned; after `close` nothing starts."""
+    import threading
+
+    from jaxrl_mismatch.rollout.launcher import ServerStartError
+
+    model = make_tiny_qwen3(tmp_path / "model", tied=False)
+    server = ManagedServer(str(tmp_path / "w"), engine="jax", model=str(model), dtype="float32")
+
+    def start_in_thread():
+        outcome = {}
+
+        def run():
+            try:
+                outcome["address"] = server.start()
+            except BaseException as e:  # noqa: BLE001 - the test reads it
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while server.proc is None and time.monotonic() < deadline:  # spawned, not yet ready (seconds of start-up)
+            time.sleep(0.01)
+        return thread, outcome, server.proc
+
+    try:
+        for how in ("stop", "close"):
+            thread, outcome, proc = start_in_thread()
+            assert proc is not None and not os.path.exists(server.ready_file)
+            getattr(server, how)()
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+            reason = "its launcher is closed" if how == "close" else "stop requested"
+            assert isinstance(outcome.get("error"), ServerStartError), outcome
+            assert str(outcome["error"]) == f"rollout server stopped while it was starting ({reason})"
+            assert proc.poll() is not None and not server.alive()
+            if how == "stop":  # a stop is not for good: the server starts again and serves
+                assert server.start() == server.address and server.alive()
+                server.stop()
+        with pytest.raises(ServerStartError, match="not started: its launcher is closed"):
+            server.start()
+        assert server.starts == 3 and server.proc is None
+    finally:
+        server.close()
