@@ -275,6 +275,8 @@ class PairResult:
     engine: str
     dump: dict[str, np.ndarray]
     summary: dict[str, float]
+    # why the engine dtype gave no rollouts (its log-probs not finite: the model overflows in it); then no dump
+    engine_error: str | None = None
 
     @property
     def name(self) -> str:
@@ -284,6 +286,14 @@ class PairResult:
     def nonfinite(self) -> int:
         """How many of the pair's response tokens have a non-finite trainer log-prob (0: all finite)."""
         return int(self.summary.get("analysis/nonfinite_logp_train", 0))
+
+    @property
+    def usable(self) -> bool:
+        """Finite on both sides: the pair's metrics are numbers (and it can be plotted)."""
+        return self.engine_error is None and not self.nonfinite
+
+    def json(self) -> dict:
+        return {"engine_error": self.engine_error} if self.engine_error is not None else self.summary
 
 
 def pair_result(trainer: str, engine: str, rows, logp_train: np.ndarray, prompt_id: np.ndarray,
@@ -316,17 +326,17 @@ def pairs_tables(results: Sequence[PairResult]) -> tuple[str, str]:
     fmt = {"mismatch/prob_pearson": "{:.6f}"}
     head.append("nonfinite_logp")
     num = lambda k, v: fmt.get(k, "{:.3g}").format(v) if math.isfinite(v) else "n/a"  # noqa: E731
-    rows = [[r.name, str(int(r.summary["analysis/tokens"]))]
+    rows = [[r.name, "0"] + ["n/a"] * len(TABLE_COLUMNS) + ["engine"] if r.engine_error is not None else
+            [r.name, str(int(r.summary["analysis/tokens"]))]
             + [num(k, r.summary[k]) for _, k in TABLE_COLUMNS] + [str(r.nonfinite)] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) + 2 for i, h in enumerate(head)]
     text = ["".join(h.ljust(w) for h, w in zip(head, widths))]
     text += ["".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
     md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in rows]
-    by_name = {r.name: r.summary for r in results}
+    by_name = {r.name: r.summary for r in results if r.usable}
     bf16, fp16 = by_name.get("bf16:bfloat16"), by_name.get("fp16:float16")
-    if (bf16 is not None and fp16 is not None and not bf16["analysis/nonfinite_logp_train"]
-            and not fp16["analysis/nonfinite_logp_train"]):  # the FP16 paper's claim (§3.5, Fig. 2), measured
+    if bf16 is not None and fp16 is not None:  # the FP16 paper's claim (§3.5, Fig. 2), measured
         ratios = ", ".join(f"{c} ×{bf16[k] / fp16[k]:.1f}" for c, k in TABLE_COLUMNS[:3] if fp16[k] > 0)
         line = f"bf16:bfloat16 over fp16:float16 — {ratios}"
         text.append(line)
@@ -368,15 +378,21 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
         with RolloutSession.launch(work_dir=work_dir, engine=a.engine, model=a.model, dtype=engine) as session:
             session.check_compatible(architecture=cfg.architecture, vocab_size=cfg.vocab_size,
                                      tokenizer_vocab_size=tok_vocab)
+            error = None
             try:
                 groups = session.generate(prompts, spec)
                 check_finite_logprobs(groups)
             except NonFiniteLogprobsError as e:  # the engine's dtype overflows on this model: no pair can be made
-                raise UsageError(f"--pairs ...:{engine}: the {engine} engine's log-probs of --model {a.model} are not "
-                                 f"finite ({e}); leave this engine dtype out") from None
+                # with it; the other engines' pairs are still measured, and this one is reported
+                error = f"the {engine} engine's log-probs of this model are not finite ({e})"
         # The stopped server's push token is no output: the folder gets ordinary permissions when renamed into place.
         with contextlib.suppress(FileNotFoundError):
             os.remove(session.server.token_file)
+        if error is not None:
+            print(f"analyze: {error}: no pair with the {engine} engine "
+                  f"({', '.join(pair_name(t, engine) for t, e in a.pairs if e == engine)})", flush=True)
+            results += [PairResult(t, engine, {}, {}, error) for t, e in a.pairs if e == engine]
+            continue
         comps = [groups[i][j] for i, j in zip(prompt_id, sample_id)]
         rows = pad_rows(row_prompts, [c.token_ids for c in comps], [c.logprobs for c in comps], pad_id=0)
         t_sample = time.perf_counter() - t0
@@ -520,19 +536,19 @@ def run(a: argparse.Namespace) -> int:
                                                 "stop_ids", "engine", "num_prompts", "n", "max_tokens", "temperature",
                                                 "seed", "fp32_lm_head")}
         write_json(os.path.join(tmp, "summary.json"),
-                          {"settings": settings, "pairs": {r.name: r.summary for r in results}})
+                          {"settings": settings, "pairs": {r.name: r.json() for r in results}})
         with open(os.path.join(tmp, "pairs.md"), "w") as f:
             f.write(md)
         from jaxrl_mismatch.report.analysis import plot_pairs
 
-        plotted = [r for r in results if not r.nonfinite]  # a figure of NaN is no figure
+        plotted = [r for r in results if r.usable]  # a figure of NaN is no figure
         if plotted:
             plot_pairs([(r.name, r.dump, r.summary, *_seq_log_ratio(r.dump)) for r in plotted],
                        [s for s, _, _ in bucket_names(MetricsConfig())], os.path.join(tmp, "analysis.png"),
                        axes=a.axes)
-    skipped = [r.name for r in results if r.nonfinite]
+    skipped = [r.name for r in results if not r.usable]
     print(f"analyze: wrote summary.json, pairs.md, {'analysis.png and ' if plotted else ''}"
           f"<trainer>-<engine>/tokens.npz in {a.out}"
-          + (f" (pairs with non-finite trainer log-probs, not plotted: {', '.join(skipped)})" if skipped else ""),
+          + (f" (pairs with non-finite log-probs, not plotted: {', '.join(skipped)})" if skipped else ""),
           flush=True)
     return 0

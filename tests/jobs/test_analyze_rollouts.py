@@ -130,6 +130,41 @@ def test_rollouts_three_precision_pairs_end_to_end(tiny_model, tmp_path, capsys)
 
 
 @pytest.mark.slow
+def test_an_engine_dtype_that_overflows_is_reported_and_the_other_pairs_kept(tiny_model, tmp_path, capsys):
+    """An engine dtype the model overflows in (here fp16: LM-head weights × 3e4 put the logits past 65,504) gives
+    no rollouts. It ended the whole command (exit 2), throwing away the pairs already measured and those after;
+    now its pairs are reported as such and the other engines' are measured and written, exit 0."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.rollout.conftest import make_tiny_qwen3
+
+    ckpt = make_tiny_qwen3(tmp_path / "big_head", tied=False)
+    shard = next(ckpt.glob("*.safetensors"))
+    w = load_file(str(shard))
+    w["lm_head.weight"] = w["lm_head.weight"] * np.float32(3e4)
+    save_file(w, str(shard), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    rc = analyze.main(["rollouts", "--model", str(ckpt), "--prompt-ids", str(tiny_model[1]), "--pairs",
+                       "fp32:float16,fp32:float32", "--num-prompts", "4", "--n", "2", "--max-tokens", "8",
+                       "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "analyze: the float16 engine's log-probs of this model are not finite (non-finite logprob" in printed
+    summary = json.loads((out / "summary.json").read_text())["pairs"]
+    assert list(summary) == ["fp32:float16", "fp32:float32"]  # the order asked for
+    assert summary["fp32:float16"] == {"engine_error": summary["fp32:float16"]["engine_error"]}
+    assert "not finite" in summary["fp32:float16"]["engine_error"]
+    ok = summary["fp32:float32"]  # measured after the failed engine, and finite
+    assert ok["analysis/tokens"] > 0 and ok["analysis/nonfinite_logp_train"] == 0
+    assert 0 <= ok["mismatch/log_ppl_abs_diff"] < 1e-3
+    assert (out / "fp32-float32" / "tokens.npz").is_file() and not (out / "fp32-float16").exists()
+    assert (out / "analysis.png").is_file()  # the finite pair is plotted
+    table = [line for line in (out / "pairs.md").read_text().splitlines() if line.startswith("| fp32:")]
+    assert table[0].startswith("| fp32:float16 | 0 | n/a") and table[0].rstrip(" |").endswith("engine")
+    assert table[1].rstrip(" |").endswith(" 0")
+
+
+@pytest.mark.slow
 def test_rollouts_task_prompts_through_the_tokenizer(tiny_base_model, tmp_path):
     """`--task arithmetic` with the warm start's own checkpoint and tokenizer (EOS stops the responses)."""
     base = tiny_base_model
