@@ -244,13 +244,16 @@ def _load_pair(model_dir: str, trainer: str, engine: str, components):
 
 def attribute_pair(model_dir: str, trainer: str, engine: str, prompts: list[list[int]], *, components, n: int,
                    max_tokens: int, temperature: float, seed: int) -> dict:
-    """Sample with the engine, then the per-layer divergence and the ablation matrix of one (trainer, engine) pair."""
+    """Sample with the engine, then the per-layer divergence and the ablation matrix of one (trainer, engine) pair.
+
+    An engine dtype the model overflows in gives no samples: the pair is then `{"trainer", "engine",
+    "engine_error"}` (reported, and the other pairs still run)."""
     try:
         completions = JaxEngine(model_dir, dtype=engine).generate(
             prompts, SamplingSpec(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed))
     except NonFiniteLogprobsError as e:  # the engine's dtype overflows on this model: the pair has no samples
-        raise UsageError(f"--pairs {trainer}:{engine}: the {engine} engine's log-probs of --model {model_dir} are "
-                         f"not finite ({e}); leave this engine dtype out") from None
+        return {"trainer": trainer, "engine": engine,
+                "engine_error": f"the {engine} engine's log-probs of this model are not finite ({e})"}
     ids, pmask, resp, mu_engine, prompt_idx = _rows(prompts, completions)
     tokens = np.concatenate([ids, resp], axis=1)
     mask = np.concatenate([pmask, np.ones_like(resp)], axis=1)
@@ -343,6 +346,9 @@ def tables(results: list[dict]) -> str:
     lines = []
     for res in results:
         name = f"{res['trainer']}:{res['engine']}"
+        if "engine_error" in res:
+            lines += [f"## {name}", "", f"No samples: {res['engine_error']}.", ""]
+            continue
         lines += [f"## {name} ({res['rows']} rows, {res['response_tokens']} response tokens)", "",
                   "Relative divergence ‖engine − trainer‖ / ‖trainer‖:", "",
                   "| layer | " + " | ".join(CAPTURED) + " |", "|---" * (len(CAPTURED) + 1) + "|"]
@@ -369,7 +375,8 @@ def tables(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: str) -> str:
-    """Heat map of the divergence (layers × components) and a bar chart of the ablation matrix, one row per pair."""
+    """Heat map of the divergence (layers × components) and a bar chart of the ablation matrix, one row per pair
+    (`results` holds pairs with samples only)."""
     from jaxrl_mismatch.report.plot import save_figure  # sets the Agg backend before pyplot loads
 
     import matplotlib.pyplot as plt
@@ -405,6 +412,11 @@ def run(a: argparse.Namespace) -> int:
             res = attribute_pair(a.model, trainer, engine, a.prompts, components=a.components, n=a.n,
                                  max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
             res["seconds"] = round(time.perf_counter() - t0, 1)
+            if "engine_error" in res:
+                print(f"attribute: {trainer}:{engine}: {res['engine_error']}: no samples, the other pairs go on",
+                      flush=True)
+                results.append(res)
+                continue
             base_row = res["ablations"][BASELINE]
             best = res["most_removed"]
             if not _finite(base_row):
@@ -423,8 +435,11 @@ def run(a: argparse.Namespace) -> int:
         write_json(os.path.join(tmp, "attribution.json"), {"settings": settings, "pairs": results})
         with open(os.path.join(tmp, "attribution.md"), "w") as f:
             f.write("# analyze attribute\n\n" + md)
-        plot(results, os.path.join(tmp, "attribution.png"))
-    print(f"attribute: wrote attribution.json, attribution.md, attribution.png in {a.out}", flush=True)
+        sampled = [r for r in results if "engine_error" not in r]
+        if sampled:
+            plot(sampled, os.path.join(tmp, "attribution.png"))
+    print(f"attribute: wrote attribution.json, attribution.md{', attribution.png' if sampled else ''} in {a.out}",
+          flush=True)
     return 0
 
 

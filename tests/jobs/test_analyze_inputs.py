@@ -175,21 +175,27 @@ def test_more_stop_ids_than_the_server_takes_are_refused_before_it_starts(ckpt, 
     assert not (tmp_path / "o").exists()
 
 
-def test_an_engine_dtype_that_overflows_is_named_not_a_traceback(monkeypatch):
-    """An engine whose log-probs are not finite (the model overflows in fp16) ended `analyze attribute` with
-    exit 1 and a NonFiniteLogprobsError; it is one usage line naming the pair and the model (exit 2)."""
-    from jaxrl_mismatch.jobs import attribute
-    from jaxrl_mismatch.rollout.engine import NonFiniteLogprobsError
+def test_an_engine_dtype_that_overflows_is_reported_and_the_other_pairs_run(tmp_path, capsys):
+    """An engine whose log-probs are not finite (the model overflows in fp16) ended `analyze attribute` (exit 1
+    with a traceback, then exit 2 with a usage line), and the pairs already measured were lost with the staged
+    output. Now that pair is reported as such and the other pairs run and are written (real engines: an LM head
+    scaled past fp16's range, the float16 pair first)."""
+    from jaxrl_mismatch.jobs import analyze
+    from tests.rollout.conftest import make_fp16_overflowing_qwen3
 
-    class Overflowing:
-        def __init__(self, model_dir, dtype):
-            pass
-
-        def generate(self, prompts, spec):
-            raise NonFiniteLogprobsError(0, 0, 0, float("nan"), 0)
-
-    monkeypatch.setattr(attribute, "JaxEngine", Overflowing)
-    with pytest.raises(UsageError, match=r"^--pairs fp32:float16: the float16 engine's log-probs of --model m are "
-                                         r"not finite \(.*\); leave this engine dtype out$"):
-        attribute.attribute_pair("m", "fp32", "float16", [[1, 2]], components=(), n=1, max_tokens=2,
-                                 temperature=1.0, seed=0)
+    model = str(make_fp16_overflowing_qwen3(tmp_path / "big_head"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("[3, 4, 5]\n[6, 7]\n")
+    assert analyze.main(["attribute", "--model", model, "--prompt-ids", str(prompts), "--pairs",
+                         "fp32:float16,fp32:float32", "--components", "lm_head", "--n", "1", "--max-tokens", "4",
+                         "--out", str(tmp_path / "o")]) == 0
+    assert ("attribute: fp32:float16: the float16 engine's log-probs of this model are not finite (non-finite "
+            "logprob nan at prompt 0, sample 0, position 0 (weight version 0)): no samples") in capsys.readouterr().out
+    data = json.loads((tmp_path / "o" / "attribution.json").read_text())
+    assert [p["engine"] for p in data["pairs"]] == ["float16", "float32"]
+    assert set(data["pairs"][0]) == {"trainer", "engine", "engine_error", "seconds"}
+    measured = data["pairs"][1]["ablations"]["none"]
+    assert measured["nonfinite_logp"] == {"trainer": 0, "engine": 0} and measured["mismatch/log_ppl_abs_diff"] < 1e-3
+    md = (tmp_path / "o" / "attribution.md").read_text()
+    assert "## fp32:float16\n\nNo samples: the float16 engine's log-probs" in md and "## fp32:float32 (2 rows" in md
+    assert (tmp_path / "o" / "attribution.png").is_file()

@@ -45,6 +45,19 @@ def make_tiny_qwen3(directory: Path, *, tied: bool, seed: int = 0) -> Path:
     return directory
 
 
+def make_fp16_overflowing_qwen3(directory: Path) -> Path:
+    """`make_tiny_qwen3` with its LM head × 3e4: the logits pass fp16's 65,504, so a float16 engine's log-probs are
+    not finite (a real overflow, as on models whose activations exceed fp16's range); float32 is fine."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = make_tiny_qwen3(directory, tied=False)
+    shard = next(ckpt.glob("*.safetensors"))
+    w = load_file(str(shard))
+    w["lm_head.weight"] = w["lm_head.weight"] * np.float32(3e4)
+    save_file(w, str(shard), metadata={"format": "pt"})
+    return ckpt
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_qwen3")
