@@ -273,10 +273,15 @@ class Trainer:
         if self._pushed_step == self.step:
             return
         weights = self.learner.hf_weights()  # every process joins the gather (multi-host); process 0 pushes
-        if self.producer is not None:
-            self.producer.before_push()
-        version = int(distributed.on_lead(self.is_lead, lambda: {"version": float(self.session.push(weights))},
-                                          ("version",))["version"])
+
+        def push() -> dict[str, float]:
+            # The producer lives on process 0: its error (before_push re-raises it) must reach the other
+            # processes through on_lead too, or they wait in its broadcast while process 0 saves (a collective).
+            if self.producer is not None:
+                self.producer.before_push()
+            return {"version": float(self.session.push(weights))}
+
+        version = int(distributed.on_lead(self.is_lead, push, ("version",))["version"])
         if self.session is None:  # process > 0: the lead's session counted it
             self._version = version
         self._pushed_step = self.step

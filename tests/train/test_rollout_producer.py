@@ -172,3 +172,39 @@ def test_staleness_zero_is_not_a_producer():
     with pytest.raises(ValueError, match="max_staleness"):
         RolloutProducer(lambda i, d: None, max_staleness=0, fixed=False, start_index=0, last_index=1,
                         data_state=dict)
+
+
+def test_a_producer_error_at_push_reaches_every_process_through_on_lead(monkeypatch):
+    """Multi-process: the producer lives on process 0, and its error (re-raised by `before_push`) was raised
+    before `on_lead`, so process 0 went on to its collective checkpoint save while the others waited in the
+    push's broadcast (a hang, and no checkpoint). Now it is raised inside the function `on_lead` runs, which
+    tells the other processes (`LeadFailure`). The trainer's `_push` is run on the attributes it reads; `on_lead`
+    is wrapped to see what its function raises."""
+    from types import SimpleNamespace
+
+    from jaxrl_mismatch.rollout.client import RolloutError
+    from jaxrl_mismatch.train import distributed
+    from jaxrl_mismatch.train.loop import Trainer
+
+    seen = []
+    real = distributed.on_lead
+
+    def on_lead(is_lead, fn, keys):
+        def watched():
+            try:
+                return fn()
+            except Exception as e:
+                seen.append(e)
+                raise
+        return real(is_lead, watched, keys)
+
+    class FailedProducer:
+        def before_push(self):
+            raise RolloutError("rollout producer failed (test)")
+
+    monkeypatch.setattr(distributed, "on_lead", on_lead)
+    trainer = SimpleNamespace(_pushed_step=None, step=3, is_lead=True, session=None, producer=FailedProducer(),
+                              learner=SimpleNamespace(hf_weights=dict))
+    with pytest.raises(RolloutError, match="producer failed"):
+        Trainer._push(trainer)
+    assert [str(e) for e in seen] == ["rollout producer failed (test)"]
