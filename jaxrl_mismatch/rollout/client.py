@@ -215,8 +215,12 @@ class RolloutClient:
         self.last_push_transport: str | None = None  # "shm" or "grpc": how the last push travelled
         self._shm: shm.ShmWriter | None = None  # created at the first shared-memory push
         if wait_ready_s is not None:
-            self.wait_until_ready(wait_ready_s)
-            self._sync_server()
+            try:
+                self.wait_until_ready(wait_ready_s)
+                self._sync_server()
+            except BaseException:
+                self._channel.close()  # nobody holds this client to close it
+                raise
 
     # -- plumbing ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -247,7 +247,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             except RequestError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             cancelled = threading.Event()  # set when the RPC ends early: its deadline, a cancel, the server stopping
-            context.add_callback(cancelled.set)
+            if not context.add_callback(cancelled.set):  # it ended already (while queued, admitted or parsed):
+                cancelled.set()  # the callback will never run, so nobody is waiting: no sampling for it
             try:
                 completions = engine.generate_cancellable(prompts, spec, cancelled)
                 # Whatever the engine, a non-finite μ never leaves the server.

@@ -88,6 +88,7 @@ class RolloutSession:
         server = ManagedServer(work_dir, startup_timeout_s=ready_timeout_s, engine=engine, model=model, dtype=dtype,
                                max_model_len=max_model_len or None, quantize=quantize)
         target = server.start()
+        client = None
         try:
             client = RolloutClient(target, token=server.token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s,
                                    wait_ready_s=ready_timeout_s, weight_transport=weight_transport,
@@ -95,6 +96,8 @@ class RolloutSession:
             return cls(client, server=server, restart=restart, ready_timeout_s=ready_timeout_s,
                        start_version=start_version)
         except BaseException:
+            if client is not None:
+                client.close()
             server.stop()
             raise
 
@@ -105,7 +108,11 @@ class RolloutSession:
         """Use a running server at `address` (pushes need its shared `token`)."""
         client = RolloutClient(address, token=token, timeout_s=timeout_s, generate_timeout_s=generate_timeout_s,
                                wait_ready_s=ready_timeout_s, weight_transport=weight_transport, retry=retry)
-        return cls(client, restart=False, ready_timeout_s=ready_timeout_s, start_version=start_version)
+        try:
+            return cls(client, restart=False, ready_timeout_s=ready_timeout_s, start_version=start_version)
+        except BaseException:
+            client.close()
+            raise
 
     # -- the surface ---------------------------------------------------------------------------------
     def info(self) -> EngineInfo:

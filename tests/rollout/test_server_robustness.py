@@ -341,3 +341,54 @@ def test_serve_flags_are_refused_before_the_model_loads(flags, message, tiny_che
     with pytest.raises(UsageError) as err:
         main(["--model", str(tiny_checkpoints["untied"]), "--token-file", str(token_file), "--port", "0", *flags])
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_generate_whose_call_ended_before_its_callback_was_added_samples_nothing(served, monkeypatch):
+    """gRPC's `add_callback` returns False, and never calls the callback, once the call has ended: a Generate
+    whose caller left (deadline, cancel, server stopping) while it waited for a thread, its admission or its
+    parsing was sampled to the end for nobody, holding one of the Generate slots. Now it stops before sampling.
+    The servicer is called with a context whose call has ended, as gRPC hands it over then."""
+    server, _, _ = served
+    given = []
+
+    def record(prompts, spec, cancelled):
+        given.append(cancelled.is_set())
+        raise GenerationCancelled("the caller went away")
+
+    class Aborted(Exception):
+        pass
+
+    class EndedCall:
+        def add_callback(self, callback):
+            return False  # grpc: "the RPC had already terminated and the callback will not be called"
+
+        def abort(self, code, details):
+            raise Aborted(code, details)
+
+    monkeypatch.setattr(server.engine, "generate_cancellable", record)
+    with pytest.raises(Aborted) as err:
+        server.servicer.Generate(REQUEST, EndedCall())
+    assert given == [True] and err.value.args[0] == grpc.StatusCode.CANCELLED
+    assert server.servicer._generating == 0
+
+
+def test_a_client_that_never_got_its_server_closes_its_channel(monkeypatch):
+    """A client whose server never became ready (or whose first GetInfo failed) raised from its constructor with
+    its gRPC channel open: a channel (and its threads) per retried construction, closed only by the garbage
+    collector. The constructor now closes it before raising."""
+    from jaxrl_mismatch.rollout import client as client_mod
+
+    channels = []
+    real = grpc.insecure_channel
+
+    def tracked(*args, **kwargs):
+        ch = real(*args, **kwargs)
+        channels.append(ch)
+        return ch
+
+    monkeypatch.setattr(client_mod.grpc, "insecure_channel", tracked)
+    with pytest.raises(RolloutError, match="not ready after"):
+        RolloutClient("127.0.0.1:1", token=None, wait_ready_s=0.2)
+    assert len(channels) == 1
+    with pytest.raises(ValueError, match="closed channel"):  # what gRPC says of a call on a closed channel
+        health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
