@@ -81,6 +81,15 @@ class ObjectiveConfig:
             raise ValueError(f"rejection_low must be None for {self.rejection!r} (KL estimators are bounded above)")
         if self.rejection != "none" and self.rejection_low is None and self.rejection_high is None:
             raise ValueError(f"rejection {self.rejection!r} needs rejection_high and/or rejection_low")
+        if self.rejection != "none" and self.rejection_high is not None and not self.rejection_high > 0:
+            # a bound on ρ (> 0) or on a KL estimator (≥ 0, and ≤ 0 would keep only tokens where π = μ exactly)
+            raise ValueError(f"rejection_high must be > 0 for {self.rejection!r}, got {self.rejection_high!r}")
+        if self.rejection_low is not None and not self.rejection_low >= 0:
+            raise ValueError(f"rejection_low must be >= 0 (a bound on ρ), got {self.rejection_low!r}")
+        if (self.rejection_low is not None and self.rejection_high is not None
+                and self.rejection_low > self.rejection_high):
+            raise ValueError(f"rejection_low {self.rejection_low!r} > rejection_high {self.rejection_high!r}: every "
+                             "token would be rejected")
         if self.agg == "seq-mean-token-sum-norm" and (self.max_len is None or self.max_len <= 0):
             raise ValueError("agg 'seq-mean-token-sum-norm' needs max_len (Dr.GRPO's constant L)")
         if not (0 < self.eps_low < 1 and self.eps_high > 0):
@@ -93,6 +102,15 @@ class ObjectiveConfig:
         _check("proximal", self.proximal, PROXIMALS)
         if self.m2po_threshold is not None and not self.m2po_threshold > 0:
             raise ValueError(f"m2po_threshold must be > 0 or None, got {self.m2po_threshold!r}")
+        if self.proximal == "bypass" and self.loss != "pg":
+            # The PPO family's weights, rejections and M2PO's cut act on ρ = π_prox/μ, which bypass makes 1
+            inert = [f for f, on in (("correction", self.correction != "none"), ("rejection", self.rejection != "none"),
+                                     ("normalize_weights", self.normalize_weights),
+                                     ("m2po_threshold", self.m2po_threshold is not None)) if on]
+            if inert:
+                raise ValueError(f"{inert[0]} acts on ρ = π_prox/μ, which proximal='bypass' makes 1 for loss "
+                                 f"{self.loss!r}: it would do nothing; use proximal='recompute' (the decoupled "
+                                 "objective) or leave it out")
         if self.proximal == "bypass" and self.loss == "pg" and (self.normalize_weights or self.m2po_threshold):
             # pg's weight is π(θ)/μ; its batch mean and M2PO's cut are taken at θ_old, which bypass never scores
             # (with μ standing in, every ratio would be 1: no normalisation, and a cut of 0 masking every token)

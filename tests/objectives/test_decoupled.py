@@ -69,16 +69,36 @@ def test_bypass_clips_on_pi_over_mu_and_ignores_theta_old():
     assert abs(a - float(_loss(objective_config("decoupled"), logp, prox, mu, adv, mask))) > 1e-4
 
 
-def test_bypass_normalises_the_weights_it_applies():
-    """Under bypass the weights are ρ of π_prox = μ, all 1: `normalize_weights` divides by their mean (1),
-    not by the mean of θ_old's weights, which the loss never applies (1.032 in the reviewer's case)."""
+def test_bypass_refuses_what_acts_on_rho_for_the_ppo_family():
+    """Under bypass the PPO family's ρ = π_prox/μ is μ/μ = 1: a correction, a rejection, normalize_weights or M2PO's
+    cut on it did nothing and were accepted; each is refused, naming the field. Without bypass each one changes
+    the loss on stale data."""
     logp, prox, mu, adv, mask = _batch(1, stale=0.6)
-    cfg = objective_config("naive_ppo", correction="token_tis", normalize_weights=True)
-    norm = batch_constants(cfg, jnp.asarray(mask), jnp.asarray(prox), jnp.asarray(mu))
-    assert float(norm.weight_mean) == 1.0
-    assert float(batch_constants(cfg, jnp.asarray(mask), None, jnp.asarray(mu)).weight_mean) == 1.0
-    plain = objective_config("naive_ppo", correction="token_tis")
-    assert float(_loss(cfg, logp, prox, mu, adv, mask)) == float(_loss(plain, logp, prox, mu, adv, mask))
+    for field, value in (("correction", "token_tis"), ("rejection", "ratio_token"), ("normalize_weights", True),
+                         ("m2po_threshold", 0.04)):
+        extra = {"rejection_high": 1.5} if field == "rejection" else {}
+        for loss in ("ppo", "gspo", "gmpo"):
+            with pytest.raises(ValueError, match=rf"^{field} acts on ρ = π_prox/μ, which proximal='bypass' makes 1 "
+                                                 rf"for loss '{loss}'.*proximal='recompute'"):
+                objective_config("naive_ppo", loss=loss, **{field: value}, **extra)
+        base = {"correction": "token_tis"} if field == "normalize_weights" else {"correction": "none"}
+        on = objective_config("decoupled", **{**base, field: value, **extra})
+        off = objective_config("decoupled", **base)
+        assert float(_loss(on, logp, prox, mu, adv, mask)) != float(_loss(off, logp, prox, mu, adv, mask)), field
+
+
+def test_rejection_bounds_are_checked_when_configured():
+    """rejection_high = 0 reached `math.log(0)` (a Python error at the first step), a negative one or a low above
+    the high rejected every token; each is refused when the objective is configured, naming the field."""
+    for kw, msg in ((dict(rejection="ratio_token", rejection_high=0.0), r"^rejection_high must be > 0"),
+                    (dict(rejection="k3_seq_mean", rejection_high=-1.0), r"^rejection_high must be > 0"),
+                    (dict(rejection="ratio_token", rejection_high=float("nan")), r"^rejection_high must be > 0"),
+                    (dict(rejection="ratio_token", rejection_low=-0.5), r"^rejection_low must be >= 0"),
+                    (dict(rejection="ratio_seq_sum", rejection_low=2.0, rejection_high=1.5),
+                     r"^rejection_low 2.0 > rejection_high 1.5: every token would be rejected")):
+        with pytest.raises(ValueError, match=msg):
+            objective_config("grpo", **kw)
+    objective_config("grpo", rejection="ratio_token", rejection_low=0.0, rejection_high=2.0)  # fine
 
 
 def test_bypass_pg_keeps_its_weight_and_refuses_what_needs_theta_old():
