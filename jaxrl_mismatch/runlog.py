@@ -70,10 +70,37 @@ class RunWriter:
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
         record = {"step": int(step), **{k: _jsonable(v) for k, v in scalars.items()}}
         self._f.write(json.dumps(record) + "\n")
+        self._tensorboard(step, scalars)
+
+    def _tensorboard(self, step: int, scalars: Mapping[str, Any]) -> None:
         if self._tb is not None:
             for k, v in scalars.items():
                 if isinstance(v, (int, float, np.generic)) and math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), int(step))
+
+    def amend(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
+        """Add `scalars` to the last record of `step` (one written before a resume: a step whose validation a
+        rollout failure interrupted), in place, so the log keeps one record per step; returns the merged record.
+        The file is rewritten through `_write_atomic`; with no record of `step` left, one is written."""
+        self._f.close()
+        with open(self.path, "rb") as f:
+            lines = [raw if raw.endswith(b"\n") else raw + b"\n" for raw in f]
+        def of_step(raw: bytes) -> bool:
+            obj = _parse(raw)
+            return isinstance(obj, dict) and _is_step(obj.get("step")) and obj["step"] == step
+
+        at = next((i for i in range(len(lines) - 1, -1, -1) if of_step(lines[i])), None)
+        old = _parse(lines[at]) if at is not None else {}
+        merged = {**old, "step": int(step), **{k: _jsonable(v) for k, v in scalars.items()}}
+        line = (json.dumps(merged) + "\n").encode()
+        if at is None:
+            lines.append(line)
+        else:
+            lines[at] = line
+        _write_atomic(self.path, lines)
+        self._f = open(self.path, "a", buffering=1)
+        self._tensorboard(step, scalars)
+        return {**{k: v for k, v in old.items() if k != "step"}, **scalars}
 
     def close(self) -> None:
         self._f.close()

@@ -1,7 +1,6 @@
 import json
 import math
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -101,3 +100,28 @@ def test_resume_keeps_every_line_that_is_not_a_later_step_record(tmp_path):
     assert [r["step"] for r in read_jsonl(str(p))] == [0, "3", 1, 2, 3]
     (cut,) = [q for q in tmp_path.iterdir() if q.name.startswith("metrics.jsonl.cut-")]
     assert cut.read_text().splitlines() == [lines[4]]  # the one step record it cut
+
+
+def test_amend_adds_to_the_last_record_of_a_step_in_place(tmp_path):
+    """A resumed step's validation (`Trainer.run`: a rollout failure interrupted it) joins that step's record:
+    one record per step, the other lines byte for byte, NaN written as the log writes it; a step without a
+    record gets one."""
+    w = RunWriter(str(tmp_path), tensorboard=False)
+    w.write(-1, {"val/accuracy": 0.1})
+    w.write(0, {"loss/total": 1.5})
+    w.write(1, {"loss/total": 1.25})
+    w.close()
+    path = tmp_path / "metrics.jsonl"
+    before = path.read_bytes().splitlines(keepends=True)
+    w = RunWriter(str(tmp_path), resume_from_step=2, tensorboard=False)
+    merged = w.amend(1, {"val/accuracy": 0.5, "val/greedy_accuracy": float("nan")})
+    assert merged == {"loss/total": 1.25, "val/accuracy": 0.5, "val/greedy_accuracy": merged["val/greedy_accuracy"]}
+    assert math.isnan(merged["val/greedy_accuracy"])
+    w.write(2, {"loss/total": 1.0})  # the writer goes on appending after an amend
+    w.amend(3, {"val/accuracy": 0.75})  # no record of step 3: written
+    w.close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert lines[:2] == before[:2]
+    assert [json.loads(x) for x in lines[2:]] == [
+        {"step": 1, "loss/total": 1.25, "val/accuracy": 0.5, "val/greedy_accuracy": "nan"},
+        {"step": 2, "loss/total": 1.0}, {"step": 3, "val/accuracy": 0.75}]

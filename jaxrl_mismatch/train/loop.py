@@ -127,6 +127,8 @@ class Trainer:
         self._version = 0  # the weight version where no session counts it: restored, or on processes > 0
         self._dropped = 0  # asynchronous batches dropped before the resumed position (restored)
         self._pushed_step: int | None = None  # the step whose weights the server serves
+        # the restored step was applied but its validation was not (a rollout failure in it): done at the resume
+        self._eval_pending = False
         self.session: RolloutSession | None = None
         self.producer: RolloutProducer | None = None  # rollout.max_staleness > 0 (process 0 only)
         self.writer: RunWriter | None = None
@@ -164,14 +166,22 @@ class Trainer:
                 summary["initial"] = self._evaluate()
                 self._write(-1, {**summary["initial"], "lr": self.learner.lr})
                 progress.note(-1, summary["initial"])
+            if self._eval_pending:  # the resumed step's validation, which a rollout failure interrupted
+                val = self._evaluate()
+                record = self.writer.amend(self.step - 1, val) if self.writer is not None else val
+                self._eval_pending = False
+                progress.note(self.step - 1, val)
+                summary["final"] = {k: v for k, v in record.items() if k.startswith(("val/", "reward/"))}
             while self.step < c.steps and not self.stop_requested:
                 data_start = self._data_position()
                 metrics = unwritten = self.train_step()
                 data_start = None  # the step is applied: the current data position is its successor's
                 last = self.step == c.steps
                 if (c.eval.every and self.step % c.eval.every == 0) or last:
+                    self._eval_pending = True  # until it is done: a rollout failure leaves it to the resume
                     self._push()  # "after step N" measures step N's update (the next step's push is then skipped)
                     val = self._evaluate()
+                    self._eval_pending = False
                     metrics.update(val)
                     progress.note(self.step - 1, val)
                 self._write(self.step - 1, metrics)
@@ -438,6 +448,7 @@ class Trainer:
         self.learner.load_state(state)
         self.step, self._version = int(meta["step"]), int(meta["weight_version"])
         self._dropped = int(meta.get("dropped_batches", 0))  # checkpoints from before the field: none counted
+        self._eval_pending = bool(meta.get("eval_pending", False))
         if meta.get("pushed_step") == self.step and self._version > 0:
             # The checkpoint's own weights were pushed (for the validation after its last step) as weight_version:
             # the resume's push serves them again under that version, as the uninterrupted run's next push does.
@@ -522,6 +533,7 @@ class Trainer:
             "controller": self.controller.state_dict() if self.controller is not None else None,
             "weight_version": self.version,
             "pushed_step": self._pushed_step,  # the step whose weights `weight_version` is (None: none pushed)
+            "eval_pending": self._eval_pending,  # the step's validation is still to do (the resume does it)
             "config": self.c.to_dict(),
         }
         self.ckpt.save(self.step, self.learner.state, meta, force=True)

@@ -337,6 +337,45 @@ def test_external_server_lost_stops_with_resumable_checkpoint_and_resume_finishe
 
 
 @pytest.mark.slow
+def test_a_rollout_failure_in_the_final_validation_is_validated_at_the_resume(base_model, tmp_path, monkeypatch):
+    """A rollout failure during the validation after step N (here the last) checkpointed step N with its record
+    but no validation, and the rerun, with no step left to do, ended without validating at all: the run's final
+    accuracy was never measured. The checkpoint now says the validation is pending; the rerun does it first and
+    adds it to step N's record (still one record per step)."""
+    from jaxrl_mismatch.rollout.client import RolloutError
+    from jaxrl_mismatch.train.checkpoint import Checkpointer
+    from jaxrl_mismatch.train.loop import RolloutFailure, Trainer
+
+    run_dir = tmp_path / "run"
+    c = tiny_config(base_model, run_dir)
+    c.steps, c.eval.every = 2, 0  # validation at the start and after the last step only
+    real, calls = Trainer._evaluate_on_lead, []
+
+    def failing_at_the_end(self):
+        calls.append(self.step)
+        if self.step == c.steps and calls.count(c.steps) == 1:
+            raise RolloutError("rollout server lost during validation (test)")
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_evaluate_on_lead", failing_at_the_end)
+    with pytest.raises(RolloutFailure, match=r"resumable checkpoint of step 2"):
+        _run(c)
+    rows = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1] and "val/accuracy" not in rows[1]  # the step's record is kept
+    ckpt = Checkpointer(str(run_dir / "checkpoints"))
+    try:
+        assert ckpt.latest_step() == 2 and ckpt.read_meta(2)["eval_pending"] is True
+    finally:
+        ckpt.close()
+    summary = _run(c)  # the rerun: nothing left to train, the validation still to do
+    assert (summary["start_step"], summary["end_step"]) == (2, 2) and calls == [0, 2, 2]
+    assert _finite(summary["final"]["val/accuracy"])
+    rows = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1]  # amended in place, not a second record of step 1
+    assert rows[1]["val/accuracy"] == summary["final"]["val/accuracy"] and _finite(rows[1]["loss/total"])
+
+
+@pytest.mark.slow
 def test_rollout_temperature_is_matched_by_the_trainer(base_model, tmp_path):
     """At T = 0.7 the engine's μ is softmax(logits / 0.7); the trainer scores π the same way, so the
     measured mismatch stays at float32 rounding (scoring at T = 1 would put it near 0.1 nats)."""
