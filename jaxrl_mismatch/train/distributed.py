@@ -61,6 +61,16 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is set on any process: for a decision every process must take together, such as stopping
+    between steps on a signal that reached only some of them (or reached them on either side of a step)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([int(bool(flag))], np.int32))).any())
+
+
 def gather_params(params: Any) -> Any:
     """Params as host-complete arrays (weight push and HF export need every tensor whole)."""
     if jax.process_count() == 1:

@@ -172,7 +172,13 @@ class Trainer:
                 self._eval_pending = False
                 progress.note(self.step - 1, val)
                 summary["final"] = {k: v for k, v in record.items() if k.startswith(("val/", "reward/"))}
-            while self.step < c.steps and not self.stop_requested:
+            stopping = False
+            while self.step < c.steps:
+                # every process stops at the same step (the signal may reach them one by one): else one would
+                # enter the stop's collective checkpoint save while another gathers the next step's batch
+                if distributed.any_process(self.stop_requested):
+                    stopping = True
+                    break
                 data_start = self._data_position()
                 metrics = unwritten = self.train_step()
                 data_start = None  # the step is applied: the current data position is its successor's
@@ -190,7 +196,7 @@ class Trainer:
                 if (c.checkpoint.every and self.step % c.checkpoint.every == 0) or last:
                     self._save()
                 summary["final"] = {k: v for k, v in metrics.items() if k.startswith(("val/", "reward/"))}
-            if self.stop_requested and self.step < c.steps:
+            if stopping:
                 self._save()
                 summary["stopped_early"] = True
         except (RolloutError, NonFiniteLogprobsError, distributed.LeadFailure) as e:

@@ -224,6 +224,9 @@ _BROADCAST = textwrap.dedent("""
         raise AssertionError("lead_first returned after the lead failed")
     except (ValueError if lead else distributed.LeadFailure):
         pass
+    # A stop that reached one process only is every process's stop (Trainer.run's loop), and no stop is none.
+    assert distributed.any_process(not lead) and distributed.any_process(lead)
+    assert not distributed.any_process(False)
     print("ok", jax.process_index(), flush=True)
 """)
 
