@@ -370,6 +370,9 @@ def run_result(job: Job) -> RunResult:
     """What the table knows about a run: finished (`ok`), failed, interrupted, stale or not run."""
     records = _read_records(os.path.join(job.run_dir, METRICS_FILE))
     done = max((r["step"] for r in records), default=-1) + 1
+    if done > job.steps:  # made longer before `steps` was lowered: its statistics are taken at the grid's length,
+        records = [r for r in records if r["step"] < job.steps]  # so "final" is step steps − 1 in every arm
+        done = job.steps
     attempts = read_attempts(job.run_dir)
     walls = [a["wall_s"] for a in attempts if isinstance(a.get("wall_s"), (int, float))]
     last = attempts[-1] if attempts else None

@@ -242,6 +242,24 @@ def test_a_finished_run_made_from_an_edited_config_file_is_not_counted(tmp_path,
     assert compare.run_result(edited).status == "ok"
 
 
+def test_a_run_longer_than_the_grid_is_read_up_to_the_grids_last_step(tmp_path, fake_model):
+    """`steps` lowered after a run went further (train then only warns and exits 0): the run counted as finished
+    and its "final" was its own last step, so arms of different lengths were paired. It is read up to step
+    steps − 1, as every other arm."""
+    from jaxrl_mismatch.report.summary import CollapseRule, run_stats
+
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model, seeds=[0], overrides={"steps": 3}))
+    job = compare.validate_spec(compare.load_spec(str(spec_path))).jobs[0]
+    _write_run(Path(job.run_dir), [{"step": -1, "val/accuracy": 0.1}]
+               + [{"step": s, "reward/mean": 0.5, "val/accuracy": 0.2 + 0.1 * s} for s in range(5)])
+    compare.write_attempts(job.run_dir, [{"command": list(job.argv), "config": {**job.config, "steps": 5},
+                                          "returncode": 0, "wall_s": 1.0}])
+    result = compare.run_result(job)
+    assert result.ok and [r["step"] for r in result.records] == [-1, 0, 1, 2]
+    stats = run_stats(result.records, CollapseRule())
+    assert stats["val_final"] == pytest.approx(0.4) and stats["val_peak"] == pytest.approx(0.4)
+
+
 # -- the numbers: collapse and aggregation on synthetic logs -------------------------------------------
 def _records(rewards, **other) -> list[dict]:
     recs = [{"step": s, "reward/mean": r} for s, r in enumerate(rewards)]
