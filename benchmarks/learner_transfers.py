@@ -52,7 +52,7 @@ def host_round_trip_step(learner, host, seed: int) -> dict[str, float]:
         for m in range(cfg.minibatches):
             mb = batch.rows(order[m * learner.minibatch_rows:(m + 1) * learner.minibatch_rows])
             if cfg.packing:
-                mb = pack_batch(mb, num_groups=cfg.microbatches, shards=learner._batch_shards)
+                mb = pack_batch(mb, num_groups=cfg.microbatches, shards=learner._batch_shards, microbatches=True)
             mb = place_batch(mb, learner.mesh)
             if learner._update is None:
                 learner._update = jit_update(learner._update_fn, learner.state, mb, learner.mesh)

@@ -103,7 +103,7 @@ def run_shape(name: str, shape: dict, repeats: int, work: Path) -> dict:
         mb = b.rows(np.arange(mb_rows))
         for key, part, groups in (("prepare (a group per device)", b, shards),
                                   ("update (a group per microbatch)", mb, micro)):
-            packed = pack_batch(part, num_groups=groups, shards=shards).packed
+            packed = pack_batch(part, num_groups=groups, shards=shards, microbatches=key.startswith("update")).packed
             padding[key].append((int(np.asarray(part.attention_mask).sum()), part.tokens.size, packed.tokens.shape))
     padding = {k: {"padding_unpacked": _mean(1 - real / slots for real, slots, _ in v),
                    "padding_packed": _mean(1 - real / (shp[0] * shp[1]) for real, _, shp in v),

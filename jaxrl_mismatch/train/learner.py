@@ -196,7 +196,8 @@ class Learner:
                 mb = batch if whole else self._take_rows(batch, place_rows(rows, self.mesh))
                 if cfg.packing:  # one group per microbatch; the packed rows split evenly over the batch shards
                     mb = mb.replace(packed=place_batch(packed_layout(
-                        tokens[rows], mask[rows], num_groups=cfg.microbatches, shards=self._batch_shards), self.mesh))
+                        tokens[rows], mask[rows], num_groups=cfg.microbatches, shards=self._batch_shards,
+                        microbatches=True), self.mesh))
                 if self._update is None:
                     self._update = jit_update(self._update_fn, self.state, mb, self.mesh)
                 self.state, stats = self._update(self.state, mb)
