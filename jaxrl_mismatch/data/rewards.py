@@ -31,8 +31,21 @@ from jaxrl_mismatch.data import arithmetic
 
 RewardFn = Callable[[str, str], float]
 
-_ANSWER_LINE = re.compile(r"Answer\s*:\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
-_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.MULTILINE)
+# An answer line starts its line ("Answer: 34", "**Answer:** 34"): "... the answer: yes" inside prose is not one,
+# and a GSM8K final line gives a number ("#### 72"): a markdown heading "#### Verification" is not one.
+_ANSWER_LINE = re.compile(r"^[ \t*_>#-]*answer[ \t*_]*:[ \t*_]*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+_GSM8K_FINAL = re.compile(r"^[ \t]*####[ \t]*([-+$]?[ \t]*[0-9.][^\n]*?)\s*$", re.MULTILINE)
+# An equation in the answer span: math-verify grades the right-hand side of its last "=", so "6 (since 2+3=5)"
+# or "1=2=3=4=5" graded as 5. Only "name = value" is an answer ("x = 5", "f(x) = 2x", "a_1 = 3"); any other
+# span with "=" scores 0. ("<=", ">=", "!=" and ":=" are not equalities here.)
+_EQUALS = re.compile(r"(?<![<>!:=])=(?!=)")
+_ANSWER_NAME = re.compile(r"^\s*\\?[A-Za-z]+(?:_\{?[A-Za-z0-9]+\}?)?(?:\([^()=]*\))?\s*$")
+
+
+def _one_answer(span: str) -> bool:
+    """Whether `span` states one answer: no "=", or one "=" after a name (see `_EQUALS`)."""
+    parts = _EQUALS.split(span)
+    return len(parts) == 1 or (len(parts) == 2 and bool(_ANSWER_NAME.match(parts[0])))
 
 
 def _last_box_start(text: str) -> int:
@@ -142,7 +155,7 @@ def math_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer is mathematically equal to ``answer``, else 0.0.
 
     Malformed completions (no boxed/``Answer:``/``####`` answer, an unbalanced box, something that
-    does not parse) score 0.0. An empty gold answer is a data error and raises. (math-verify keeps
+    does not parse, an answer with an equation other than ``name = value``) score 0.0. An empty gold answer is a data error and raises. (math-verify keeps
     non-mathematical text as a string and compares it literally, so text answers still work.) Off the
     main thread it runs time-bounded in a helper process (module doc).
     """
@@ -164,7 +177,7 @@ def _math_reward(completion: str, answer: str) -> float:
 
     math_gold_answer(answer)
     span = extract_math_answer(completion)
-    if span is None or not span.strip():
+    if span is None or not span.strip() or not _one_answer(span):
         return 0.0
     gold = _parse(str(answer))
     if not gold:

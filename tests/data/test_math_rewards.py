@@ -34,6 +34,12 @@ from jaxrl_mismatch.data import rewards as R
         ("try \\boxed{5}, recheck...\nAnswer: 7", "7"),
         ("Answer: 7? no: \\boxed{5}", "5"),
         ("\\boxed{12} (\\boxed{} left empty)", "12"),
+        # "name = value" is an answer; prose after the final box is not a marker ("the answer:", a "####" heading)
+        ("\\boxed{x = 5}", "5"),
+        ("\\boxed{f(x) = 2x}", "2x"),
+        ("\\boxed{a_1=3}", "3"),
+        ("\\boxed{5}. Let me double-check the answer: yes.", "5"),
+        ("\\boxed{5}\n\n#### Verification\nok", "5"),
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -54,6 +60,13 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("Answer: 34 or 35", "34"),
         ("Answer: not 5", "5"),
         ("try \\boxed{5}, recheck...\nAnswer: 7", "5"),  # the box was the working, not the final answer
+        # an equation in the answer: math-verify grades the right side of its last "=", which rewarded these
+        ("Answer: 6 (since 2+3=5)", "5"),
+        ("Answer: 6. Verification: 1+4=5", "5"),
+        ("\\boxed{6 \\text{ since } 2+3=5}", "5"),
+        ("\\boxed{6=5}", "5"),
+        ("\\boxed{1=2=3=4=5}", "5"),
+        ("\\boxed{5}\n\n#### 6", "5"),  # a GSM8K final line after the box is the final answer
     ],
 )
 def test_wrong_or_malformed_score_zero(completion, gold):
