@@ -18,6 +18,17 @@ def write_jsonl(records: Sequence[Mapping], path: str) -> None:
             f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
 
 
+def unpaired_surrogate(obj: object) -> str | None:
+    """The first unpaired surrogate escape ("\\ud800") in a parsed JSON value's strings, or None. It is valid JSON
+    but no text: the tokenizer (TypeError) and the dataset writer (UnicodeEncodeError) failed on it later, with
+    a traceback naming no file or line."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.object[e.start:e.end].encode("unicode_escape").decode()
+    return None
+
+
 def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
     """(line number, parsed object) of each non-blank line of a JSONL file; a line that is not JSON is a
     `UsageError` naming the flag, file and line."""
@@ -30,9 +41,13 @@ def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{flag} {path}:{lineno}: not JSON ({e.msg})") from None
+            if (bad := unpaired_surrogate(obj)) is not None:
+                raise UsageError(f"{flag} {path}:{lineno}: a string holds the unpaired surrogate escape {bad}, "
+                                 "which is not text")
+            yield lineno, obj
 
 
 def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tuple[list[dict], list[dict]]:

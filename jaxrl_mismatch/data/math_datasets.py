@@ -49,6 +49,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from jaxrl_mismatch.data.jsonl import unpaired_surrogate
 from jaxrl_mismatch.data.rewards import gsm8k_final_answer, last_boxed
 
 Record = dict[str, object]
@@ -171,6 +172,8 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
             raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise DataFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if (bad := unpaired_surrogate(obj)) is not None:
+            raise DataFormatError(f"{where}: a string holds the unpaired surrogate escape {bad}, which is not text")
         text, answer, extra = convert(obj, where)
         yield {"prompt_text": text, "answer": answer, "index": lineno - 1, "extra": json.dumps(extra, sort_keys=True)}
 

@@ -136,6 +136,16 @@ def test_bad_utf8_and_non_object_lines_name_file_and_line(tmp_path):
     five.write_text(json.dumps(GSM8K[0]) + "\n5\n")
     with pytest.raises(UsageError, match=r"five\.jsonl:2: expected a JSON object, got int"):
         read_task_file("gsm8k", str(five), 0)
+    # An unpaired surrogate escape is valid JSON but no text: the dataset writer raised a RuntimeError (a
+    # traceback, a half-made build folder) and the tokenizer a TypeError, neither naming the file or line.
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text(json.dumps(GSM8K[0]) + "\n" + '{"question": "What is 1+1? \\ud800", "answer": "#### 2"}\n')
+    with pytest.raises(M.DataFormatError, match=r"lone\.jsonl:2: a string holds the unpaired surrogate escape "
+                                                 r"\\ud800, which is not text$"):
+        M.build("gsm8k", {"train": str(lone)}, str(tmp_path / "tfds"))
+    assert not (tmp_path / "tfds").exists()
+    with pytest.raises(UsageError, match=r"--file .*lone\.jsonl:2: a string holds the unpaired surrogate escape"):
+        read_task_file("gsm8k", str(lone), 0)
 
 
 def test_missing_file_and_unknown_format(tmp_path):
