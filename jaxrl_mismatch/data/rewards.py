@@ -155,9 +155,9 @@ def math_reward(completion: str, answer: str) -> float:
     """1.0 when the completion's final answer is mathematically equal to ``answer``, else 0.0.
 
     Malformed completions (no boxed/``Answer:``/``####`` answer, an unbalanced box, something that
-    does not parse, an answer with an equation other than ``name = value``) score 0.0. An empty gold answer is a data error and raises. (math-verify keeps
-    non-mathematical text as a string and compares it literally, so text answers still work.) Off the
-    main thread it runs time-bounded in a helper process (module doc).
+    does not parse, an answer with an equation other than ``name = value``) score 0.0. An empty gold answer is
+    a data error and raises. (math-verify keeps non-mathematical text as a string and compares it literally, so
+    text answers still work.) Off the main thread it runs time-bounded in a helper process (module doc).
     """
     if threading.current_thread() is not threading.main_thread():
         return _off_thread(completion, answer)
