@@ -85,6 +85,7 @@ class RunWriter:
         self._f.close()
         with open(self.path, "rb") as f:
             lines = [raw if raw.endswith(b"\n") else raw + b"\n" for raw in f]
+
         def of_step(raw: bytes) -> bool:
             obj = _parse(raw)
             return isinstance(obj, dict) and _is_step(obj.get("step")) and obj["step"] == step

@@ -24,7 +24,7 @@ on stale data clips π/μ instead and has no weight: that is ``proximal = "bypas
 ``proximal = "bypass"`` (verl's rollout-correction bypass mode; AReaL's naive-PPO baseline): μ itself stands
 in for π_prox, so the θ_old forward of ``prepare`` is skipped (``Learner.prepare``; its saving is measured
 in ``benchmarks/async_rollouts.py``); the clip acts on π/μ and ρ = π_prox/μ ≡ 1, so the PPO family's
-corrections, rejections, weight normalisation and M2PO cut have nothing to act on (`ObjectiveConfig` refuses
+corrections, rejections, weight normalisation and M2PO cut have nothing to act on (``ObjectiveConfig`` refuses
 them there) and the ``mismatch/*`` metrics read their μ = π values (ratios 1,
 differences 0: there is no π(θ_old) to compare μ with). ``pg``'s weight π(θ)/μ does not involve π_prox and
 still applies; its batch mean (``normalize_weights``) and M2PO's cut need θ_old and are refused with bypass.
