@@ -84,9 +84,10 @@ class Learner:
         self.minibatch_rows = cfg.minibatch_rows
         self._batch_shards = math.prod(self.mesh.shape[a] for a in batch_axes(self.mesh))  # what splits the batch
         # Asynchronous rollouts: π_behav of stale rows, scored like π(θ_old) (train/behaviour.py).
-        scorer = make_packed_scorer if cfg.packing else make_scorer  # packed: no forward on padding
-        routed = dict(routed=True) if self._routed_behaviour else {}
-        self._forward = scorer(graphdef, self.mesh, **kw, **routed) if cfg.max_staleness else None
+        self._forward = None
+        if cfg.max_staleness:  # packed: no forward on padding (a MoE policy is never packed)
+            self._forward = (make_packed_scorer(graphdef, self.mesh, **kw) if cfg.packing else
+                             make_scorer(graphdef, self.mesh, **kw, routed=self._routed_behaviour))
         self.behaviour = BehaviourScorer(cfg.max_staleness, self._score)
 
     @property

@@ -69,7 +69,7 @@ def score_rows_routed(forward: Forward, params: Any, tokens: Int[np.ndarray, "b 
     if not np.any(rows):
         raise ValueError("score_rows_routed: no row chosen (the routing's shape comes from the forward)")
     logp, ids = _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, outputs=(0, 2))
-    return logp, ids
+    return logp.astype(np.float32, copy=False), ids
 
 
 def _gathered(forward, params, tokens, attention_mask, rows, kept, multiple, buckets, *, outputs: tuple[int, ...]):
