@@ -35,6 +35,9 @@ class Task:
     reward_name: str
     template: str
     loader: Callable[..., list[dict]]
+    # A file task's check of its JSONL files (`files`: split → path(s)) without building anything: raises
+    # `math_datasets.DataFormatError` naming file and line. None for a generated task.
+    check_files: Callable[[Mapping[str, str | Sequence[str]]], None] | None = None
 
     @property
     def reward(self) -> RewardFn:
@@ -51,38 +54,58 @@ def _load_arithmetic(split: str, *, n: int, seed: int = 0, **spec_fields) -> lis
     return arithmetic.records(arithmetic.ArithmeticSpec(**spec_fields), split, n, seed)
 
 
+def _math_datasets(fmt: str):
+    """The TFDS-backed module, imported when a file task needs it (a clear error without the math extra)."""
+    try:
+        from jaxrl_mismatch.data import math_datasets  # deferred TFDS import
+    except ModuleNotFoundError as e:
+        from jaxrl_mismatch.usage import UsageError
+
+        raise UsageError(f"task format {fmt!r} needs the math extra ({e.name} is not installed): "
+                         "pip install -e '.[math]'") from None
+    return math_datasets
+
+
+def _gold_check(reward_name: str) -> Callable[[str], None]:
+    from jaxrl_mismatch.data.rewards import check_gold_answer
+
+    return lambda answer: check_gold_answer(reward_name, answer)
+
+
 def _file_loader(fmt: str, reward_name: str) -> Callable[..., list[dict]]:
     """The loader of a file-backed task: its records in format `fmt`, every gold answer checked against the task's
     reward before the dataset is built (one line naming file and line, not a failure at the first step)."""
 
     def load(split: str, *, files: Mapping[str, str | Sequence[str]], data_dir: str) -> list[dict]:
-        try:
-            from jaxrl_mismatch.data import math_datasets  # deferred TFDS import
-        except ModuleNotFoundError as e:
-            from jaxrl_mismatch.usage import UsageError
-
-            raise UsageError(f"task format {fmt!r} needs the math extra ({e.name} is not installed): "
-                             "pip install -e '.[math]'") from None
-
-        from jaxrl_mismatch.data.rewards import check_gold_answer
-
-        return math_datasets.load_records(fmt, files, data_dir, split,
-                                          check_answer=lambda answer: check_gold_answer(reward_name, answer))
+        return _math_datasets(fmt).load_records(fmt, files, data_dir, split, check_answer=_gold_check(reward_name))
 
     return load
+
+
+def _file_check(fmt: str, reward_name: str) -> Callable[[Mapping[str, str | Sequence[str]]], None]:
+    """What `_file_loader` validates (every line, every gold answer), without building: for `train`'s checks."""
+
+    def check(files: Mapping[str, str | Sequence[str]]) -> None:
+        _math_datasets(fmt).read_records(fmt, files, check_answer=_gold_check(reward_name))
+
+    return check
+
+
+def _file_task(name: str, fmt: str, reward_name: str, template: str) -> Task:
+    return Task(name=name, reward_name=reward_name, template=template, loader=_file_loader(fmt, reward_name),
+                check_files=_file_check(fmt, reward_name))
 
 
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
         Task(name="arithmetic", reward_name="arithmetic", template="arithmetic", loader=_load_arithmetic),
-        Task(name="gsm8k", reward_name="math", template="qwen_boxed", loader=_file_loader("gsm8k", "math")),
-        Task(name="math", reward_name="math", template="r1_distill", loader=_file_loader("math", "math")),
-        Task(name="dapo", reward_name="math", template="dapo", loader=_file_loader("dapo", "math")),
+        _file_task("gsm8k", "gsm8k", "math", "qwen_boxed"),
+        _file_task("math", "math", "math", "r1_distill"),
+        _file_task("dapo", "dapo", "math", "dapo"),
         # Saved prompt sets (e.g. a perfectible subset), scored like the task they were drawn from.
-        Task(name="prompts", reward_name="math", template="raw", loader=_file_loader("prompts", "math")),
-        Task(name="arithmetic_prompts", reward_name="arithmetic", template="arithmetic",
-             loader=_file_loader("prompts", "arithmetic")),
+        _file_task("prompts", "prompts", "math", "raw"),
+        _file_task("arithmetic_prompts", "prompts", "arithmetic", "arithmetic"),
     )
 }
 

@@ -345,19 +345,19 @@ def _decode(ex: Mapping) -> Record:
     return {"prompt_text": s(ex["prompt_text"]), "answer": s(ex["answer"]), "index": int(ex["index"]), "extra": s(ex["extra"])}
 
 
-def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
-          check_answer: Callable[[str], object] | None = None) -> BuiltDataset:
-    """Build (once; later calls reuse it) the ``array_record`` dataset of ``files`` under ``data_dir``.
+def read_records(fmt: str, files: Mapping[str, str | Sequence[str]], *,
+                 check_answer: Callable[[str], object] | None = None
+                 ) -> tuple[dict[str, list[str]], dict[str, list[Record]]]:
+    """Every split's uniform records in file order, and the ``path:line`` each was read from; nothing is written.
 
-    ``files`` maps split name → JSONL path(s). Bad lines raise :class:`DataFormatError` naming the
-    file, line and field before anything is written: so do a file without records, and a gold answer
-    ``check_answer`` (the task's reward's reading of one, `rewards.check_gold_answer`) raises on.
+    Bad lines raise :class:`DataFormatError` naming the file, line and field: so do a file without records, and a
+    gold answer ``check_answer`` (the task's reward's reading of one, `rewards.check_gold_answer`) raises on.
+    `build` reads through it, and `train` calls it before any other work (a warm start, the model's load).
     """
     files = _normalise_files(files)
-    cls = builder_class(fmt)
     locations: dict[str, list[str]] = {}
     records: dict[str, list[Record]] = {}
-    for split, paths in files.items():  # validate every line up front: a clear error, no half-built dataset
+    for split, paths in files.items():
         locations[split], records[split] = [], []
         for p in paths:
             n = 0
@@ -374,6 +374,19 @@ def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
                         raise DataFormatError(f"{p}:{rec['index'] + 1}: {e}") from None
             if not n:  # TFDS failed on it after building had begun: "No examples were yielded"
                 raise DataFormatError(f"{p}: no records (the file is empty or holds only blank lines)")
+    return locations, records
+
+
+def build(fmt: str, files: Mapping[str, str | Sequence[str]], data_dir: str, *,
+          check_answer: Callable[[str], object] | None = None) -> BuiltDataset:
+    """Build (once; later calls reuse it) the ``array_record`` dataset of ``files`` under ``data_dir``.
+
+    ``files`` maps split name → JSONL path(s). Every line is validated (`read_records`) before anything is
+    written: a clear error, no half-built dataset.
+    """
+    files = _normalise_files(files)
+    cls = builder_class(fmt)
+    locations, records = read_records(fmt, files, check_answer=check_answer)
     # No TFDS progress bars: building a JSONL task takes seconds, and on stderr they came before (and buried) the
     # one line a bad prompt found after the build is reported in; the trainer logs its own progress.
     tfds.disable_progress_bar()

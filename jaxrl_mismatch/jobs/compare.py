@@ -258,7 +258,7 @@ def _variant_config(spec: Spec, variant: str):
     """The variant's config with the harness defaults, the spec's and the variant's overrides applied
     through the same parser `train` uses, validated; UsageError naming the spec field at fault."""
     from jaxrl_mismatch.jobs._inputs import check_warmstart_args
-    from jaxrl_mismatch.train.config_checks import check_paths, validate
+    from jaxrl_mismatch.train.config_checks import check_paths, check_task_files, validate
     from jaxrl_mismatch.train.config_overrides import apply_override, load_config
 
     try:
@@ -281,6 +281,7 @@ def _variant_config(spec: Spec, variant: str):
     try:
         validate(c)
         check_paths(c)
+        check_task_files(c)
         check_warmstart_args(c)
     except UsageError as e:
         raise _error(spec.path, f"variants.{variant}", str(e)) from None

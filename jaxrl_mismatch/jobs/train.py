@@ -36,10 +36,11 @@ def parse(argv: Sequence[str]):
     # The checks build the optimizer (JAX): imported once the file and the overrides have been read, so a
     # missing file or a misspelt flag is answered in a fraction of a second.
     from jaxrl_mismatch.jobs._inputs import check_warmstart_args
-    from jaxrl_mismatch.train.config_checks import check_paths, validate
+    from jaxrl_mismatch.train.config_checks import check_paths, check_task_files, validate
 
     validate(c)
     check_paths(c)
+    check_task_files(c)
     check_warmstart_args(c)
     return c, args.accept_config_changes
 

@@ -431,6 +431,21 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
         check_task_capacity(c, spec)
 
 
+def check_task_files(c: ml_collections.ConfigDict) -> None:
+    """Every line of a file task's JSONL files reads as a record with a gold answer the reward can read; ConfigError
+    naming the file and line. Before any work: the run built the dataset (and found a bad line) only after a warm
+    start or the model's load. Reading is cheap next to that (no dataset is built; `build` reads them again)."""
+    from jaxrl_mismatch.data import get_task
+
+    check = get_task(c.task.name).check_files
+    if check is None:
+        return
+    try:
+        check(c.task.files.to_dict())
+    except (ValueError, OSError) as e:  # math_datasets.DataFormatError: file, line and field
+        raise ConfigError(f"config.task.files: {e}") from None
+
+
 def check_task_capacity(c: ml_collections.ConfigDict, spec) -> None:
     """`task.num_train` / `num_val` within the arithmetic `spec`'s distinct problems (`data.arithmetic.generate`
     draws unique problems; asked for more, it failed after the run directory existed)."""

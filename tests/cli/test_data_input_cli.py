@@ -84,6 +84,22 @@ def test_train_refuses_bad_task_data_before_any_rollout(tiny_base_model, tmp_pat
     assert not (tmp_path / "run" / "tfds").exists()  # refused before the dataset was built
 
 
+def test_train_refuses_a_bad_task_line_before_the_warm_start(tmp_path):
+    """The task files were read only when the dataset was built: after the warm start of a missing model (50 s for
+    configs/tiny_cpu.py), which left its checkpoint behind. Now refused first, nothing created."""
+    val = _jsonl(tmp_path / "val.jsonl", GOOD, GOOD)
+    train = _jsonl(tmp_path / "train.jsonl", GOOD, "", {"prompt_text": "2+2=", "answer": 4.0})
+    model, run = tmp_path / "model", tmp_path / "run"
+    config = tmp_path / "cfg.py"
+    config.write_text(TRAIN_CONFIG.format(repo=str(REPO), run=str(run), model=str(model), train=train, val=val)
+                      .replace("    return c\n", "    c.model.warmstart_if_missing = True\n    return c\n"))
+    out = cli("train", "--config", str(config), timeout=240)
+    one_line_error(out.returncode, out.stderr,
+                   f"config.task.files: {train}:3: arithmetic reward: gold answer '4.0' is not an integer")
+    assert "warm start" not in out.stdout, out.stdout
+    assert not model.exists() and not run.exists()
+
+
 @pytest.mark.slow
 def test_train_names_a_prompt_outside_the_vocabulary_in_one_line_after_the_build(tiny_base_model, tmp_path):
     """Found only once the dataset is built (it needs the tokenizer): TFDS's progress bars and its "custom data
