@@ -324,13 +324,14 @@ def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.shar
             **options):
     """Load a local HF checkpoint directory → (ModelConfig, Transformer), parameters in `policy.param_dtype`.
 
-    With a `mesh`, each tensor is placed on `models.sharding.param_shardings`' sharding for its path;
+    With a `mesh`, each tensor is placed on `models.sharding.param_shardings`' sharding for its path, and the
+    model carries the mesh (`Transformer.mesh`: a MoE layer's experts then run expert-parallel under `shard_map`);
     without, on the default device. `options` go to `Transformer` (e.g. `scan_layers=True`: the same
     checkpoint loads into the stacked layout).
     """
     directory = os.fspath(directory)
     cfg = ModelConfig.from_hf(directory)
-    graphdef, abstract = nnx.split(abstract_model(cfg, policy, **options), nnx.Param)
+    graphdef, abstract = nnx.split(abstract_model(cfg, policy, mesh=mesh, **options), nnx.Param)
     if mesh is not None:
         from jaxrl_mismatch.models.sharding import param_shardings
 

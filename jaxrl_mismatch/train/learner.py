@@ -50,8 +50,11 @@ class Learner:
         self.policy = policy = precision.policy(cfg.precision, fp32_lm_head=cfg.fp32_lm_head, param_dtype="float32")
         self.model_cfg, model = load_hf(cfg.model_path, policy=policy, mesh=self.mesh,
                                         scan_layers=cfg.scan_layers, attention_impl=cfg.attention_impl)
-        model.remat = False  # the exact scorer is the engine's computation (no recomputation boundaries)
+        # The exact scorer is the engine's computation: no recomputation boundaries, and no mesh (the engine's MoE
+        # experts run the plain function, not expert-parallel; on several processes it scores local arrays).
+        model.remat, model.mesh = False, None
         self._exact_graphdef = split_model(model)[0]
+        model.mesh = self.mesh
         # The exact scorer's rows split over the devices holding the weights it is given: the trainer's mesh on one
         # process; on several, `gather_params` hands it host arrays, scored on this process's own devices.
         self._score_mesh = self.mesh if jax.process_count() == 1 else make_mesh({"data": -1}, jax.local_devices())

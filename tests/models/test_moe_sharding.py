@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_mismatch.models import ModelConfig, Transformer, token_logprobs
 from jaxrl_mismatch.models import sharding as sh
-from jaxrl_mismatch.models.hf_io import params_to_hf
+from jaxrl_mismatch.models.hf_io import load_hf, params_to_hf, save_hf
 from jaxrl_mismatch.precision import policy
 
 E, D, F = 8, 16, 8
@@ -99,3 +99,24 @@ def test_rules_and_meshes_without_the_expert_axis():
     assert sh.param_partition_spec("layers/0/mlp/experts/gate_proj", (6, D, F), ep) == P(None, "fsdp", "tensor")
     with pytest.raises(ValueError, match=r"axis 'expert' has size 0"):
         sh.make_mesh({"data": -1, "expert": 0})
+
+
+def test_a_checkpoint_loaded_onto_a_mesh_runs_its_experts_expert_parallel(tmp_path):
+    """The trainer loads its policy with `load_hf(..., mesh=)`, which placed the weights but left `Transformer.mesh`
+    unset: the learner's MoE layers never took the `shard_map` path (XLA partitioned the plain function)."""
+    cfg = moe_config()
+    save_hf(Transformer(cfg, policy("fp32"), rngs=nnx.Rngs(1)), cfg, tmp_path)
+    tokens, mask = _batch(8)
+    _, plain = load_hf(tmp_path, policy=policy("fp32"))
+    assert plain.mesh is None
+    ref_logp, ref_grads, _ = _run(plain, tokens, mask)
+
+    mesh = sh.make_mesh({"data": 2, "expert": 4})
+    _, model = load_hf(tmp_path, policy=policy("fp32"), mesh=mesh)
+    assert model.mesh is mesh
+    logp, grads, args = _run(model, tokens, mask, mesh)
+    np.testing.assert_allclose(logp, ref_logp, atol=1e-5, rtol=0)
+    for name in ref_grads:
+        np.testing.assert_allclose(grads[name], ref_grads[name], atol=2e-5, rtol=0, err_msg=name)
+    hlo = _grad.lower(*args).compile().as_text()
+    assert "reduce-scatter" in hlo and "all-gather" in hlo  # the expert group's tokens in, its outputs out
