@@ -224,14 +224,32 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The `weight_map` of a sharded checkpoint's index (tensor name → safetensors file in the same folder);
+    ModelFilesError naming the index when it is not one."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelFilesError(f"{index_path}: not valid JSON ({_first_line(e)})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelFilesError(f"{index_path}: expected an object with a non-empty 'weight_map' object (tensor name → "
+                              "safetensors file)")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or os.path.basename(fname) != fname or not fname.endswith(".safetensors"):
+            raise ModelFilesError(f"{index_path}: weight_map[{name!r}] is {fname!r}, not a .safetensors file name in "
+                                  "the checkpoint's folder")
+    return weight_map
+
+
 class _LazyCheckpoint(Mapping):
     """Read-on-demand view of a HF safetensors directory: name → numpy array (one tensor at a time)."""
 
     def __init__(self, directory: str, stack: contextlib.ExitStack):
         index_path = os.path.join(directory, "model.safetensors.index.json")
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_weight_map(index_path)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
@@ -358,10 +376,17 @@ def save_hf(
     this process: single-host meshes; multi-host saving goes through orbax). Checkpoints over
     `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` files with a
     `model.safetensors.index.json`, as HF does.
-    Returns the written safetensors file names.
+    Returns the written safetensors file names. A folder that already holds weights is refused (FileExistsError):
+    a sharded index left beside a new single file would be read first and load the old weights, and nothing here
+    deletes what it did not write (the jobs save into a new temporary folder and rename it into place).
     """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
+    weights = sorted(f for f in os.listdir(directory)
+                     if f.endswith(".safetensors") or f == "model.safetensors.index.json")
+    if weights:
+        raise FileExistsError(f"{directory} already holds a checkpoint's weights ({', '.join(weights[:3])}"
+                              f"{', ...' if len(weights) > 3 else ''}); save into a new or empty folder")
     params = nnx.state(model, nnx.Param)
     entries = sorted(_iter_hf(params), key=lambda e: e[0])
     shards: list[list] = [[]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from jaxrl_mismatch.models import hf_to_params, load_hf, params_to_hf, save_hf, token_logprobs
-from jaxrl_mismatch.models.hf_io import check_model_files
+from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
 from jaxrl_mismatch.precision import policy
 from tests.models.hf_tiny import VOCAB, hf_token_logprobs, make_hf_model, padded_batch, real_positions
 
@@ -221,3 +222,31 @@ def test_saved_checkpoint_loads_in_vllm(tmp_path):
     for b, row in enumerate(vllm_logp):
         real = np.flatnonzero(real_positions(mask)[b])
         np.testing.assert_allclose(np.asarray(row), ours[b, real], atol=1e-4, rtol=0, err_msg=f"row {b}")
+
+
+def test_save_refuses_a_folder_that_already_holds_weights(llama_tied, tmp_path):
+    """A single-file save over a sharded checkpoint left its index and shards, and `load_hf` read the index first:
+    the old weights came back."""
+    cfg, model = load_hf(llama_tied, policy=policy("fp32"))
+    out = tmp_path / "ckpt"
+    save_hf(model, cfg, out, max_shard_bytes=20_000)
+    before = sorted(os.listdir(out))
+    with pytest.raises(FileExistsError, match=r"already holds a checkpoint's weights \(model-00001-of-"):
+        save_hf(model, cfg, out)
+    assert sorted(os.listdir(out)) == before
+
+
+@pytest.mark.parametrize("index, needle", [
+    ("[]", "expected an object with a non-empty 'weight_map'"),
+    ('{"weight_map": ["model.safetensors"]}', "expected an object with a non-empty 'weight_map'"),
+    ('{"metadata": {}}', "expected an object with a non-empty 'weight_map'"),
+    ('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}', "not a .safetensors file name in the"),
+    ("{not json", "not valid JSON"),
+])
+def test_a_malformed_shard_index_is_named(llama_tied, tmp_path, index, needle):
+    """A TypeError / AttributeError / KeyError traceback before; every job's check expects ModelFilesError."""
+    d = _copy_checkpoint(llama_tied, tmp_path / "x")
+    (d / "model.safetensors.index.json").write_text(index)
+    for load in (lambda: check_model_files(d), lambda: load_hf(d, policy=policy("fp32"))):
+        with pytest.raises(ModelFilesError, match=re.escape(needle)):
+            load()
