@@ -16,6 +16,7 @@ readable one exported; an explicit damaged `--step` is refused by name (exit 4).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -71,6 +72,9 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
             raise UsageError(f"--base {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
                              "pass --base DIR pointing to it")
         cfg = model_config("--base", b, weights=False)  # its config and tokenizer are exported, not its weights
+        if not os.path.isfile(os.path.join(b, "tokenizer.json")):  # the trainer needed it; so do serve and vLLM
+            raise UsageError(f"--base {b}: no tokenizer.json; the export would hold no tokenizer. Pass --base DIR "
+                             "pointing to the run's base checkpoint")
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
         abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=_scan_layers(c)), nnx.Param)[1]
         opt = build_optimizer(c.optim)
@@ -112,11 +116,22 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
     out_policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype=dtype)
     graphdef = nnx.split(abstract_model(cfg, out_policy, scan_layers=_scan_layers(c)), nnx.Param)[0]
     with staged_dir("--out", out, "export", force=force) as tmp:
-        save_hf(nnx.merge(graphdef, params), cfg, tmp)  # config.json records the stored dtype
+        # config.json records the stored dtype, and the base's special-token ids (generate() stops at eos_token_id)
+        save_hf(nnx.merge(graphdef, params), cfg, tmp, extra_config=_token_ids(base))
         for name in COPIED:
             if os.path.isfile(os.path.join(base, name)):
                 shutil.copyfile(os.path.join(base, name), os.path.join(tmp, name))
     return step
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _token_ids(base: str) -> dict:
+    """The special-token ids of the base's config.json (`ModelConfig` does not hold them)."""
+    with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)  # model_config has read it already
+    return {k: config[k] for k in TOKEN_ID_KEYS if config.get(k) is not None}
 
 
 def _scan_layers(c) -> bool:

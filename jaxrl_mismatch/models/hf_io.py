@@ -368,7 +368,8 @@ def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.shar
 
 
 def save_hf(
-    model: Transformer, cfg: ModelConfig, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30
+    model: Transformer, cfg: ModelConfig, directory: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+    extra_config: dict[str, Any] | None = None,
 ) -> list[str]:
     """Write `config.json` + safetensors that transformers `from_pretrained` and vLLM load.
 
@@ -376,6 +377,7 @@ def save_hf(
     this process: single-host meshes; multi-host saving goes through orbax). Checkpoints over
     `max_shard_bytes` are split into `model-0000i-of-0000n.safetensors` files with a
     `model.safetensors.index.json`, as HF does.
+    `extra_config`: further `config.json` keys `cfg` does not hold (an export keeps its base's token ids).
     Returns the written safetensors file names. A folder that already holds weights is refused (FileExistsError):
     a sharded index left beside a new single file would be read first and load the old weights, and nothing here
     deletes what it did not write (the jobs save into a new temporary folder and rename it into place).
@@ -413,7 +415,7 @@ def save_hf(
     if len(shards) > 1:
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    config = cfg.to_hf()
+    config = {**(extra_config or {}), **cfg.to_hf()}
     config["torch_dtype"] = config["dtype"] = _DTYPE_NAMES[np.dtype(model.policy.param_dtype)]
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

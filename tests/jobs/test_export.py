@@ -3,9 +3,13 @@ with the trainer's own log-probs."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
+from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
 from jaxrl_mismatch.jobs.export import export
 from jaxrl_mismatch.train.batch import RolloutBatch
 from jaxrl_mismatch.train.checkpoint import Checkpointer
@@ -13,6 +17,9 @@ from jaxrl_mismatch.train.config import base_config
 from jaxrl_mismatch.usage import UsageError
 from tests.models.hf_tiny import hf_token_logprobs, real_positions
 from tests.rollout.conftest import VOCAB, make_tiny_qwen3
+
+
+BASE_TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def _batch(rows: int = 8, seq: int = 12, seed: int = 0) -> RolloutBatch:
@@ -41,6 +48,9 @@ def trained_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("export")
     base = make_tiny_qwen3(root / "base", tied=False)
+    save_tokenizer(build_arithmetic_tokenizer(), str(base))  # a run's base holds its tokenizer (train needs it)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, **BASE_TOKEN_IDS}))
     c = base_config()
     c.model.path, c.run_dir = str(base), str(root / "run")
     c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 2, 4, 8
@@ -80,8 +90,6 @@ def test_export_matches_transformers_at_every_step(trained_run, tmp_path):
 
 @pytest.mark.slow
 def test_export_bf16_and_bad_inputs(trained_run, tmp_path):
-    import json
-
     root, _, _, _ = trained_run
     export(str(root / "run"), str(tmp_path / "bf16"), dtype="bfloat16")
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -149,3 +157,23 @@ def test_out_inside_the_run_directory_or_empty_is_refused_before_any_work(tmp_pa
         export(str(run), "")
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
     assert is_run_dir(str(run))
+
+
+def test_the_export_keeps_the_bases_token_ids_and_needs_its_tokenizer(trained_run, tmp_path):
+    """config.json was rebuilt from the model's shape alone: the base's eos/bos/pad ids were dropped (transformers'
+    generate() on the export had no EOS to stop at when the base has no generation_config.json). A --base without
+    tokenizer.json exported weights and config only, exit 0, a folder nothing could serve."""
+    from transformers import AutoConfig
+
+    root, base, _, _ = trained_run
+    export(str(root / "run"), str(tmp_path / "out"))
+    got = AutoConfig.from_pretrained(tmp_path / "out")
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id) == (1, 2, 0)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copyfile(base / "config.json", bare / "config.json")
+    with pytest.raises(UsageError, match=rf"--base {bare}: no tokenizer.json"):
+        export(str(root / "run"), str(tmp_path / "x"), base=str(bare))
+    assert not (tmp_path / "x").exists()
