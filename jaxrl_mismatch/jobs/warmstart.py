@@ -338,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     answers = [tok.encode(p.response, add_special_tokens=False) + [tok.eos_id] for p in train]
     longest = max(len(p) + len(a) for p, a in zip(prompts, answers))
     max_new = max(len(a) for a in answers) + 8  # room for a policy that writes a little more than the data
-    if longest + 8 > args.max_len:
-        raise UsageError(f"problems need {longest + 8} positions > --max-len {args.max_len}")
+    # The context must hold a problem with room to spare, and the longest prompt followed by the `max_new` tokens a
+    # rollout may write (task.json's max_new_tokens): they can come from different problems.
+    need = max(longest + 8, max(len(p) for p in prompts) + max_new)
+    if need > args.max_len:
+        raise UsageError(f"problems need {need} positions > --max-len {args.max_len}")
     if longest - 1 > SFT_MAX_TOKENS:
         raise UsageError(f"--max-operands/--max-value: the longest problem takes {longest} positions, over the "
                          f"{SFT_MAX_TOKENS} tokens a warm-start example may have")

@@ -199,3 +199,17 @@ def test_memory_check_names_the_size_flag_that_makes_the_estimate_too_large(tmp_
         with pytest.raises(UsageError, match=f"^--{name.replace('_', '-')} {value}: the warm start needs at least "
                                              r".* more than this machine's 0\.0\d+ GiB; lower"):
             check_memory(big, defaults, available=need * 2)
+
+
+def test_max_len_must_hold_the_longest_prompt_and_the_new_tokens_a_rollout_may_write(tmp_path):
+    """The check measured the longest problem (its prompt and answer together) + 8, but the rollout budget written to
+    task.json is the longest answer of any problem + 8, after the longest prompt of any: they can come from different
+    problems. With these flags --max-len 63 passed and the longest prompt plus max_new_tokens took 64 positions."""
+    from jaxrl_mismatch.jobs.warmstart import main
+
+    flags = ["--min-operands", "2", "--max-operands", "5", "--max-value", "50", "--mul-prob", "0",
+             "--num-train", "2000", "--num-eval", "0", "--steps", "1", "--batch-size", "2", "--layers", "1",
+             "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--intermediate", "16"]
+    with pytest.raises(UsageError, match=r"^problems need 64 positions > --max-len 63$"):
+        main(["--out", str(tmp_path / "w"), *flags, "--max-len", "63"])
+    assert not os.listdir(tmp_path)
