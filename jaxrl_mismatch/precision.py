@@ -49,6 +49,8 @@ class DTypePolicy:
         if unknown:
             raise ValueError(f"fp32_components: unknown {sorted(unknown)}; valid: {', '.join(COMPONENTS)}")
         object.__setattr__(self, "fp32_components", frozenset(self.fp32_components))
+        if "lm_head" in self.fp32_components:  # the same as logits_dtype float32 (`policy` sets both)
+            object.__setattr__(self, "logits_dtype", jnp.float32)
 
     def dtype_of(self, component: str) -> jnp.dtype:
         """The dtype `component` computes in: float32 if it is in `fp32_components`, else compute_dtype."""
@@ -86,6 +88,8 @@ def policy(name: str, *, fp32_lm_head: bool = False, param_dtype: str | None = N
     if name not in table:
         raise ValueError(f"unknown precision preset {name!r}; valid: {', '.join(PRESETS)}")
     dt = table[name]
+    if param_dtype is not None and param_dtype not in _DTYPES:
+        raise ValueError(f"unknown param_dtype {param_dtype!r}; valid: {', '.join(_DTYPES)}")
     pdt = _DTYPES[param_dtype] if param_dtype is not None else dt
     return DTypePolicy(param_dtype=pdt, compute_dtype=dt, logits_dtype=jnp.float32 if fp32_lm_head else dt,
                        fp32_components=fp32_components)

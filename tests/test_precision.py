@@ -279,3 +279,13 @@ def test_loss_scaling_on_8_device_mesh():
     assert not bool(finite)
     jax.tree.map(np.testing.assert_array_equal, new_params2, new_params)
     assert float(ls.scale) == 2.0**7 and int(ls.skipped_steps) == 1 and int(ls.good_steps) == 0
+
+
+def test_a_bad_param_dtype_is_named_and_an_fp32_lm_head_component_reaches_the_logits():
+    """`policy("bf16", param_dtype="fp16")` was a bare KeyError; a DTypePolicy built with "lm_head" among its float32
+    components kept a bf16 logits dtype, which is what the LM head computes in."""
+    with pytest.raises(ValueError, match=r"unknown param_dtype 'fp16'; valid: float32, bfloat16, float16"):
+        prec.policy("bf16", param_dtype="fp16")
+    pol = prec.DTypePolicy(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, logits_dtype=jnp.bfloat16,
+                           fp32_components={"lm_head"})
+    assert pol.dtype_of("lm_head") == jnp.float32 and pol.dtype_of("mlp") == jnp.bfloat16

@@ -37,9 +37,11 @@ _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # MoE stacked expert te
 
 
 def _scale(w: Float[Array, "... d_in d_out"], qmax: float) -> Float[Array, "... 1 d_out"]:
-    """Per-output-channel absmax scale in float32; an all-zero channel gets scale 1 (its codes are 0)."""
+    """Per-output-channel absmax scale in float32; an all-zero channel gets scale 1 (its codes are 0). A channel
+    holding a NaN gets a NaN scale, so its dequantized weights stay NaN as unquantized ones would (scale 1 made the
+    NaN a 0 code and rounded the channel's other weights to integers: finite, wrong, and hidden)."""
     absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=-2, keepdims=True)
-    return jnp.where(absmax > 0, absmax / qmax, 1.0)
+    return jnp.where(absmax == 0, 1.0, absmax / qmax)
 
 
 def quantize_int8(w: Float[Array, "... d_in d_out"]) -> tuple[Int[Array, "... d_in d_out"], Float[Array, "... 1 d_out"]]:

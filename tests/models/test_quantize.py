@@ -101,3 +101,13 @@ def test_blend_endpoints_and_midpoint():
             np.testing.assert_array_equal(a, b)
     for a, w, b in zip(leaves(q.blend(params, wq, jnp.float32(0.25))), leaves(params), leaves(wq)):
         np.testing.assert_allclose(a, w + 0.25 * (b - w), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_a_nan_weight_stays_nan_in_its_channel(method):
+    """int8 gave a NaN channel scale 1: the NaN became code 0 and the channel's other weights were rounded to integers
+    (0.01 and 0.3 served as 0): a damaged checkpoint served as finite, wrong weights. Other channels are untouched."""
+    w = jnp.asarray([[0.01, 0.5], [jnp.nan, -0.25], [0.3, 0.125]], jnp.float32)
+    out = np.asarray(q.fake_quantize(w, method))
+    assert np.isnan(out[:, 0]).all()
+    np.testing.assert_allclose(out[:, 1], np.asarray(w[:, 1]), atol=0.5 / 127)
