@@ -505,6 +505,10 @@ class Checkpointer:
         layout = self._read_json_item(step, "layout")
         if layout.get("format") != _LAYOUT_FORMAT or not isinstance(layout.get("leaves"), dict):
             raise CheckpointDamagedError(f"checkpoint {step_dir}: unrecognised layout record {str(layout)[:200]}")
+        for name, leaf in layout["leaves"].items():  # an entry that parses but is not one (a KeyError before)
+            if not (isinstance(leaf, dict) and isinstance(leaf.get("shape"), list) and isinstance(leaf.get("dtype"), str)):
+                raise CheckpointDamagedError(f"checkpoint {step_dir}: its layout record's entry {name!r} is "
+                                             f"{str(leaf)[:100]}, not a shape and a dtype")
         problems = _layout_mismatches(layout["leaves"], wanted)
         if problems:
             more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""

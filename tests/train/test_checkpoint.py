@@ -2,7 +2,9 @@
 crash mid-save, and clear errors for checkpoints of another model or damaged directories."""
 
 import functools
+import json
 import os
+import re
 import shutil
 import time
 
@@ -15,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from jaxrl_mismatch.train.checkpoint import (
     COMMIT_MARKER,
+    CheckpointDamagedError,
     CheckpointError,
     Checkpointer,
     CheckpointMismatchError,
@@ -311,6 +314,16 @@ def test_missing_or_damaged_checkpoints_give_clear_errors(tmp_path, state):
         shutil.rmtree(tmp_path / "run" / "2" / "layout")  # not written by this Checkpointer
         with pytest.raises(CheckpointError, match=r"run/2.*'layout' record"):
             ckpt.restore(2, abstract_state=abstract)
+        # A layout record that parses but whose entry is damaged: a KeyError before, which no caller falls back on.
+        ckpt.save(3, state, META)
+        ckpt.wait()
+        record = tmp_path / "run" / "3" / "layout" / "metadata"
+        layout = json.loads(record.read_text())
+        name = sorted(layout["leaves"])[0]
+        layout["leaves"][name] = {"dtype": "float32"}
+        record.write_text(json.dumps(layout))
+        with pytest.raises(CheckpointDamagedError, match=rf"run/3: its layout record's entry '{re.escape(name)}'"):
+            ckpt.restore(3, abstract_state=abstract)
 
 
 def test_a_damaged_restore_leaves_no_orbax_tracebacks_and_other_asyncio_errors_still_show(tmp_path, state, caplog):
@@ -321,7 +334,7 @@ def test_a_damaged_restore_leaves_no_orbax_tracebacks_and_other_asyncio_errors_s
     import gc
     import logging
 
-    from jaxrl_mismatch.train.checkpoint import _ASYNCIO_FILTER, CheckpointDamagedError
+    from jaxrl_mismatch.train.checkpoint import _ASYNCIO_FILTER
 
     abstract = abstract_state_of(state)
     with Checkpointer(tmp_path / "run") as ckpt:
