@@ -81,6 +81,24 @@ class TextTokenizer:
                 f"vocab_size is {model_vocab_size}; this tokenizer does not belong to this model"
             )
 
+    def check_model_eos(self, model_dir: str) -> None:
+        """Raise if the model at ``model_dir`` declares its end-of-sequence ids (config.json's and
+        generation_config.json's ``eos_token_id``) and this tokenizer's EOS is none of them: another model's
+        tokenizer, whose vocabulary fits (`check_model_vocab`) but whose ids mean other text. Rollouts would stop at
+        an id the model never learned to end with. A model that declares none is not checked."""
+        declared: list[int] = []
+        for name in ("config.json", "generation_config.json"):
+            path = os.path.join(model_dir, name)
+            cfg = _read_json(path) if os.path.exists(path) else None
+            e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+            declared += [i for i in (e if isinstance(e, list) else [e]) if isinstance(i, int) and not isinstance(i, bool)]
+        if declared and self.eos_id not in declared:
+            raise ValueError(
+                f"tokenizer/model mismatch: the tokenizer's EOS is id {self.eos_id} "
+                f"({self.tokenizer.id_to_token(self.eos_id)!r}) but the model declares {sorted(set(declared))} "
+                "(eos_token_id in config.json / generation_config.json); this tokenizer does not belong to this model"
+            )
+
     @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:
         """The texts of the special tokens, read once (not per prompt of a dataset)."""

@@ -46,6 +46,7 @@ class TaskData:
             raise ConfigError(f"config.model.path: {e}") from None
         try:
             self.tok.check_model_vocab(model_vocab_size)
+            self.tok.check_model_eos(c.model.path)
         except ValueError as e:  # another model's tokenizer: a ValueError (exit 1) before it was caught here
             raise ConfigError(f"config.model.path: {os.path.join(c.model.path, 'tokenizer.json')}: {e}") from None
         self.task = get_task(c.task.name)

@@ -195,3 +195,23 @@ def test_a_numeric_math_answer_is_the_gold_answer(tmp_path):
         with pytest.raises(M.DataFormatError, match=rf"b\.jsonl:1: field 'answer' should be a string or a number, "
                                                     rf"got {kind}"):
             M.build("math", {"train": bad}, str(tmp_path / "tfds2"))
+
+
+@pytest.mark.parametrize("where, declared", [("config.json", 5), ("generation_config.json", [5, 6])])
+def test_a_tokenizer_whose_eos_the_model_does_not_declare_names_both(model_dir, tmp_path, where, declared):
+    """Only a tokenizer larger than the model's vocabulary was refused: another model's tokenizer that fits trained
+    with rollouts stopping at an id the model never ended with. A model declaring the tokenizer's EOS among others
+    (a list, as Qwen's generation_config.json), or declaring none, passes."""
+    d = tmp_path / "model"
+    shutil.copytree(model_dir, d)
+    tok = T.load_tokenizer(str(d))
+    tok.check_model_eos(str(d))  # declares nothing
+    (d / where).write_text(json.dumps({"eos_token_id": declared}))
+    c = base_config()
+    c.model.path = str(d)
+    with pytest.raises(ConfigError, match=rf"^config\.model\.path: {re.escape(str(d))}/tokenizer\.json: tokenizer/model "
+                                          rf"mismatch: the tokenizer's EOS is id {tok.eos_id} \('<eos>'\) but the "
+                                          r"model declares \[5(, 6)?\] \(eos_token_id in config\.json"):
+        TaskData(c, model_vocab_size=64)
+    (d / where).write_text(json.dumps({"eos_token_id": [5, tok.eos_id]}))
+    T.load_tokenizer(str(d)).check_model_eos(str(d))
