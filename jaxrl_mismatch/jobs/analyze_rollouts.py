@@ -133,7 +133,7 @@ def summarize(dump: dict[str, np.ndarray], cfg: MetricsConfig = MetricsConfig())
                                                   jnp.zeros_like(jnp.asarray(mask)), cfg=cfg).items()}
     d = dump["logp_train"].astype(np.float64) - dump["logp_rollout"].astype(np.float64)
     out["analysis/tokens"] = float(d.size)
-    out["analysis/sequences"] = float(lp_tr.shape[0])
+    out["analysis/sequences"] = float(mask.any(axis=1).sum())  # (no response at all: one all-padding row)
     out["analysis/logp_abs_diff_max"] = float(np.max(np.abs(d))) if d.size else 0.0
     out["analysis/logp_abs_diff_mean"] = float(np.mean(np.abs(d))) if d.size else 0.0
     _, seq_lr = _seq_log_ratio(dump)

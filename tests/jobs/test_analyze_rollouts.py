@@ -47,6 +47,16 @@ def test_dump_summary_equals_step_metrics_on_the_padded_batch():
     assert summary["analysis/logp_abs_diff_max"] == pytest.approx(float(d.max()))
 
 
+def test_a_dump_without_response_tokens_counts_no_sequences():
+    """Every completion empty (each row sampled EOS first): `analysis/sequences` was 1.0 (the one all-padding row the
+    arrays are padded to) beside `analysis/tokens` 0."""
+    mask = np.zeros((4, 6), np.float32)
+    zeros = np.zeros((4, 6), np.float32)
+    dump = analyze_rollouts.token_dump(mask, np.ones((4, 6), np.int32), zeros, zeros, np.arange(4), np.zeros(4, int))
+    summary = analyze_rollouts.summarize(dump)
+    assert summary["analysis/tokens"] == 0.0 and summary["analysis/sequences"] == 0.0
+
+
 # -- end to end through real rollout servers ---------------------------------------------------------------------
 
 
