@@ -158,6 +158,27 @@ def test_bad_flags(tiny, tmp_path, args, flag):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    """`--task` rendered prompts with the checkpoint's tokenizer and never compared it with the model's vocabulary
+    (`analyze rollouts` does, through the server): an id past the embedding table would have been clamped."""
+    from flax import nnx
+
+    from jaxrl_mismatch.data.tokenizer import build_arithmetic_tokenizer, save_tokenizer
+    from jaxrl_mismatch.models import Transformer, save_hf
+    from tests.train.tiny_policy import tiny_config
+
+    tok = build_arithmetic_tokenizer()
+    cfg = tiny_config(vocab_size=tok.vocab_size - 6)
+    save_hf(Transformer(cfg, precision.policy("fp32"), rngs=nnx.Rngs(0)), cfg, tmp_path / "m")
+    save_tokenizer(tok, str(tmp_path / "m"))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt_text": "1+2=", "answer": "3"}) + "\n")
+    with pytest.raises(UsageError, match=rf"^--model {tmp_path / 'm'}: tokenizer/model mismatch: the tokenizer has "
+                                         rf"{tok.vocab_size} ids but the model's vocab_size is {tok.vocab_size - 6}$"):
+        analyze.main(["attribute", "--model", str(tmp_path / "m"), "--task", "arithmetic_prompts", "--file",
+                      str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_cli_exits_2_with_one_line(tiny, tmp_path):
     ckpt, prompts, _ = tiny
