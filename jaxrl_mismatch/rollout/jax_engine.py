@@ -47,6 +47,7 @@ from jaxrl_mismatch.models.moe import routing_dtype
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
 from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative, verify_workers_default
+from jaxrl_mismatch.rollout.validation import check_request
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -167,6 +168,10 @@ class JaxEngine(Engine):
     def generate(self, prompts: list[list[int]], spec: SamplingSpec, *,
                  cancelled: threading.Event | None = None) -> list[list[Completion]]:
         """`Engine.generate`; with `cancelled`, checked before each batch of `max_batch_rows` rows."""
+        # The server's checks of every request (`validation.check_request`, a RequestError naming the field): the
+        # jobs that drive the engine in-process (attribute, analyze) reach it directly, where an empty row sampled
+        # from a fully masked prefill, a negative id read the vocabulary's last row, exact mode at greedy crashed.
+        check_request(prompts, spec, self.info())
         with self._lock:
             params, quantized, version = self._params, self._quantized, self._version
         params = self._pick(params, quantized, spec.quantize_strength)
@@ -178,16 +183,6 @@ class JaxEngine(Engine):
         routing: list[np.ndarray | None] = [None] * len(rows)
         filtering = sampling.uses_filtering(spec.top_k, spec.top_p, spec.temperature)
         kept = np.zeros((len(rows), spec.max_tokens), np.int32) if filtering else None
-        if spec.return_routing and (spec.exact or not self.cfg.is_moe):
-            raise ValueError("return_routing needs a MoE model and the normal (not exact) sampler")
-        # The server checks these per request (`validation.py`); in-process callers (attribute, analyze) reach
-        # the engine directly: an empty row sampled from a fully masked prefill, positions past the model's range.
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompts[{i}]: empty prompt")
-            if len(p) + spec.max_tokens > self._max_model_len:
-                raise ValueError(f"prompts[{i}]: {len(p)} tokens + max_tokens ({spec.max_tokens}) exceeds "
-                                 f"max_model_len {self._max_model_len}")
         for start in range(0, len(rows), self._max_batch_rows):
             if cancelled is not None and cancelled.is_set():
                 raise GenerationCancelled(f"the caller went away after {start} of {len(rows)} rows")

@@ -89,28 +89,11 @@ def parse_generate(
             f"{total} prompt tokens in one request exceed the server limit of {limits.max_request_prompt_tokens}; "
             "split the batch",
         )
-    prompts: list[list[int]] = []
-    for i, p in enumerate(req.prompts):
-        if len(p.token_ids) == 0:
-            raise RequestError(f"prompts[{i}].token_ids", "empty prompt")
-        ids = np.asarray(p.token_ids, dtype=np.int64)
-        _check_token_ids(ids, info.vocab_size, f"prompts[{i}].token_ids")
-        prompts.append(ids.tolist())
-
     if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before decoding: bounded work on a hostile request
         raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(req.stop_token_ids)}")
+    prompts = [list(p.token_ids) for p in req.prompts]
     spec = spec_from_proto(req)
-    if spec.n < 1:
-        raise RequestError("n", f"must be >= 1, got {spec.n}")
-    if spec.max_tokens < 1:
-        raise RequestError("max_tokens", f"must be >= 1, got {spec.max_tokens}")
-    longest = max(len(p) for p in prompts)
-    if longest + spec.max_tokens > info.max_model_len:
-        raise RequestError(
-            "max_tokens",
-            f"longest prompt ({longest} tokens) + max_tokens ({spec.max_tokens}) exceeds max_model_len "
-            f"{info.max_model_len}",
-        )
+    check_request(prompts, spec, info)
     completion_tokens = len(prompts) * spec.n * spec.max_tokens
     if completion_tokens > limits.max_request_completion_tokens:
         raise RequestError(
@@ -126,12 +109,36 @@ def parse_generate(
             "return_routing" if routing else "max_tokens",
             f"the response could reach {size} bytes ({len(prompts)} prompts x n={spec.n} x max_tokens="
             f"{spec.max_tokens}{routing}), over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
+    return prompts, spec
+
+
+def check_request(prompts: list[list[int]], spec: SamplingSpec, info: EngineInfo) -> None:
+    """Whether an engine described by `info` can sample `spec` for `prompts`; RequestError naming the field. The
+    server checks every Generate with it (`parse_generate`), and the JAX engine every in-process call (the jobs
+    that drive an engine directly), so both refuse the same requests the same way."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise RequestError(f"prompts[{i}].token_ids", "empty prompt")
+        _check_token_ids(np.asarray(p, dtype=np.int64), info.vocab_size, f"prompts[{i}].token_ids")
+    if len(spec.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(spec.stop_token_ids)}")
+    if spec.n < 1:
+        raise RequestError("n", f"must be >= 1, got {spec.n}")
+    if spec.max_tokens < 1:
+        raise RequestError("max_tokens", f"must be >= 1, got {spec.max_tokens}")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + spec.max_tokens > info.max_model_len:
+        raise RequestError(
+            "max_tokens",
+            f"longest prompt ({longest} tokens) + max_tokens ({spec.max_tokens}) exceeds max_model_len "
+            f"{info.max_model_len}",
+        )
     if not (math.isfinite(spec.temperature) and spec.temperature >= 0.0):
         raise RequestError("temperature", f"must be finite and >= 0 (below 1e-5: greedy), got {spec.temperature}")
     if not (math.isfinite(spec.top_p) and 0.0 < spec.top_p <= 1.0):
         raise RequestError("top_p", f"must be in (0, 1], got {spec.top_p}")
-    if spec.top_k < 0:
-        raise RequestError("top_k", f"must be >= 0 (0 disables), got {spec.top_k}")
+    if not 0 <= spec.top_k <= MAX_PROMPT_INDEX:
+        raise RequestError("top_k", f"must be in [0, {MAX_PROMPT_INDEX}] (0 disables), got {spec.top_k}")
     _check_token_ids(np.asarray(spec.stop_token_ids, dtype=np.int64), info.vocab_size, "stop_token_ids")
     if spec.prompt_offset < 0:
         raise RequestError("prompt_offset", f"must be >= 0, got {spec.prompt_offset}")
@@ -164,7 +171,6 @@ def parse_generate(
                                              "routing replay is for the normal sampler)")
     if spec.exact and is_greedy(spec.temperature):
         raise RequestError("exact", f"exact mode samples at temperature > 0: needs temperature >= {GREEDY_TEMPERATURE}")
-    return prompts, spec
 
 
 def check_chunk_header(chunk: rollout_pb2.WeightChunk, specs: dict[str, TensorSpec]) -> TensorSpec:

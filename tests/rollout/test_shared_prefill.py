@@ -4,6 +4,8 @@ the program really prefills fewer rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -88,11 +90,26 @@ def test_padding_rows_draw_nothing_so_the_loop_ends_with_the_real_rows(tiny_chec
 
 def test_the_engine_itself_refuses_an_empty_prompt_and_rows_past_max_model_len(tiny_checkpoints):
     """The server checks these; in-process callers reach the engine directly (a review: a 60-token prompt with
-    max_tokens 40 under max_model_len 64 sampled 40 tokens, an empty prompt sampled from a masked prefill)."""
+    max_tokens 40 under max_model_len 64 sampled 40 tokens, an empty prompt sampled from a masked prefill). A later
+    review: a negative id read the vocabulary's last row, exact mode at greedy was a TypeError, max_tokens -1,
+    65 stop ids or top_k 2^31 were numpy errors naming nothing. The engine now runs the server's own checks."""
     engine = JaxEngine(str(tiny_checkpoints["untied"]), max_model_len=64)
     spec = SamplingSpec(n=1, max_tokens=40, temperature=1.0, seed=5)
-    with pytest.raises(ValueError, match=r"prompts\[1\]: 60 tokens \+ max_tokens \(40\) exceeds max_model_len 64"):
+    with pytest.raises(ValueError, match=r"^max_tokens: longest prompt \(60 tokens\) \+ max_tokens \(40\) exceeds "
+                                         r"max_model_len 64$"):
         engine.generate([[3, 4], [7] * 60], spec)
-    with pytest.raises(ValueError, match=r"prompts\[0\]: empty prompt"):
+    with pytest.raises(ValueError, match=r"^prompts\[0\]\.token_ids: empty prompt$"):
         engine.generate([[]], spec)
+    vocab = engine.info().vocab_size
+    for prompts, changes, needle in (
+            ([[3, -1]], {}, r"^prompts\[0\]\.token_ids: token id -1 outside \[0, vocab_size="),
+            ([[3], [vocab]], {}, rf"^prompts\[1\]\.token_ids: token id {vocab} outside"),
+            ([[3]], {"exact": True, "temperature": 0.0}, r"^exact: exact mode samples at temperature > 0"),
+            ([[3]], {"max_tokens": -1}, r"^max_tokens: must be >= 1, got -1$"),
+            ([[3]], {"stop_token_ids": tuple(range(65))}, r"^stop_token_ids: at most 64 stop tokens, got 65$"),
+            ([[3]], {"top_k": 2**31}, r"^top_k: must be in \[0, 2147483647\]"),
+            ([[3]], {"top_p": 0.0}, r"^top_p: must be in \(0, 1\], got 0\.0$"),
+            ([[3]], {"temperature": -1.0}, r"^temperature: must be finite and >= 0")):
+        with pytest.raises(ValueError, match=needle):
+            engine.generate(prompts, dataclasses.replace(spec, **changes))
     assert len(engine.generate([[7] * 24], spec)[0][0].token_ids) <= 40  # 24 + 40 = 64 fits
