@@ -174,7 +174,8 @@ OUTPUT_FIELDS = ("initial_accuracy", "num_samples")  # what perfectible adds to 
 def check_out(a) -> None:
     """UsageError unless --out may receive the kept prompts: a new path, or with --force an earlier output of
     perfectible. Checked at start-up and again just before the write (sampling can take hours)."""
-    if a.file and os.path.lexists(a.out) and os.path.exists(a.file) and os.path.samefile(a.out, a.file):
+    # (exists, not lexists: samefile follows a link, and a dangling one is refused by check_out_file below)
+    if a.file and os.path.exists(a.out) and os.path.exists(a.file) and os.path.samefile(a.out, a.file):
         raise UsageError(f"--out {a.out}: is the input --file; write the kept prompts to a new file")
     # Only a regular file is opened here: a link, a FIFO (reading it blocks) or a device is refused by check_out_file.
     regular = os.path.isfile(a.out) and not os.path.islink(a.out)
@@ -193,10 +194,11 @@ def _write_out(a, out: list[dict]) -> None:
     the result then goes to a new sibling named in the error instead of being lost."""
     try:
         check_out(a)
-    except UsageError as e:
+    except (UsageError, OSError) as e:  # whatever the check met there, the results are not lost
         aside = f"{a.out}.new-{time.time_ns()}"
         write_jsonl(out, aside)
-        raise UsageError(f"{e} (it changed while sampling); the {len(out)} kept prompts are in {aside}") from None
+        why = e if isinstance(e, UsageError) else f"--out {a.out}: {e}"
+        raise UsageError(f"{why} (it changed while sampling); the {len(out)} kept prompts are in {aside}") from None
     write_jsonl(out, a.out)
 
 
@@ -222,8 +224,8 @@ def _is_perfectible_output(path: str) -> bool:
                     if not (isinstance(rec, dict) and all(k in rec for k in OUTPUT_FIELDS)):
                         return False
                     records += 1
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8 or not JSON (a JSONDecodeError, a number
+        return False                                # over Python's digit limit, nesting too deep): not ours
     return records > 0
 
 

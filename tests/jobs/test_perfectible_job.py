@@ -188,3 +188,28 @@ def test_an_out_file_that_appears_while_sampling_is_never_replaced(tmp_path):
     assert mine.read_text() == "my notes\n"
     aside = str(e.value).rsplit(" ", 1)[-1]
     assert [json.loads(line) for line in open(aside).read().splitlines()] == records
+
+
+def test_a_dangling_link_or_an_unparsable_force_target_is_refused_and_the_results_kept(tmp_path):
+    """--out a dangling symbolic link, next to --file: `samefile` followed it (FileNotFoundError, exit 1, "not a
+    usage error"); --force over a file holding a number past Python's 4,300 digits: a ValueError from the JSON
+    reader. At start-up both are now the one-line refusal; met at the final write they cost the whole run's kept
+    prompts (only UsageError sent them to a sibling)."""
+    import argparse
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt_text": "1+1=", "answer": "2"}) + "\n")
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "missing")
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"a": 1' + "0" * 5000 + "}\n")
+    records = [{"prompt": "1+1=", "answer": "2", "initial_accuracy": 0.5, "num_samples": 4}]
+    for out, force, needle in ((dangling, False, "symbolic link"), (big, True, "this file is not one")):
+        a = argparse.Namespace(out=str(out), file=str(data), force=force)
+        with pytest.raises(UsageError, match=rf"^--out {out}: .*{needle}"):
+            perfectible.check_out(a)
+        with pytest.raises(UsageError, match=r"\(it changed while sampling\); the 1 kept prompts are in "):
+            perfectible._write_out(a, records)
+    assert dangling.is_symlink() and not dangling.exists() and big.read_text().startswith('{"a": 10000')
+    kept = sorted(tmp_path.glob("*.new-*"))
+    assert len(kept) == 2 and all(json.loads(p.read_text()) == records[0] for p in kept)
