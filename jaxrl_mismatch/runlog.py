@@ -54,12 +54,13 @@ class RunWriter:
                 print(f"warning: {self.path}: the records of steps >= {resume_from_step}, which this resume redoes, "
                       f"are kept as {os.path.basename(aside)}", file=sys.stderr, flush=True)
             _write_atomic(self.path, kept)
-        elif resume_from_step is None and os.path.lexists(self.path):
-            # A fresh start never deletes an earlier log: it is kept beside the new one, renamed.
+        elif os.path.lexists(self.path):
+            # A fresh start never deletes an earlier log: it is kept beside the new one, renamed. So is a symbolic
+            # link to a missing file met at a resume: appending through it created its target outside the run.
             aside = f"{self.path}.replaced-{time.time_ns()}"
             os.rename(self.path, aside)
-            print(f"warning: {self.path}: an earlier log of this run directory; kept as {os.path.basename(aside)}",
-                  file=sys.stderr, flush=True)
+            what = "an earlier log of this run directory" if resume_from_step is None else "a dangling symbolic link"
+            print(f"warning: {self.path}: {what}; kept as {os.path.basename(aside)}", file=sys.stderr, flush=True)
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:

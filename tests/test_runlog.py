@@ -125,3 +125,19 @@ def test_amend_adds_to_the_last_record_of_a_step_in_place(tmp_path):
     assert [json.loads(x) for x in lines[2:]] == [
         {"step": 1, "loss/total": 1.25, "val/accuracy": 0.5, "val/greedy_accuracy": "nan"},
         {"step": 2, "loss/total": 1.0}, {"step": 3, "val/accuracy": 0.75}]
+
+
+def test_a_resume_never_writes_through_a_dangling_metrics_link(tmp_path, capsys):
+    """`metrics.jsonl` a symbolic link to a missing file: the resume's append followed it and created the target,
+    outside the run directory. The link is kept aside, renamed, and the log starts in the run directory."""
+    run, outside = tmp_path / "run", tmp_path / "elsewhere.jsonl"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(outside)
+    w = RunWriter(str(run), resume_from_step=3, tensorboard=False)
+    w.write(3, {"loss": 1.0})
+    w.close()
+    assert not outside.exists()
+    assert not (run / "metrics.jsonl").is_symlink()
+    assert read_jsonl(str(run / "metrics.jsonl")) == [{"step": 3, "loss": 1.0}]
+    (aside,) = run.glob("metrics.jsonl.replaced-*")
+    assert aside.is_symlink() and "a dangling symbolic link; kept as" in capsys.readouterr().err

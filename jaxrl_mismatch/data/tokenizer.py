@@ -91,7 +91,8 @@ class TextTokenizer:
             path = os.path.join(model_dir, name)
             cfg = _read_json(path) if os.path.exists(path) else None
             e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
-            declared += [i for i in (e if isinstance(e, list) else [e]) if isinstance(i, int) and not isinstance(i, bool)]
+            ids = e if isinstance(e, list) else [e]
+            declared += [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
         if declared and self.eos_id not in declared:
             raise ValueError(
                 f"tokenizer/model mismatch: the tokenizer's EOS is id {self.eos_id} "

@@ -121,7 +121,8 @@ def check_request(prompts: list[list[int]], spec: SamplingSpec, info: EngineInfo
             raise RequestError(f"prompts[{i}].token_ids", "empty prompt")
         _check_token_ids(np.asarray(p, dtype=np.int64), info.vocab_size, f"prompts[{i}].token_ids")
     if len(spec.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise RequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(spec.stop_token_ids)}")
+        raise RequestError("stop_token_ids",
+                           f"at most {MAX_STOP_TOKEN_IDS} stop tokens, got {len(spec.stop_token_ids)}")
     if spec.n < 1:
         raise RequestError("n", f"must be >= 1, got {spec.n}")
     if spec.max_tokens < 1:

@@ -506,7 +506,8 @@ class Checkpointer:
         if layout.get("format") != _LAYOUT_FORMAT or not isinstance(layout.get("leaves"), dict):
             raise CheckpointDamagedError(f"checkpoint {step_dir}: unrecognised layout record {str(layout)[:200]}")
         for name, leaf in layout["leaves"].items():  # an entry that parses but is not one (a KeyError before)
-            if not (isinstance(leaf, dict) and isinstance(leaf.get("shape"), list) and isinstance(leaf.get("dtype"), str)):
+            ok = isinstance(leaf, dict) and isinstance(leaf.get("shape"), list) and isinstance(leaf.get("dtype"), str)
+            if not ok:
                 raise CheckpointDamagedError(f"checkpoint {step_dir}: its layout record's entry {name!r} is "
                                              f"{str(leaf)[:100]}, not a shape and a dtype")
         problems = _layout_mismatches(layout["leaves"], wanted)

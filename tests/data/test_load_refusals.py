@@ -209,8 +209,9 @@ def test_a_tokenizer_whose_eos_the_model_does_not_declare_names_both(model_dir, 
     (d / where).write_text(json.dumps({"eos_token_id": declared}))
     c = base_config()
     c.model.path = str(d)
-    with pytest.raises(ConfigError, match=rf"^config\.model\.path: {re.escape(str(d))}/tokenizer\.json: tokenizer/model "
-                                          rf"mismatch: the tokenizer's EOS is id {tok.eos_id} \('<eos>'\) but the "
+    with pytest.raises(ConfigError, match=rf"^config\.model\.path: {re.escape(str(d))}/tokenizer\.json: "
+                                          rf"tokenizer/model mismatch: the tokenizer's EOS is id {tok.eos_id} "
+                                          r"\('<eos>'\) but the "
                                           r"model declares \[5(, 6)?\] \(eos_token_id in config\.json"):
         TaskData(c, model_vocab_size=64)
     (d / where).write_text(json.dumps({"eos_token_id": [5, tok.eos_id]}))
