@@ -305,6 +305,12 @@ def validate_spec(spec: Spec) -> Spec:
                     *(f"--config.{k}={_flag_text(v)}" for k, v in flags.items()))
             spec.jobs.append(Job(variant=variant, seed=seed, run_dir=run_dir, argv=argv, steps=int(c.steps),
                                  config=_as_json({**c.to_dict(), "run_dir": run_dir, "seed": seed})))
+    lengths = {v: int(c.steps) for v, c in configs.items()}
+    for variant, steps in lengths.items():  # the paired tables compare final values: runs of one length
+        if steps != lengths[spec.baseline]:
+            raise _error(spec.path, f"variants.{variant}", f"runs {steps} steps, the baseline {spec.baseline!r} "
+                                                           f"{lengths[spec.baseline]}: every variant of a grid runs "
+                                                           "the same steps (set `steps` in the spec's overrides)")
     for c in configs.values():
         if c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
             spec.warmstarts.setdefault(c.model.path, c.model.warmstart_args)
@@ -371,9 +377,13 @@ def run_result(job: Job) -> RunResult:
     """What the table knows about a run: finished (`ok`), failed, interrupted, stale or not run."""
     records = _read_records(os.path.join(job.run_dir, METRICS_FILE))
     done = max((r["step"] for r in records), default=-1) + 1
+    trimmed_final = None  # a longer run's last validation within the grid's length, when it is not its last step
     if done > job.steps:  # made longer before `steps` was lowered: its statistics are taken at the grid's length,
         records = [r for r in records if r["step"] < job.steps]  # so "final" is step steps − 1 in every arm
         done = job.steps
+        validated = [r["step"] for r in records if "val/accuracy" in r and r["step"] >= 0]
+        if validated and max(validated) != job.steps - 1:  # (a run validates at its own last step, not at this)
+            trimmed_final = max(validated)
     attempts = read_attempts(job.run_dir)
     walls = [a["wall_s"] for a in attempts if isinstance(a.get("wall_s"), (int, float))]
     last = attempts[-1] if attempts else None
@@ -396,6 +406,10 @@ def run_result(job: Job) -> RunResult:
         status = f"failed (exit {last['returncode']}, {done}/{job.steps} steps): {_log_tail(job)}"
     elif done < job.steps:
         status = f"exited 0 at {done}/{job.steps} steps (stopped early)"
+    elif trimmed_final is not None:
+        status = (f"ran past the grid's {job.steps} steps (`steps` was lowered since) and validated last at step "
+                  f"{trimmed_final}, not {job.steps - 1}: its final value would not pair with the other arms'; a new "
+                  "`out` in the spec reruns it")
     else:
         status = "ok"
     return RunResult(seed=job.seed, run_dir=job.run_dir, status=status, ok=status == "ok", records=records,

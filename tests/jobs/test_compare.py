@@ -107,6 +107,8 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"controls": ["a", "b"]}, ["controls: must be a dict variant -> control variant"]),
     ({"controls": {"a": ["b"]}}, ["controls.a: 'a' -> ['b'] must pair two variant names (strings)"]),  # was a TypeError
     ({"metrics": ["reward/mean", {"metric": "lr", "scale": "cubic"}]}, ["metrics[1].scale"]),
+    # its final value was paired against the baseline's, taken at another step
+    ({"variants": {"a": {}, "b": {"steps": 7}}}, ["variants.b: runs 7 steps, the baseline 'a' 2"]),
 ])
 def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, needles):
     path = write_spec(tmp_path, _spec(tmp_path, fake_model, **fields))
@@ -258,6 +260,19 @@ def test_a_run_longer_than_the_grid_is_read_up_to_the_grids_last_step(tmp_path, 
     assert result.ok and [r["step"] for r in result.records] == [-1, 0, 1, 2]
     stats = run_stats(result.records, CollapseRule())
     assert stats["val_final"] == pytest.approx(0.4) and stats["val_peak"] == pytest.approx(0.4)
+
+
+def test_a_trimmed_run_whose_last_validation_is_before_the_grids_last_step_is_not_counted(tmp_path, fake_model):
+    """Trimmed to the grid's length, a run validating every 2 steps had its last validation at step 1 of 3 steps: its
+    "final" was step 1's while a run made at 3 steps validates at step 2, and the two were paired."""
+    spec_path = write_spec(tmp_path, _spec(tmp_path, fake_model, seeds=[0], overrides={"steps": 3}))
+    job = compare.validate_spec(compare.load_spec(str(spec_path))).jobs[0]
+    _write_run(Path(job.run_dir), [{"step": -1, "val/accuracy": 0.1}]
+               + [{"step": s, "reward/mean": 0.5, **({"val/accuracy": 0.2} if s % 2 else {})} for s in range(5)])
+    compare.write_attempts(job.run_dir, [{"command": list(job.argv), "config": {**job.config, "steps": 5},
+                                          "returncode": 0, "wall_s": 1.0}])
+    result = compare.run_result(job)
+    assert not result.ok and "validated last at step 1, not 2" in result.status
 
 
 # -- the numbers: collapse and aggregation on synthetic logs -------------------------------------------
