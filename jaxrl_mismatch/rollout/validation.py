@@ -40,6 +40,7 @@ MAX_NOISE_OVER_T = 1e30  # logit_noise_std / temperature: far above any use, far
 # vLLM raises any temperature in (0, 0.01) to 0.01 (vllm.sampling_params._MAX_TEMP, with a warning): μ would be
 # sampled at another temperature than the one π is scored at, so the vllm engine refuses those.
 VLLM_MIN_TEMPERATURE = 0.01
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses a temperature above it (an engine error, INTERNAL)
 # Elements per block of the finiteness scan: bounds its temporary boolean array (16 MiB) for any tensor size.
 _FINITE_SCAN_BLOCK = 1 << 24
 
@@ -52,12 +53,14 @@ def is_greedy(temperature: float) -> bool:
 
 
 def vllm_temperature_problem(engine: str, temperature: float) -> str | None:
-    """Why the `engine` would not sample at `temperature` (vLLM raises (0, 0.01) to 0.01), or None. Compared in
-    float32, as the wire carries it: 0.01 arrives as 0.0099999998, which vLLM moves by 2e-10."""
+    """Why the `engine` would not sample at `temperature` (vLLM raises (0, 0.01) to 0.01 and refuses above 2), or
+    None. Compared in float32, as the wire carries it: 0.01 arrives as 0.0099999998, which vLLM moves by 2e-10."""
     if engine == "vllm" and not is_greedy(temperature) and np.float32(temperature) < np.float32(VLLM_MIN_TEMPERATURE):
         return (f"the vllm engine samples any temperature in (0, {VLLM_MIN_TEMPERATURE}) at {VLLM_MIN_TEMPERATURE} "
                 f"(vLLM's floor), not at {temperature:g}; use >= {VLLM_MIN_TEMPERATURE}, or < {GREEDY_TEMPERATURE} "
                 "for greedy decoding")
+    if engine == "vllm" and np.float32(temperature) > np.float32(VLLM_MAX_TEMPERATURE):
+        return f"the vllm engine samples at most temperature {VLLM_MAX_TEMPERATURE:g} (vLLM's bound), got {temperature:g}"
     return None
 
 

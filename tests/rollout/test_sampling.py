@@ -144,6 +144,12 @@ def test_the_vllm_engine_refuses_temperatures_vllm_would_raise_to_its_floor():
         with pytest.raises(RequestError, match=r"^temperature: the vllm engine samples any temperature in \(0, 0.01\)"):
             parse_generate(req, vllm, protocol.Limits())
         parse_generate(req, jax_info, protocol.Limits())
-    for t in (0.0, 0.01, 1.0):
+    for t in (0.0, 0.01, 1.0, 2.0):
         parse_generate(protocol.request_to_proto([[1, 2]], SamplingSpec(max_tokens=2, temperature=t)), vllm,
                        protocol.Limits())
+    # Above 2 vLLM's SamplingParams raised inside Generate: an "engine error" (INTERNAL), not the argument named.
+    req = protocol.request_to_proto([[1, 2]], SamplingSpec(max_tokens=2, temperature=2.5))
+    with pytest.raises(RequestError, match=r"^temperature: the vllm engine samples at most temperature 2 "
+                                           r"\(vLLM's bound\), got 2\.5$"):
+        parse_generate(req, vllm, protocol.Limits())
+    parse_generate(req, jax_info, protocol.Limits())

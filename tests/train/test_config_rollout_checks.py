@@ -31,6 +31,7 @@ def test_a_comma_separated_fleet_address_is_accepted():
     # vLLM samples any temperature in (0, 0.01) at 0.01, while the trainer scores π at the configured one
     ({"engine": "vllm", "temperature": 0.005}, "config.rollout.temperature", "at 0.01 (vLLM's floor), not at 0.005"),
     ({"engine": "vllm", "temperature": 1e-5}, "config.rollout.temperature", "use >= 0.01"),
+    ({"engine": "vllm", "temperature": 2.5}, "config.rollout.temperature", "at most temperature 2 (vLLM's bound)"),
 ])
 def test_combinations_refused_by_name(rollout, field, words):
     with pytest.raises(ConfigError) as e:
