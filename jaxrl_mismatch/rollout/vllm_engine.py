@@ -330,9 +330,17 @@ class VLLMEngine(Engine):
         with self._lock:
             self._check_usable()
             version = self._version
-            with self._sampler_context():
-                outputs = self._llm.generate(requests, params, use_tqdm=False)
-        return completions_from_outputs(outputs, spec, version)
+            try:
+                with self._sampler_context():
+                    outputs = self._llm.generate(requests, params, use_tqdm=False)
+            except Exception as e:
+                # vLLM keeps a failed call's unfinished requests queued: the next call would return them as well
+                # (and a weight push's prefix-cache reset is refused while they run). Stop serving instead.
+                if self._llm.llm_engine.has_unfinished_requests():
+                    self._unusable = (f"a generate failed inside vLLM ({type(e).__name__}: {e}) and left its "
+                                      "requests queued")
+                raise
+        return completions_from_outputs(outputs, spec, version, prompts=prompts)
 
     def update_weights(self, tensors: dict[str, np.ndarray], version: int) -> None:
         """Validate the full weight set, reload it in place, re-tie the head, reset the prefix cache.
@@ -486,13 +494,20 @@ class VLLMEngine(Engine):
             raise EngineUnusableError("vLLM engine is closed")
 
 
-def completions_from_outputs(outputs: Sequence, spec: SamplingSpec, version: int) -> list[list[Completion]]:
+def completions_from_outputs(outputs: Sequence, spec: SamplingSpec, version: int, *,
+                             prompts: Sequence[Sequence[int]] | None = None) -> list[list[Completion]]:
     """Convert vLLM RequestOutputs (one per prompt, in prompt order) into Completions.
 
-    Checks what the contract promises instead of trusting it: n samples per prompt, one log-prob per
-    token, a known finish reason, and a finite log-prob everywhere (NonFiniteLogprobsError names the
-    prompt, sample and position of the first bad value).
+    Checks what the contract promises instead of trusting it: one output per prompt, for that prompt (given
+    `prompts`: its prompt ids), n samples per prompt, one log-prob per token, a known finish reason, and a finite
+    log-prob everywhere (NonFiniteLogprobsError names the prompt, sample and position of the first bad value).
     """
+    if prompts is not None:
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        for i, (out, p) in enumerate(zip(outputs, prompts)):
+            if list(out.prompt_token_ids) != [int(t) for t in p]:
+                raise RuntimeError(f"vLLM's output {i} is not for prompt {i} (another request's completions)")
     result: list[list[Completion]] = []
     for i, out in enumerate(outputs):
         samples = sorted(out.outputs, key=lambda c: c.index)

@@ -361,6 +361,15 @@ def test_conversion_names_the_first_non_finite_logprob():
         completions_from_outputs([ok, bad], spec, version=3)
     assert info.value.weight_version == 3
 
+    # Another request's output (a failed call's leftover, returned by the next one): refused, never passed on as
+    # prompt i's completions.
+    ok.prompt_token_ids, bad.prompt_token_ids = [1, 2], [3]
+    assert completions_from_outputs([ok], spec, version=3, prompts=[[1, 2]])[0][0].token_ids == [7, 8]
+    with pytest.raises(RuntimeError, match=r"returned 2 outputs for 1 prompts"):
+        completions_from_outputs([ok, bad], spec, version=3, prompts=[[1, 2]])
+    with pytest.raises(RuntimeError, match=r"output 0 is not for prompt 0"):
+        completions_from_outputs([ok], spec, version=3, prompts=[[3]])
+
 
 @pytest.mark.vllm
 def test_bfloat16_tied_engine_follows_pushed_weights(tmp_path):
