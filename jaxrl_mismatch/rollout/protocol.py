@@ -338,7 +338,7 @@ def weight_chunks(
 ) -> Iterator[rollout_pb2.WeightChunk]:
     """Split tensors (already of their wire dtype) into the UpdateWeights stream of `version`."""
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(little_endian(arr))
+        arr = np.asarray(little_endian(arr), order="C")  # (ascontiguousarray made a 0-d tensor shape (1,))
         raw = arr.reshape(-1).view(np.uint8)
         header = dict(version=version, name=name, dtype=arr.dtype.name, shape=list(arr.shape))
         if raw.size == 0:

@@ -93,7 +93,11 @@ class ShmWriter:
         self._fd = os.memfd_create("jaxrl-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         # Sealed against shrinking (it still grows): the server maps it, and a file truncated under a mapping
         # kills the reader with SIGBUS. The server refuses a file without this seal (`ShmReader`).
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        except OSError:  # the caller falls back to gRPC: the descriptor is not left open
+            os.close(self._fd)
+            raise
         # Closed when collected or at interpreter exit too (after a SIGKILL the kernel closes it).
         self._finalizer = weakref.finalize(self, os.close, self._fd)
         self._map: mmap.mmap | None = None

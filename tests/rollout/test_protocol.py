@@ -75,7 +75,7 @@ def test_unknown_finish_reason_reads_unspecified(finish):
 def test_weight_chunks_decode_to_the_pushed_tensors():
     """The weight layout has one owner: what `weight_chunks` writes, `TensorAssembler` (through
     `tensor_from_bytes`) reads back bit for bit — big-endian input, bfloat16, a non-contiguous view, an empty
-    tensor, and tensors split over several chunks in offset order."""
+    tensor, a 0-d one, and tensors split over several chunks in offset order."""
     from jaxrl_mismatch.rollout.validation import TensorAssembler
 
     rng = np.random.default_rng(0)
@@ -86,6 +86,7 @@ def test_weight_chunks_decode_to_the_pushed_tensors():
         "strided": base[:, ::2],
         "empty": np.zeros((0, 3), np.float32),
         "ids": np.arange(7, dtype=np.int32),
+        "scalar": np.float32(2.5).reshape(()),  # shape () was sent as (1,), and the server refused it
     }
     chunks = list(protocol.weight_chunks(tensors, 3, chunk_bytes=16))
     assert [c.offset for c in chunks if c.name == "big_endian"] == list(range(0, 6 * 5 * 4, 16))
