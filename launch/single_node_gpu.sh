@@ -15,7 +15,9 @@
 #                   the last GPU
 #   ROLLOUT_GPU     the rollout server's GPU index (one: the engines serve from one device); default: the last
 #                   GPU. With one GPU on the node both default to GPU 0, shared (see the memory split below).
-#   ROLLOUT_ENGINE  vllm (default) | jax          ROLLOUT_DTYPE  bfloat16 (default) | float16 | float32
+#   ROLLOUT_ENGINE  vllm | jax; ROLLOUT_DTYPE  bfloat16 | float16 | float32: the server's engine and precision,
+#                   by default the config's rollout.engine and rollout.dtype; when set, also given to the trainer
+#                   (--config.rollout.engine/dtype), whose run record then says what the server serves
 #   ROLLOUT_MEM     fraction in (0, 1] of the rollout GPU the server may use: vLLM's gpu_memory_utilization
 #                   (serve --gpu-memory-utilization), or the JAX engine's XLA_PYTHON_CLIENT_MEM_FRACTION;
 #                   default 0.90 alone on its GPU, 0.45 when shared
@@ -50,11 +52,16 @@ case "$TOKEN_FILE" in /*) ;; *) TOKEN_FILE="$PWD/$TOKEN_FILE" ;; esac
 
 fraction='^(0*\.[0-9]*[1-9][0-9]*|0*1(\.0*)?)$'  # a decimal number in (0, 1]
 gpu_index='^(0|[1-9][0-9]*)$'
-ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-vllm}
-case "$ROLLOUT_ENGINE" in vllm|jax) ;; *) die "ROLLOUT_ENGINE must be vllm or jax, got '$ROLLOUT_ENGINE'" ;; esac
-ROLLOUT_DTYPE=${ROLLOUT_DTYPE:-bfloat16}
-case "$ROLLOUT_DTYPE" in bfloat16|float16|float32) ;;
-  *) die "ROLLOUT_DTYPE must be bfloat16, float16 or float32, got '$ROLLOUT_DTYPE'" ;; esac
+rollout_overrides=()  # ROLLOUT_ENGINE / ROLLOUT_DTYPE given: the trainer's config says the same
+if [ -n "${ROLLOUT_ENGINE:-}" ]; then
+  case "$ROLLOUT_ENGINE" in vllm|jax) ;; *) die "ROLLOUT_ENGINE must be vllm or jax, got '$ROLLOUT_ENGINE'" ;; esac
+  rollout_overrides+=(--config.rollout.engine="$ROLLOUT_ENGINE")
+fi
+if [ -n "${ROLLOUT_DTYPE:-}" ]; then
+  case "$ROLLOUT_DTYPE" in bfloat16|float16|float32) ;;
+    *) die "ROLLOUT_DTYPE must be bfloat16, float16 or float32, got '$ROLLOUT_DTYPE'" ;; esac
+  rollout_overrides+=(--config.rollout.dtype="$ROLLOUT_DTYPE")
+fi
 PORT=${PORT:-50051}
 if ! [[ $PORT =~ ^[1-9][0-9]{0,4}$ ]] || [ "$PORT" -gt 65535 ]; then
   die "PORT must be an integer in 1-65535, got '$PORT'"
@@ -116,8 +123,10 @@ fi
 
 # The checkpoint the server starts from: the config's model.path after the overrides (as `train` reads them),
 # loaded by the project's own config loader; a bad config or override is one line naming it, exit 2.
-model=$(.venv/bin/python launch/config_model_path.py "$me" "$config" "$@")
-model=${model##*$'\n'}  # the last line: whatever get_config() printed comes before it
+line=$(.venv/bin/python launch/config_model_path.py --fields model.path,rollout.engine,rollout.dtype "$me" "$config" \
+  ${rollout_overrides[@]+"${rollout_overrides[@]}"} "$@")
+line=${line##*$'\n'}  # the last line: whatever get_config() printed comes before it
+IFS=$'\t' read -r model ROLLOUT_ENGINE ROLLOUT_DTYPE <<< "$line"
 [ -f "$model/config.json" ] || die "model.path '$model' holds no HF checkpoint (config.json); set --config.model.path"
 if [ ! -s "$TOKEN_FILE" ]; then
   (umask 077; python3 -c "import secrets; print(secrets.token_hex(32))" > "$TOKEN_FILE")
@@ -169,6 +178,7 @@ forward() {
 }
 trap forward TERM INT HUP  # before the trainer starts: a signal in between is forwarded once it has a pid
 env "${trainer_env[@]}" .venv/bin/jaxrl-mismatch train --config "$config" \
+  ${rollout_overrides[@]+"${rollout_overrides[@]}"} \
   --config.rollout.address="127.0.0.1:$PORT" --config.rollout.token_file="$TOKEN_FILE" "$@" &
 trainer_pid=$!
 [ "$pending" -eq 0 ] || forward

@@ -58,8 +58,10 @@ RUN_META_FIELDS: dict[str, type] = {"step": int, "weight_version": int, "data": 
 
 def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str) -> None:
     """ConfigError unless every server serves what the config's `rollout` section asks for: its weight quantization,
-    and with top-k/top-p each token's kept-set size (an attached vLLM server returns log-probs renormalised over the
-    kept set without it, and π over the full vocabulary would bias every ratio by the kept mass)."""
+    with top-k/top-p each token's kept-set size (an attached vLLM server returns log-probs renormalised over the
+    kept set without it, and π over the full vocabulary would bias every ratio by the kept mass), its engine and its
+    precision (an attached server started with another `--dtype` made μ another precision's than the run records:
+    an FP16 run measured a BF16 mismatch)."""
     for i in infos:
         if i.quantize != r.quantize:
             raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {where} serves {i.quantize!r} weights "
@@ -69,6 +71,12 @@ def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: 
             raise ConfigError(f"config.{field}: needs a rollout engine that returns each token's kept-set size (the "
                               f"jax engine), but {where} ({i.engine} engine) does not; the trainer could not "
                               "renormalise π over the tokens μ was sampled from")
+        if i.engine != r.engine:
+            raise ConfigError(f"config.rollout.engine: {r.engine!r}, but {where} is a {i.engine!r} server "
+                              f"(set --config.rollout.engine={i.engine}, or serve --engine {r.engine})")
+        if i.dtype != r.dtype:
+            raise ConfigError(f"config.rollout.dtype: {r.dtype!r}, but {where} serves in {i.dtype!r} (set "
+                              f"--config.rollout.dtype={i.dtype}, or serve --dtype {r.dtype})")
 
 
 # What a rollout server serves that decides μ: every server of a run must serve the same, at the start and when

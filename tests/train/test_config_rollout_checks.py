@@ -97,9 +97,26 @@ def test_top_p_with_a_server_that_returns_no_kept_set_sizes_is_refused():
         with pytest.raises(ConfigError, match=f"{field}: needs a rollout engine that returns each token's kept-set "
                                               r"size .*127.0.0.1:5000 \(vllm engine\) does not"):
             check_servers(c.rollout, [jax_server, vllm_server], "the server at 127.0.0.1:5000")
-    check_servers(_config(address="127.0.0.1:5000").rollout, [vllm_server], "x")  # untruncated: vLLM is fine
+    check_servers(_config(address="127.0.0.1:5000", engine="vllm").rollout, [vllm_server], "x")  # untruncated: fine
     with pytest.raises(ConfigError, match="config.rollout.quantize: 'none', but x serves 'int8' weights"):
         check_servers(_config().rollout, [_info("jax", (), quantize="int8")], "x")
+
+
+def test_an_attached_server_of_another_precision_or_engine_is_refused():
+    """`launch/single_node_gpu.sh` served bfloat16 (its default) whatever the config said: an FP16 run's record said
+    float16 while μ came from bf16, and nothing compared them."""
+    import dataclasses
+
+    from jaxrl_mismatch.train.loop import check_servers
+
+    bf16 = dataclasses.replace(_info("vllm", ()), dtype="bfloat16")
+    check_servers(_config(address="127.0.0.1:5000", engine="vllm", dtype="bfloat16").rollout, [bf16], "x")
+    with pytest.raises(ConfigError, match=r"^config\.rollout\.dtype: 'float16', but the server at y serves in "
+                                          r"'bfloat16' \(set --config\.rollout\.dtype=bfloat16, or serve --dtype "
+                                          r"float16\)$"):
+        check_servers(_config(address="y", engine="vllm", dtype="float16").rollout, [bf16], "the server at y")
+    with pytest.raises(ConfigError, match=r"^config\.rollout\.engine: 'jax', but x is a 'vllm' server"):
+        check_servers(_config(address="y", dtype="bfloat16").rollout, [bf16], "x")
 
 
 def test_the_jax_engine_says_it_returns_kept_set_sizes_and_a_batch_without_them_is_refused(tmp_path):
