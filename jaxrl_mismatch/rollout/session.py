@@ -130,8 +130,14 @@ class RolloutSession:
         just did)."""
         if version is None:
             version = max(self.version, self.info().weight_version) + 1
-            synced = True
-        self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version, synced=synced))
+        elif not synced:
+            self.client.info()
+        if self.client.weights_lost:  # this GetInfo found a restarted server: checked before it gets weights
+            log.warning("UpdateWeights: the rollout server %s restarted; checking it before the push", self.client.target)
+            self.restarts += 1
+            if self.server_check is not None:
+                self.server_check(self.client)
+        self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version, synced=True))
         self.version, self._weights = version, weights
         return version
 

@@ -103,11 +103,13 @@ def test_launched_server_that_dies_is_restarted_by_the_session(tiny_checkpoints,
 
 
 @pytest.mark.slow
-def test_a_server_that_comes_back_serving_something_else_is_refused(start_server, tiny_checkpoints):
+@pytest.mark.parametrize("noticed_by", ["generate", "push"])
+def test_a_server_that_comes_back_serving_something_else_is_refused(start_server, tiny_checkpoints, noticed_by):
     """A server restarted by its own supervisor with other flags (here bfloat16 instead of float32) took the
     re-push (floats are cast to its dtype) and its samples entered the batch. The trainer's check (the same
     served fields as at the start, `train.loop.served_differences`) now runs on every server that comes back,
-    before the weights are pushed to it again: the session raises, naming the difference."""
+    before the weights are pushed to it again: the session raises, naming the difference. A restart noticed by
+    the next push's GetInfo (not by a Generate) skipped the check and took the new weights."""
     from jaxrl_mismatch.rollout.client import EngineMismatchError
     from jaxrl_mismatch.train.loop import served_differences
 
@@ -129,7 +131,7 @@ def test_a_server_that_comes_back_serving_something_else_is_refused(start_server
     first.wait()
     start_server(ckpt, port=port, dtype="bfloat16")
     with pytest.raises(EngineMismatchError, match=r"dtype: 'float32' → 'bfloat16'"):
-        session.generate(PROMPTS, SPEC)
+        session.generate(PROMPTS, SPEC) if noticed_by == "generate" else session.push(_perturbed(ckpt))
     assert checked == [client.target]
     assert session.info().weight_version == 0  # nothing was pushed to it
     session.close()
