@@ -486,8 +486,11 @@ class RolloutClient:
         size = req.ByteSize()
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"prompts: the request is {size} bytes, over the {MAX_MESSAGE_BYTES}-byte message limit; split the batch")
-        resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s),
-                          retry_deadline=False)
+        try:
+            resp = self._call("Generate", lambda: self._stub.Generate(req, timeout=self._generate_timeout_s),
+                              retry_deadline=False)
+        except NonFiniteLogprobsError as e:
+            raise self._non_finite(e, spec) from None
         # Completions from a process that has not received our weights are thrown away.
         if self._observe_server(resp.server_id) or self.weights_lost:
             raise ServerRestartedError(f"Generate on {self.target}: the server restarted (new server_id "
@@ -505,9 +508,18 @@ class RolloutClient:
                         got = "none" if c.routing is None else f"{c.routing.shape[0]} tokens"
                         raise RolloutError(f"Generate on {self.target}: completion (prompt {i}, sample {j}) has routing "
                                            f"for {got}, expected {len(prompts[i]) + len(c.token_ids)} (prompt + completion)")
-        check_finite_logprobs(completions)
+        try:
+            check_finite_logprobs(completions)
+        except NonFiniteLogprobsError as e:
+            raise self._non_finite(e, spec) from None
         self._check_versions(completions, min_version)
         return completions
+
+    def _non_finite(self, e: NonFiniteLogprobsError, spec: SamplingSpec) -> NonFiniteLogprobsError:
+        """`e` (its prompt counted within this request) with the prompt's index in the caller's batch — a split
+        batch's piece starts at `spec.prompt_offset` (`session.generate`, the fleet) — and naming this server."""
+        return NonFiniteLogprobsError(spec.prompt_offset + e.prompt, e.sample, e.position, e.value, e.weight_version,
+                                      where=self.target)
 
     def _check_versions(self, completions: list[list[Completion]], min_version: int | None) -> None:
         if self.pushed_version is not None and self.max_staleness is not None:

@@ -176,10 +176,10 @@ class NonFiniteLogprobsError(RuntimeError):
     into NaN, and the trainer would only notice after the update had already been applied.
     """
 
-    def __init__(self, prompt: int, sample: int, position: int, value: float, weight_version: int):
+    def __init__(self, prompt: int, sample: int, position: int, value: float, weight_version: int, where: str = ""):
         super().__init__(
             f"non-finite logprob {value} at prompt {prompt}, sample {sample}, position {position} "
-            f"(weight version {weight_version})"
+            f"(weight version {weight_version}){f' from {where}' if where else ''}"
         )
         self.prompt, self.sample, self.position, self.value = prompt, sample, position, value
         self.weight_version = weight_version

@@ -224,7 +224,11 @@ def test_non_finite_logprob_is_reported_not_passed_on(served):
     with pytest.raises(NonFiniteLogprobsError) as err:
         client.generate([[1, 2], [3]], SamplingSpec(max_tokens=3, n=2))
     assert (err.value.prompt, err.value.sample, err.value.position) == (0, 0, 0)
-    assert "prompt 0, sample 0, position 0" in str(err.value)
+    assert "prompt 0, sample 0, position 0" in str(err.value) and str(err.value).endswith(f"from {client.target}")
+    # A piece of a split batch (prompt_offset: where it starts) names the prompt's place in the whole batch; it
+    # was "prompt 0" whichever piece it came from.
+    with pytest.raises(NonFiniteLogprobsError, match=r"at prompt 40, sample 0, position 0 .* from 127\.0\.0\.1:"):
+        client.generate([[1, 2], [3]], SamplingSpec(max_tokens=3, n=2, prompt_offset=40))
     engine.logprob = -1.0
     assert client.generate([[1]], SamplingSpec(max_tokens=2))[0][0].logprobs == [-1.0, -1.0]
 
