@@ -134,9 +134,7 @@ class RolloutSession:
             self.client.info()
         if self.client.weights_lost:  # this GetInfo found a restarted server: checked before it gets weights
             log.warning("UpdateWeights: the rollout server %s restarted; checking it before the push", self.client.target)
-            self.restarts += 1
-            if self.server_check is not None:
-                self.server_check(self.client)
+            self._returned()
         self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version, synced=True))
         self.version, self._weights = version, weights
         return version
@@ -171,6 +169,14 @@ class RolloutSession:
         self.close()
 
     # -- recovery ------------------------------------------------------------------------------------
+    def _returned(self) -> None:
+        """A server process that came back (restarted): counted, checked (`set_server_check`), and its request
+        limits read again (a server restarted with tighter ones refused the next Generate's chunks)."""
+        self.restarts += 1
+        if self.server_check is not None:
+            self.server_check(self.client)
+        self.limits = self.client.request_limits()
+
     def _recovering(self, what: str, call: Callable[[], T]) -> T:
         """`call()`, recovering once from a server restart or (launched server only) a server death."""
         try:
@@ -184,9 +190,7 @@ class RolloutSession:
             self.server.start()
             self.client.wait_until_ready(self.ready_timeout_s)
             self.client.info()  # notice the new server id now
-        self.restarts += 1
-        if self.server_check is not None:
-            self.server_check(self.client)
+        self._returned()
         if self._weights is not None:
             self.client.push_weights(self._weights, self.version)
         return call()

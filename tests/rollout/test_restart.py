@@ -135,3 +135,27 @@ def test_a_server_that_comes_back_serving_something_else_is_refused(start_server
     assert checked == [client.target]
     assert session.info().weight_version == 0  # nothing was pushed to it
     session.close()
+
+
+@pytest.mark.slow
+def test_a_server_back_with_tighter_request_limits_gets_requests_it_takes(start_server, tiny_checkpoints):
+    """The session read the server's request limits once: a server restarted with a smaller
+    --max-request-completion-tokens refused the next Generate (INVALID_ARGUMENT) instead of receiving chunks it
+    takes. Re-read when a restart is noticed (here by the next push); the split does not change the tokens."""
+    ckpt = tiny_checkpoints["untied"]
+    port = free_port()
+    first = start_server(ckpt, port=port)
+    client, session = _attached(first)
+    weights = _perturbed(ckpt)
+    session.push(weights)
+    before = session.generate(PROMPTS, SPEC)
+    first.signal(signal.SIGKILL)
+    first.wait()
+    start_server(ckpt, port=port, extra=("--max-request-completion-tokens", "16"))  # one prompt × n=2 × 8 tokens
+    session.push(weights)
+    assert session.restarts == 1 and session.limits.max_request_completion_tokens == 16
+    after = session.generate(PROMPTS, SPEC)
+    assert [[c.token_ids for c in s] for s in after] == [[c.token_ids for c in s] for s in before]
+    np.testing.assert_allclose([c.logprobs for s in after for c in s], [c.logprobs for s in before for c in s],
+                               atol=1e-5)  # (a batch of 1 row instead of 2: float rounding only)
+    session.close()
