@@ -1,7 +1,7 @@
 """The launchers' config check: load CONFIG with its `--config.*` overrides as `train` loads them, print the
 checkpoint path it trains (`model.path`, on the last line), or print one line naming what is wrong and exit 2.
 
-    python launch/config_model_path.py [--fields model.path,rollout.dtype,...] LAUNCHER_NAME CONFIG [--config.FIELD=VALUE ...]
+    python launch/config_model_path.py [--fields F1,F2,...] LAUNCHER_NAME CONFIG [--config.FIELD=VALUE ...]
 
 Run once before a launcher starts anything (a server, N processes), so a bad config or override is one line,
 not one per process or an error after the rollout server loaded its model. With `--fields`, the last line holds

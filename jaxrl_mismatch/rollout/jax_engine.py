@@ -47,7 +47,6 @@ from jaxrl_mismatch.models.moe import routing_dtype
 from jaxrl_mismatch.rollout import sampling
 from jaxrl_mismatch.rollout.exact_sampler import perturb, sample_exact
 from jaxrl_mismatch.rollout.spec_exact import SpecStats, sample_exact_speculative, verify_workers_default
-from jaxrl_mismatch.rollout.validation import check_request
 from jaxrl_mismatch.rollout.engine import (
     Completion,
     Engine,
@@ -58,6 +57,7 @@ from jaxrl_mismatch.rollout.engine import (
     TensorSpec,
     resolve_max_model_len,
 )
+from jaxrl_mismatch.rollout.validation import check_request
 
 _POLICY = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 MAX_STOP_SLOTS = 64  # stop ids are padded to a fixed length (a traced value, never a new shape)

@@ -133,7 +133,8 @@ class RolloutSession:
         elif not synced:
             self.client.info()
         if self.client.weights_lost:  # this GetInfo found a restarted server: checked before it gets weights
-            log.warning("UpdateWeights: the rollout server %s restarted; checking it before the push", self.client.target)
+            log.warning("UpdateWeights: the rollout server %s restarted; checking it before the push",
+                        self.client.target)
             self._returned()
         self._recovering("UpdateWeights", lambda: self.client.push_weights(weights, version, synced=True))
         self.version, self._weights = version, weights

@@ -60,7 +60,8 @@ def vllm_temperature_problem(engine: str, temperature: float) -> str | None:
                 f"(vLLM's floor), not at {temperature:g}; use >= {VLLM_MIN_TEMPERATURE}, or < {GREEDY_TEMPERATURE} "
                 "for greedy decoding")
     if engine == "vllm" and np.float32(temperature) > np.float32(VLLM_MAX_TEMPERATURE):
-        return f"the vllm engine samples at most temperature {VLLM_MAX_TEMPERATURE:g} (vLLM's bound), got {temperature:g}"
+        return (f"the vllm engine samples at most temperature {VLLM_MAX_TEMPERATURE:g} (vLLM's bound), got "
+                f"{temperature:g}")
     return None
 
 

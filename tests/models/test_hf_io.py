@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from jaxrl_mismatch.models import hf_to_params, load_hf, params_to_hf, save_hf, token_logprobs
 from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
 from jaxrl_mismatch.precision import policy
-from tests.models.hf_tiny import VOCAB, hf_token_logprobs, make_hf_model, padded_batch, real_positions
+from tests.models.hf_tiny import hf_token_logprobs, make_hf_model, padded_batch, real_positions
 
 
 @pytest.fixture(scope="module")
