@@ -33,19 +33,38 @@ RewardFn = Callable[[str, str], float]
 
 # An answer line starts its line ("Answer: 34", "**Answer:** 34"): "... the answer: yes" inside prose is not one,
 # and a GSM8K final line gives a number ("#### 72"): a markdown heading "#### Verification" is not one.
-_ANSWER_LINE = re.compile(r"^[ \t*_>#-]*answer[ \t*_]*:[ \t*_]*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+# The answer may stand on one of the next two lines ("**Answer:**\n34"): the span starts at the first character not
+# markdown emphasis or blank (a lone "*" or " " was the span, and outranked an earlier box).
+_ANSWER_LINE = re.compile(r"^[ \t*_>#-]*answer[ \t*_]*:(?:[ \t*_]*\n){0,2}[ \t*_]*([^\s*_][^\n]*?)[ \t*_]*$",
+                          re.IGNORECASE | re.MULTILINE)
 _GSM8K_FINAL = re.compile(r"^[ \t]*####[ \t]*([-+$]?[ \t]*[0-9.][^\n]*?)\s*$", re.MULTILINE)
 # An equation in the answer span: math-verify grades the right-hand side of its last "=", so "6 (since 2+3=5)"
 # or "1=2=3=4=5" graded as 5. Only "name = value" is an answer ("x = 5", "f(x) = 2x", "a_1 = 3"); any other
 # span with "=" scores 0. ("<=", ">=", "!=" and ":=" are not equalities here.)
 _EQUALS = re.compile(r"(?<![<>!:=])=(?!=)")
 _ANSWER_NAME = re.compile(r"^\s*\\?[A-Za-z]+(?:_\{?[A-Za-z0-9]+\}?)?(?:\([^()=]*\))?\s*$")
+# Other relations math-verify grades by a side, as it does "=": "3 \to 5", "x \Rightarrow 5", "3 == 5", "3 := 5"
+# graded as 5, "3 \approx 5" as 3. A span holding one scores 0. (Inequalities stay answers: "x \le 3".)
+_RELATION = re.compile(r"\\(?:to|gets|mapsto|(?:long)?(?:right|left|leftright)arrow|(?:Long)?(?:Right|Left|Leftright)arrow"
+                       r"|implies|impliedby|iff|equiv|sim|simeq|cong|approx|doteq)(?![A-Za-z])"
+                       r"|[→←↔⇒⇐⇔⟹⟸⟺↦≈≡∼≃≅]|->|<-|=>|==|:=")
+# A remark after an answer line's answer, "Answer: 7 (or maybe 5)", "#### 12 (dollars)": math-verify's plain pass
+# graded its last number. The remark (a parenthesis after a space, ending the line) is not part of the answer.
+_TRAILING_REMARK = re.compile(r"^(?!\()(.*?\S)\s+\([^()]*\)$")
 
 
 def _one_answer(span: str) -> bool:
-    """Whether `span` states one answer: no "=", or one "=" after a name (see `_EQUALS`)."""
+    """Whether `span` states one answer: no relation but "=", and no "=" or one "=" after a name (`_EQUALS`)."""
+    if _RELATION.search(span):
+        return False
     parts = _EQUALS.split(span)
     return len(parts) == 1 or (len(parts) == 2 and bool(_ANSWER_NAME.match(parts[0])))
+
+
+def _line_answer(span: str) -> str:
+    """An `Answer:` / `####` line's answer without a trailing remark in parentheses (`_TRAILING_REMARK`)."""
+    m = _TRAILING_REMARK.match(span.strip())
+    return m.group(1) if m else span
 
 
 def _last_box_start(text: str) -> int:
@@ -91,7 +110,7 @@ def extract_math_answer(completion: str) -> str | None:
     for pattern in (_ANSWER_LINE, _GSM8K_FINAL):
         found = list(pattern.finditer(completion))
         if found:
-            candidates.append((found[-1].start(), found[-1].group(1)))
+            candidates.append((found[-1].start(), _line_answer(found[-1].group(1))))
     return max(candidates, key=lambda c: c[0])[1] if candidates else None
 
 

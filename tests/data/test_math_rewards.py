@@ -40,6 +40,15 @@ from jaxrl_mismatch.data import rewards as R
         ("\\boxed{a_1=3}", "3"),
         ("\\boxed{5}. Let me double-check the answer: yes.", "5"),
         ("\\boxed{5}\n\n#### Verification\nok", "5"),
+        # the answer on the next line(s) of a markdown answer line: its span was "*" or " " (0.0, and it outranked
+        # an earlier box); a remark in parentheses after an answer line's answer is not part of it
+        ("so \\boxed{34}.\n\n**Answer:**\n34", "34"),
+        ("**Answer:**\n\n$34$", "34"),
+        ("Answer: \n34", "34"),
+        ("Answer: 12 (dollars)", "12"),
+        ("#### 72 (the total)", "72"),
+        ("Answer: (1, 2)", "(1,2)"),
+        ("\\boxed{x \\le 3}", "x<=3"),  # an inequality is an answer
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -67,6 +76,17 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("\\boxed{6=5}", "5"),
         ("\\boxed{1=2=3=4=5}", "5"),
         ("\\boxed{5}\n\n#### 6", "5"),  # a GSM8K final line after the box is the final answer
+        # other relations math-verify grades by a side, as it does "=" (each scored 1.0)
+        ("\\boxed{3 \\to 5}", "5"),
+        ("\\boxed{x \\Rightarrow 5}", "5"),
+        ("\\boxed{3 \\implies 5}", "5"),
+        ("\\boxed{3 == 5}", "5"),
+        ("\\boxed{3 := 5}", "5"),
+        ("Answer: 3 → 5", "5"),
+        ("\\boxed{3 \\approx 5}", "3"),
+        # a hedge after an answer line's answer: the plain pass graded its last number
+        ("Answer: 7 (or maybe 5)", "5"),
+        ("Answer: 6 (since 2+3 -> 5)", "5"),
     ],
 )
 def test_wrong_or_malformed_score_zero(completion, gold):
