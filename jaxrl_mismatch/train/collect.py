@@ -20,32 +20,55 @@ from jaxrl_mismatch.train.batch import RolloutBatch, from_completions
 STAT_KEYS = (
     "reward/mean", "reward/std", "reward/all_correct_frac", "reward/all_wrong_frac", "rollout/response_length",
     "rollout/truncated_frac", "filter/rounds", "filter/sampled_groups", "filter/informative_frac_of_batch",
+    "reward/overlong_penalty",
 )
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) times `factor`: 0 up to L_max − L_cache tokens,
+    then ((L_max − L_cache) − |y|) / L_cache, reaching −1 at L_max = `max_tokens` (a response cut there), with
+    L_cache = `buffer_len` (0: off). Added to the task's reward: long responses are discouraged smoothly instead of
+    a cut response scoring like any wrong one."""
+    if buffer_len <= 0:
+        return 0.0
+    expected = max_tokens - buffer_len
+    return factor * min(0.0, (expected - length) / buffer_len)
 
 
 @dataclasses.dataclass
 class Group:
-    """One prompt and its G sampled completions with their rewards."""
+    """One prompt and its G sampled completions with their task rewards and any length penalties (≤ 0)."""
 
     prompt_ids: list[int]
     answer: str
     completions: list[Completion]
-    rewards: np.ndarray  # [G] float32
+    rewards: np.ndarray  # [G] float32: the task's reward (what reward/* and dynamic sampling read)
+    penalties: np.ndarray | None = None  # [G] float32 (`overlong_penalty`); None: none
 
     @property
     def informative(self) -> bool:
-        """A group whose rewards all agree gives every sample zero group-relative advantage (DAPO §3.2)."""
+        """A group whose task rewards all agree gives every sample zero group-relative advantage (DAPO §3.2); a
+        length penalty alone does not make it informative (verl's filter_groups.metric "acc")."""
         return bool(np.ptp(self.rewards) > 0)
+
+    @property
+    def shaped(self) -> np.ndarray:
+        """The rewards the advantages are computed from: task reward + length penalty."""
+        return self.rewards if self.penalties is None else self.rewards + self.penalties
 
 
 def sample_groups(session: RolloutSession, prompt_ids: Sequence[list[int]], answers: Sequence[str],
-                  spec: SamplingSpec, reward_fn: Callable[[list[int], str], float]) -> list[Group]:
-    """Generate `spec.n` completions for every prompt and score each one."""
+                  spec: SamplingSpec, reward_fn: Callable[[list[int], str], float],
+                  penalty_fn: Callable[[int], float] | None = None) -> list[Group]:
+    """Generate `spec.n` completions for every prompt and score each one (`penalty_fn(response length)`: the
+    length penalty, `overlong_penalty`)."""
     outs = session.generate(prompt_ids, spec)
     groups = []
     for p, a, comps in zip(prompt_ids, answers, outs):
         rewards = np.array([reward_fn(c.token_ids, a) for c in comps], np.float32)
-        groups.append(Group(list(p), a, comps, rewards))
+        penalties = None if penalty_fn is None else np.array([penalty_fn(len(c.token_ids)) for c in comps],
+                                                              np.float32)
+        groups.append(Group(list(p), a, comps, rewards, penalties))
     return groups
 
 
@@ -57,7 +80,8 @@ class Collected:
 
 def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[int]], list[str]]],
             spec_for_round: Callable[[int], SamplingSpec], reward_fn, *, num_groups: int,
-            dynamic_sampling: bool, max_oversample_rounds: int) -> Collected:
+            dynamic_sampling: bool, max_oversample_rounds: int,
+            penalty_fn: Callable[[int], float] | None = None) -> Collected:
     """Sample groups until `num_groups` informative ones are in hand (DAPO dynamic sampling).
 
     Round 0 samples one batch of prompts; each further round (at most `max_oversample_rounds`) samples
@@ -72,7 +96,7 @@ def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[
     sampled = 0
     for rnd in range(max_oversample_rounds + 1 if dynamic_sampling else 1):
         prompt_ids, answers = next_prompts()
-        groups = sample_groups(session, prompt_ids, answers, spec_for_round(rnd), reward_fn)
+        groups = sample_groups(session, prompt_ids, answers, spec_for_round(rnd), reward_fn, penalty_fn)
         sampled += len(groups)
         rounds = rnd + 1
         if rnd == 0:
@@ -84,6 +108,7 @@ def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[
                 "reward/all_wrong_frac": float(np.mean([g.rewards.max() <= 0 for g in groups])),
                 "rollout/response_length": float(lengths.mean()),
                 "rollout/truncated_frac": float(np.mean([c.finish_reason == "length" for g in groups for c in g.completions])),
+                "reward/overlong_penalty": float(np.concatenate([g.shaped - g.rewards for g in groups]).mean()),
             })
         for g in groups:
             (kept if (g.informative or not dynamic_sampling) else spare).append(g)
@@ -113,7 +138,7 @@ def to_batch(groups: Sequence[Group], advantages_fn: Callable[[np.ndarray, np.nd
     `Completion.routing` goes into the batch's `routing` field, aligned with `tokens`."""
     prompts, comps, logps, rewards, gids, routing, kept = [], [], [], [], [], [], []
     for gi, g in enumerate(groups):
-        for c, r in zip(g.completions, g.rewards):
+        for c, r in zip(g.completions, g.shaped):
             prompts.append(g.prompt_ids)
             comps.append(c.token_ids)
             logps.append(c.logprobs)

@@ -55,6 +55,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.files = ml_collections.ConfigDict()  # file-backed tasks: split -> JSONL path
     c.task.data_dir = ""  # file-backed tasks: where the TFDS array_record dataset is built
     c.task.max_prompt_len = 1024
+    # DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's `overlong_buffer`): a response longer than
+    # rollout.max_tokens - overlong_buffer_len loses up to overlong_penalty_factor of reward, linearly, the whole
+    # factor at rollout.max_tokens. 0 = off. Dynamic sampling still filters on the task's reward (verl's
+    # filter_groups.metric "acc"), and reward/* report it; reward/overlong_penalty the mean penalty.
+    c.task.overlong_buffer_len = 0
+    c.task.overlong_penalty_factor = 1.0
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # jax (built-in) | vllm

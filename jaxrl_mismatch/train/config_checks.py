@@ -65,6 +65,7 @@ _NON_NEGATIVE = (
     "rollout.max_model_len", "seed", "task.data_seed", "optim.weight_decay", "objective.kl_coef", "objective.entropy_coef",
     "diagnostics.variance_sigma", "rollout.logit_noise_std", "objective.router_aux_coef",
     "rollout.mismatch_onset_step", "rollout.mismatch_ramp_steps", "rollout.max_staleness", "rollout.retry_s",
+    "task.overlong_buffer_len", "task.overlong_penalty_factor",
 )
 
 
@@ -119,6 +120,10 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
     if c.rollout.max_staleness != int(c.rollout.max_staleness):
         raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
+    buffer = c.task.overlong_buffer_len
+    if not isinstance(buffer, int) or buffer > c.rollout.max_tokens:
+        raise ConfigError(f"config.task.overlong_buffer_len: must be a whole number of tokens in [0, rollout.max_tokens "
+                          f"= {c.rollout.max_tokens}] (the last tokens of the budget that are penalised), got {buffer!r}")
 
 
 def _check_finite_and_int32(c: ml_collections.ConfigDict) -> None:

@@ -11,11 +11,12 @@ update leaves the previous step's state and data position intact.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -33,7 +34,7 @@ from jaxrl_mismatch.train import distributed
 from jaxrl_mismatch.train.batch import RolloutBatch, rollout_fields
 from jaxrl_mismatch.train.checkpoint import (Checkpointer, CheckpointDamagedError, CheckpointMismatchError,
                                              require_meta)
-from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, to_batch
+from jaxrl_mismatch.train.collect import STAT_KEYS, collect, evaluate, overlong_penalty, to_batch
 from jaxrl_mismatch.train.config import ConfigError
 from jaxrl_mismatch.train.config_resume import config_changes
 from jaxrl_mismatch.train.learner import Learner
@@ -348,7 +349,8 @@ class Trainer:
         collected = collect(self.session, self.data.next_prompts,
                             lambda rnd: self._spec(self._seed("rollout", rnd, step=step), step),
                             self.data.reward, num_groups=c.batch.prompts_per_step,
-                            dynamic_sampling=c.batch.dynamic_sampling, max_oversample_rounds=c.batch.max_oversample_rounds)
+                            dynamic_sampling=c.batch.dynamic_sampling, max_oversample_rounds=c.batch.max_oversample_rounds,
+                            penalty_fn=self._penalty_fn())
 
         kind = self.learner.objective.cfg.advantages
 
@@ -362,6 +364,14 @@ class Trainer:
         # trainer's step, and the logged scale must be the one the batch was sampled with.
         stats = {**collected.stats, "rollout/mismatch_scale": self._mismatch_scale(step)}
         return {**batch.arrays(), "sample_version": versions}, stats
+
+    def _penalty_fn(self) -> Callable[[int], float] | None:
+        """The training rollouts' length penalty (`task.overlong_buffer_len`, DAPO eq. 13), or None when off."""
+        t = self.c.task
+        if not t.overlong_buffer_len:
+            return None
+        return functools.partial(overlong_penalty, max_tokens=self.c.rollout.max_tokens,
+                                 buffer_len=t.overlong_buffer_len, factor=t.overlong_penalty_factor)
 
     def _spec(self, seed: int, step: int) -> SamplingSpec:
         """Step `step`'s training rollout sampling: the configured exact mode and injected mismatch apply here
