@@ -502,6 +502,25 @@ def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
                          f"{limit} in {os.path.join(model_dir, 'config.json')})")
 
 
+def _check_model_files(model_dir: str) -> None:
+    """UsageError naming --model when its config.json does not read or its weight files do not open or do not hold
+    config.json's tensors (`hf_io.check_model_files`, headers only): before any engine starts (vLLM took 10 s to
+    fail on a folder without weights, with a multi-line error after its start-up warnings)."""
+    from jaxrl_mismatch.models.config import ModelConfig
+    from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
+
+    try:
+        check_model_files(model_dir, ModelConfig.from_hf(model_dir))
+    except ModelFilesError as e:
+        raise UsageError(f"--model {e}") from None
+    except (ValueError, OSError) as e:  # a damaged or unsupported config.json
+        raise UsageError(f"--model {model_dir}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def _check_host(host: str) -> None:
     """UsageError naming --host if it is neither an IP address nor a name that resolves."""
     import socket
@@ -588,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_completion_tokens=args.max_request_completion_tokens,
     )
     _check_port_free(args.host, args.port)  # port 0 too: binding it tests the address
+    _check_model_files(args.model)  # after every flag's own check (a flag error is named first)
     try:
         server = RolloutServer(host=args.host, port=args.port, token=token, limits=limits,
                                max_concurrent_generates=args.max_concurrent_generates)
@@ -605,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except Exception as e:  # noqa: BLE001 - any load failure is reported as a bad --model, one line
         server.stop(0)
-        raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: {e}") from None
+        raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: "
+                         f"{_first_line(e)}") from None
     server.attach(engine)
     info = engine.info()
     _announce(READY_PREFIX, {**base, "server_id": server.servicer.server_id, "vocab_size": info.vocab_size,

@@ -269,6 +269,28 @@ def test_serve_checks_max_model_len_and_an_unbindable_host_before_loading(tmp_pa
                           "--host 8.8.8.8: cannot bind")
 
 
+@pytest.mark.parametrize("engine", ["jax", "vllm"])
+def test_serve_refuses_a_model_folder_without_usable_weights_before_any_engine_starts(tiny_base_model, tmp_path,
+                                                                                        engine):
+    """A checkpoint folder without its weights, or with a garbled file: the vLLM engine failed after 10 s of
+    start-up (its warnings first, then a three-line pydantic error; a stranger's review), the jax engine after
+    binding and announcing its port. Now refused before either starts, one line naming the folder or file."""
+    import shutil
+
+    env = {"JAXRL_ROLLOUT_TOKEN": "t"}
+    bare, garbled = tmp_path / "bare", tmp_path / "garbled"
+    for d in (bare, garbled):
+        shutil.copytree(tiny_base_model, d)
+    for f in bare.glob("*.safetensors"):
+        f.unlink()
+    next(garbled.glob("*.safetensors")).write_bytes(b"not a safetensors file")
+    out = cli("serve", "--engine", engine, "--model", str(bare), "--port", "0", env=env)
+    assert_one_line_error(out, f"--model {bare}: no *.safetensors files in {bare}")
+    assert "JAXRL_ROLLOUT_LISTENING" not in out.stdout
+    assert_one_line_error(cli("serve", "--engine", engine, "--model", str(garbled), "--port", "0", env=env),
+                          f"--model {garbled}", "is not a readable safetensors file")
+
+
 def test_serve_port_in_use_is_one_line(tmp_path):
     import socket
 
