@@ -45,8 +45,8 @@ _EQUALS = re.compile(r"(?<![<>!:=])=(?!=)")
 _ANSWER_NAME = re.compile(r"^\s*\\?[A-Za-z]+(?:_\{?[A-Za-z0-9]+\}?)?(?:\([^()=]*\))?\s*$")
 # Other relations math-verify grades by a side, as it does "=": "3 \to 5", "x \Rightarrow 5", "3 == 5", "3 := 5"
 # graded as 5, "3 \approx 5" as 3. A span holding one scores 0. (Inequalities stay answers: "x \le 3".)
-_RELATION = re.compile(r"\\(?:to|gets|mapsto|(?:long)?(?:right|left|leftright)arrow|(?:Long)?(?:Right|Left|Leftright)arrow"
-                       r"|implies|impliedby|iff|equiv|sim|simeq|cong|approx|doteq)(?![A-Za-z])"
+_RELATION = re.compile(r"\\(?:to|gets|mapsto|(?:[Ll]ong)?(?:right|left|leftright)arrow"
+                       r"|(?:Right|Left|Leftright)arrow|implies|impliedby|iff|equiv|sim|simeq|cong|approx|doteq)(?![A-Za-z])"
                        r"|[→←↔⇒⇐⇔⟹⟸⟺↦≈≡∼≃≅]|->|<-|=>|==|:=")
 # A remark after an answer line's answer, "Answer: 7 (or maybe 5)", "#### 12 (dollars)": math-verify's plain pass
 # graded its last number. The remark (a parenthesis after a space, ending the line) is not part of the answer.

@@ -122,8 +122,9 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
     buffer = c.task.overlong_buffer_len
     if not isinstance(buffer, int) or buffer > c.rollout.max_tokens:
-        raise ConfigError(f"config.task.overlong_buffer_len: must be a whole number of tokens in [0, rollout.max_tokens "
-                          f"= {c.rollout.max_tokens}] (the last tokens of the budget that are penalised), got {buffer!r}")
+        raise ConfigError(f"config.task.overlong_buffer_len: must be a whole number of tokens in [0, "
+                          f"rollout.max_tokens = {c.rollout.max_tokens}] (the last tokens of the budget that are "
+                          f"penalised), got {buffer!r}")
 
 
 def _check_finite_and_int32(c: ml_collections.ConfigDict) -> None:

@@ -349,8 +349,8 @@ class Trainer:
         collected = collect(self.session, self.data.next_prompts,
                             lambda rnd: self._spec(self._seed("rollout", rnd, step=step), step),
                             self.data.reward, num_groups=c.batch.prompts_per_step,
-                            dynamic_sampling=c.batch.dynamic_sampling, max_oversample_rounds=c.batch.max_oversample_rounds,
-                            penalty_fn=self._penalty_fn())
+                            dynamic_sampling=c.batch.dynamic_sampling,
+                            max_oversample_rounds=c.batch.max_oversample_rounds, penalty_fn=self._penalty_fn())
 
         kind = self.learner.objective.cfg.advantages
 

@@ -80,6 +80,7 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("\\boxed{3 \\to 5}", "5"),
         ("\\boxed{x \\Rightarrow 5}", "5"),
         ("\\boxed{3 \\implies 5}", "5"),
+        ("\\boxed{3 \\Longrightarrow 5}", "5"),
         ("\\boxed{3 == 5}", "5"),
         ("\\boxed{3 := 5}", "5"),
         ("Answer: 3 → 5", "5"),
