@@ -212,6 +212,7 @@ class RolloutClient:
         self.restarts_seen = 0
         self.weight_transport = weight_transport
         self._server_host_id = ""  # the server's GetInfoResponse.shm_host_id
+        self._limits: tuple[str, Limits] | None = None  # (server id, its request limits) from the last GetInfo read
         self.last_push_transport: str | None = None  # "shm" or "grpc": how the last push travelled
         self._shm: shm.ShmWriter | None = None  # created at the first shared-memory push
         if wait_ready_s is not None:
@@ -330,6 +331,12 @@ class RolloutClient:
         """The server's per-request token limits (a larger Generate must be split by the caller)."""
         return protocol.limits_from_proto(self._get_info(False))
 
+    def current_limits(self) -> Limits:
+        """`request_limits` of the server process seen last, from the GetInfo that saw it when there was one."""
+        if self._limits is not None and self._limits[0] == self.server_id:
+            return self._limits[1]
+        return self.request_limits()
+
     def weight_specs(self) -> dict[str, TensorSpec]:
         """HF name -> (shape, wire dtype) the engine expects in UpdateWeights (cached per server process)."""
         if self._weight_specs is None:
@@ -379,6 +386,7 @@ class RolloutClient:
         r = self._get_info(False)
         self._observe_server(r.server_id)
         self._server_host_id = r.shm_host_id
+        self._limits = (r.server_id, protocol.limits_from_proto(r))
         return r
 
     # -- weights -------------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ class RolloutSession:
         self.restarts += 1
         if self.server_check is not None:
             self.server_check(self.client)
-        self.limits = self.client.request_limits()
+        self.limits = self.client.current_limits()
 
     def _recovering(self, what: str, call: Callable[[], T]) -> T:
         """`call()`, recovering once from a server restart or (launched server only) a server death."""
