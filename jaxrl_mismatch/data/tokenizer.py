@@ -86,13 +86,11 @@ class TextTokenizer:
         generation_config.json's ``eos_token_id``) and this tokenizer's EOS is none of them: another model's
         tokenizer, whose vocabulary fits (`check_model_vocab`) but whose ids mean other text. Rollouts would stop at
         an id the model never learned to end with. A model that declares none is not checked."""
-        declared: list[int] = []
-        for name in ("config.json", "generation_config.json"):
-            path = os.path.join(model_dir, name)
-            cfg = _read_json(path) if os.path.exists(path) else None
-            e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
-            ids = e if isinstance(e, list) else [e]
-            declared += [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+        path = os.path.join(model_dir, "config.json")
+        cfg = _read_json(path) if os.path.exists(path) else None
+        e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+        declared = [i for i in (e if isinstance(e, list) else [e]) if isinstance(i, int) and not isinstance(i, bool)]
+        declared += _generation_eos_ids(model_dir, self.vocab_size)  # what `load_tokenizer` read as stop ids
         if declared and self.eos_id not in declared:
             raise ValueError(
                 f"tokenizer/model mismatch: the tokenizer's EOS is id {self.eos_id} "

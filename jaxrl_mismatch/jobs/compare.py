@@ -297,6 +297,12 @@ def validate_spec(spec: Spec) -> Spec:
     """Check every variant's config (before anything runs) and fill `spec.jobs` and `spec.warmstarts`."""
     spec.jobs = []
     configs = {v: _variant_config(spec, v) for v in spec.variants}
+    lengths = {v: int(c.steps) for v, c in configs.items()}
+    for variant, steps in lengths.items():  # the paired tables compare final values: runs of one length
+        if steps != lengths[spec.baseline]:
+            raise _error(spec.path, f"variants.{variant}", f"runs {steps} steps, the baseline {spec.baseline!r} "
+                                                           f"{lengths[spec.baseline]}: every variant of a grid runs "
+                                                           "the same steps (set `steps` in the spec's overrides)")
     for seed in spec.seeds:  # seed-major: a partial grid covers every variant early
         for variant, c in configs.items():
             run_dir = os.path.join(spec.out, variant, f"seed_{seed}")
@@ -305,12 +311,6 @@ def validate_spec(spec: Spec) -> Spec:
                     *(f"--config.{k}={_flag_text(v)}" for k, v in flags.items()))
             spec.jobs.append(Job(variant=variant, seed=seed, run_dir=run_dir, argv=argv, steps=int(c.steps),
                                  config=_as_json({**c.to_dict(), "run_dir": run_dir, "seed": seed})))
-    lengths = {v: int(c.steps) for v, c in configs.items()}
-    for variant, steps in lengths.items():  # the paired tables compare final values: runs of one length
-        if steps != lengths[spec.baseline]:
-            raise _error(spec.path, f"variants.{variant}", f"runs {steps} steps, the baseline {spec.baseline!r} "
-                                                           f"{lengths[spec.baseline]}: every variant of a grid runs "
-                                                           "the same steps (set `steps` in the spec's overrides)")
     for c in configs.values():
         if c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
             spec.warmstarts.setdefault(c.model.path, c.model.warmstart_args)

@@ -220,7 +220,8 @@ class ModelFilesError(ValueError):
     that does not match config.json (`load_hf`; the message names the directory or file)."""
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line (its first), for the one-line errors of the jobs and the server."""
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
@@ -231,7 +232,7 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ModelFilesError(f"{index_path}: not valid JSON ({_first_line(e)})") from None
+        raise ModelFilesError(f"{index_path}: not valid JSON ({first_line(e)})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelFilesError(f"{index_path}: expected an object with a non-empty 'weight_map' object (tensor name → "
@@ -264,7 +265,7 @@ class _LazyCheckpoint(Mapping):
             try:
                 self._handles[fname] = stack.enter_context(safe_open(fpath, framework="numpy"))
             except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (truncated, garbled)
-                raise ModelFilesError(f"{fpath} is not a readable safetensors file ({_first_line(e)})") from None
+                raise ModelFilesError(f"{fpath} is not a readable safetensors file ({first_line(e)})") from None
         if weight_map is None:
             weight_map = {n: fname for fname, h in self._handles.items() for n in h.keys()}
         self._weight_map = weight_map
@@ -274,7 +275,7 @@ class _LazyCheckpoint(Mapping):
         try:
             return self._handles[fname].get_tensor(name)
         except Exception as e:  # noqa: BLE001 - a tensor whose bytes cannot be read (a damaged file)
-            raise ModelFilesError(f"{fname}: tensor {name!r} cannot be read ({_first_line(e)})") from None
+            raise ModelFilesError(f"{fname}: tensor {name!r} cannot be read ({first_line(e)})") from None
 
     def __iter__(self):
         return iter(self._weight_map)
@@ -291,7 +292,7 @@ class _LazyCheckpoint(Mapping):
         try:
             return tuple(self._handles[fname].get_slice(name).get_shape())
         except Exception as e:  # noqa: BLE001 - an index naming a tensor its file does not hold
-            raise ModelFilesError(f"{fname}: tensor {name!r} cannot be read ({_first_line(e)})") from None
+            raise ModelFilesError(f"{fname}: tensor {name!r} cannot be read ({first_line(e)})") from None
 
 
 def _check_against_config(checkpoint: _LazyCheckpoint, cfg: ModelConfig) -> None:
@@ -329,7 +330,7 @@ def check_model_files(directory: str | os.PathLike, cfg: ModelConfig | None = No
     except ModelFilesError:
         raise
     except (ValueError, OSError, KeyError) as e:  # no weights, a listed file missing, a bad index, a wrong tensor
-        raise ModelFilesError(f"{directory}: {_first_line(e)}") from None
+        raise ModelFilesError(f"{directory}: {first_line(e)}") from None
 
 
 def abstract_model(cfg: ModelConfig, policy: DTypePolicy, **options) -> Transformer:
@@ -363,7 +364,7 @@ def load_hf(directory: str | os.PathLike, *, policy: DTypePolicy, mesh: jax.shar
     except ModelFilesError:
         raise
     except (ValueError, OSError) as e:  # a missing tensor or file, a wrong shape, a bad index (JSON)
-        raise ModelFilesError(f"{directory}: {_first_line(e)}") from None
+        raise ModelFilesError(f"{directory}: {first_line(e)}") from None
     return cfg, nnx.merge(graphdef, params)
 
 

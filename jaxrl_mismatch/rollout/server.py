@@ -507,18 +507,14 @@ def _check_model_files(model_dir: str) -> None:
     config.json's tensors (`hf_io.check_model_files`, headers only): before any engine starts (vLLM took 10 s to
     fail on a folder without weights, with a multi-line error after its start-up warnings)."""
     from jaxrl_mismatch.models.config import ModelConfig
-    from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
+    from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files, first_line
 
     try:
         check_model_files(model_dir, ModelConfig.from_hf(model_dir))
     except ModelFilesError as e:
         raise UsageError(f"--model {e}") from None
     except (ValueError, OSError) as e:  # a damaged or unsupported config.json
-        raise UsageError(f"--model {model_dir}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--model {model_dir}: {first_line(e)}") from None
 
 
 def _check_host(host: str) -> None:
@@ -624,9 +620,11 @@ def main(argv: list[str] | None = None) -> int:
         server.stop(0)
         raise
     except Exception as e:  # noqa: BLE001 - any load failure is reported as a bad --model, one line
+        from jaxrl_mismatch.models.hf_io import first_line
+
         server.stop(0)
         raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: "
-                         f"{_first_line(e)}") from None
+                         f"{first_line(e)}") from None
     server.attach(engine)
     info = engine.info()
     _announce(READY_PREFIX, {**base, "server_id": server.servicer.server_id, "vocab_size": info.vocab_size,
