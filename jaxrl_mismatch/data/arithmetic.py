@@ -169,7 +169,7 @@ def read_task_json(model_dir: str | os.PathLike) -> tuple[dict, int | None]:
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{path} is not readable JSON ({e})") from None
     spec = record.get("spec", {}) if isinstance(record, dict) else None
     if not isinstance(spec, dict):

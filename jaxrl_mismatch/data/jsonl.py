@@ -18,6 +18,13 @@ def write_jsonl(records: Sequence[Mapping], path: str) -> None:
             f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
 
 
+def json_error(e: ValueError | RecursionError) -> str:
+    """What `json.loads` refused, in a few words: a JSONDecodeError's message, else the error's first line (an
+    integer longer than Python's 4,300-digit limit is a plain ValueError, nesting past the recursion limit a
+    RecursionError; both were tracebacks or messages naming no file)."""
+    return e.msg if isinstance(e, json.JSONDecodeError) else (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def unpaired_surrogate(obj: object) -> str | None:
     """The first unpaired surrogate escape ("\\ud800") in a parsed JSON value's strings, or None. It is valid JSON
     but no text: the tokenizer (TypeError) and the dataset writer (UnicodeEncodeError) failed on it later, with
@@ -42,8 +49,8 @@ def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{flag} {path}:{lineno}: not JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # not JSON, an integer past 4,300 digits, nesting too deep
+                raise UsageError(f"{flag} {path}:{lineno}: not JSON ({json_error(e)})") from None
             if (bad := unpaired_surrogate(obj)) is not None:
                 raise UsageError(f"{flag} {path}:{lineno}: a string holds the unpaired surrogate escape {bad}, "
                                  "which is not text")

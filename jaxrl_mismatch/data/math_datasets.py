@@ -49,7 +49,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from jaxrl_mismatch.data.jsonl import unpaired_surrogate
+from jaxrl_mismatch.data.jsonl import json_error, unpaired_surrogate
 from jaxrl_mismatch.data.rewards import gsm8k_final_answer, last_boxed
 
 Record = dict[str, object]
@@ -168,8 +168,9 @@ def read_jsonl(path: str, fmt: str) -> Iterator[Record]:
     for lineno, where, line in _lines(path):
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # see jsonl.json_error
+            at = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise DataFormatError(f"{where}: not valid JSON ({json_error(e)}{at})") from None
         if not isinstance(obj, dict):
             raise DataFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if (bad := unpaired_surrogate(obj)) is not None:

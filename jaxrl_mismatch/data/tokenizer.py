@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from jaxrl_mismatch.data.jsonl import json_error
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Everything the arithmetic task writes, plus a little headroom (space, parentheses, a few letters)
@@ -246,8 +248,9 @@ def _read_json(path: str):
         raise ValueError(f"{path} is not UTF-8 (byte {e.start})") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    except (ValueError, RecursionError) as e:  # see jsonl.json_error
+        at = f", line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"{path} is not valid JSON ({json_error(e)}{at})") from None
 
 
 def _generation_eos_ids(d: str, vocab_size: int) -> tuple[int, ...]:

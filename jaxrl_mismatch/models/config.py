@@ -219,6 +219,8 @@ def _read_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
             d = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+        except (ValueError, RecursionError) as e:  # an integer past Python's 4,300 digits; nesting too deep
+            raise ValueError(f"{path} is not valid JSON ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
     return d

@@ -231,7 +231,7 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ModelFilesError(f"{index_path}: not valid JSON ({first_line(e)})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:

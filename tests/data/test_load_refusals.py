@@ -143,7 +143,10 @@ def test_a_task_file_without_records_is_refused_before_the_build(model_dir, tmp_
 # -- finding 6: the tokenizer folder ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("content, needle", [(b'["pad_token"]', "expected a JSON object, got list"),
                                              (b'"eos_token"', "expected a JSON object, got str"),
-                                             (b'\xff\xfe{}', "is not UTF-8")])
+                                             (b'\xff\xfe{}', "is not UTF-8"),
+                                             (b'{"model_max_length": ' + b"9" * 5000 + b"}",
+                                              "is not valid JSON (Exceeds the limit (4300 digits)"),
+                                             (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON (maximum recursion")])
 def test_a_tokenizer_config_that_is_no_utf8_json_object_names_the_file(model_dir, tmp_path, content, needle):
     """A list or a string was a TypeError, bytes that are not UTF-8 a UnicodeDecodeError: exit 1."""
     d = tmp_path / "model"

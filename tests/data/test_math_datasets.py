@@ -1,6 +1,7 @@
 """TFDS builders over tiny local JSONL files: build, read back via as_data_source, clear errors."""
 
 import json
+import re
 
 import pytest
 
@@ -203,3 +204,22 @@ def test_two_processes_building_one_dataset_at_once_both_read_it(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert out.strip().splitlines()[-1] == "2000"  # TFDS prints its own lines before
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"question": "q", "answer": "#### 1", "n": ' + "1" * 5000 + "}", "Exceeds the limit (4300 digits)"),
+    ('{"question": "q", "answer": "#### 1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "maximum recursion depth"),
+])
+def test_a_line_json_refuses_without_a_decode_error_names_file_and_line(tmp_path, line, needle):
+    """An integer past Python's 4,300-digit limit (a plain ValueError) or nesting past the recursion limit (a
+    RecursionError) escaped the JSONDecodeError handlers: a message naming no file, or a traceback."""
+    from jaxrl_mismatch.data.jsonl import read_task_file
+    from jaxrl_mismatch.usage import UsageError
+
+    bad = tmp_path / "b.jsonl"
+    bad.write_text(json.dumps(GSM8K[0]) + "\n" + line + "\n")
+    with pytest.raises(M.DataFormatError, match=rf"b\.jsonl:2: not valid JSON \({re.escape(needle)}"):
+        M.build("gsm8k", {"train": str(bad)}, str(tmp_path / "tfds"))
+    assert not (tmp_path / "tfds").exists()
+    with pytest.raises(UsageError, match=rf"--file .*b\.jsonl:2: not JSON \({re.escape(needle)}"):
+        read_task_file("gsm8k", str(bad), 0)

@@ -242,6 +242,7 @@ def test_save_refuses_a_folder_that_already_holds_weights(llama_tied, tmp_path):
     ('{"metadata": {}}', "expected an object with a non-empty 'weight_map'"),
     ('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}', "not a .safetensors file name in the"),
     ("{not json", "not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON (maximum recursion depth"),
 ])
 def test_a_malformed_shard_index_is_named(llama_tied, tmp_path, index, needle):
     """A TypeError / AttributeError / KeyError traceback before; every job's check expects ModelFilesError."""
@@ -250,3 +251,15 @@ def test_a_malformed_shard_index_is_named(llama_tied, tmp_path, index, needle):
     for load in (lambda: check_model_files(d), lambda: load_hf(d, policy=policy("fp32"))):
         with pytest.raises(ModelFilesError, match=re.escape(needle)):
             load()
+
+
+@pytest.mark.parametrize("value, needle", [("9" * 5000, "Exceeds the limit (4300 digits)"),
+                                           ("[" * 100_000 + "]" * 100_000, "maximum recursion depth")])
+def test_a_config_json_python_cannot_parse_is_named(llama_tied, tmp_path, value, needle):
+    """An integer past Python's 4,300 digits (a plain ValueError, not a JSONDecodeError) gave a message naming no
+    file; nesting past the recursion limit was a RecursionError traceback."""
+    d = _copy_checkpoint(llama_tied, tmp_path / "x")
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text.replace("{", '{"extra": ' + value + ", ", 1))
+    with pytest.raises(ValueError, match=re.escape(f"{d / 'config.json'} is not valid JSON ({needle}")):
+        load_hf(d, policy=policy("fp32"))
