@@ -104,7 +104,9 @@ def ref_kl_k3(logp: TokenFloat, ref_logp: TokenFloat, mask: TokenMask) -> TokenF
     """Per-token k3 estimate of KL(π‖π_ref): ``exp(q) − q − 1``, ``q = log π_ref − log π`` (GRPO eq. 4, Schulman's k3).
 
     ``q`` is a clamped, masked log-difference (``ratios.LOG_RATIO_CLAMP``), so padding (even non-finite) gives
-    exactly 0 and the value stays finite; ≥ 0 everywhere. Differentiable in ``logp``.
+    exactly 0 and the value stays finite; ≥ 0 everywhere. Differentiable in ``logp``. The clamp is two-sided, as
+    verl's ``low_var_kl`` (which also caps the value at 10): a token whose π exceeds π_ref by more than e^20 (a
+    reference log-prob of −inf included) gives 19 and no gradient, so the penalty holds no token past 20 nats.
     """
     q = masked_log_diff(ref_logp, logp, mask)
     return jnp.where(as_bool_mask(mask), jnp.expm1(q) - q, 0.0)
