@@ -211,3 +211,62 @@ def test_report_text_and_bad_steps(tmp_path, capsys):
     assert "steps: 6" in summary and "val/accuracy: first 0.2 → last nan" in summary
     assert "reward/mean: first 0.5 → last inf" in summary and "reward/mean: 1 step" in summary
     plt.close("all")
+
+
+def test_moving_average_sums_each_window_on_its_own():
+    """A running sum read the 0.01s after a 3e17 spike as 0 and kept an overflow (inf) to the end of the run."""
+    from jaxrl_mismatch.report.summary import moving_average
+
+    ys = moving_average([0.01] * 30 + [3e17] + [0.01] * 30, 10)
+    assert ys[45:50] == pytest.approx([0.01] * 5) and ys[35] == pytest.approx(3e16)
+    assert moving_average([1.0] * 5 + [1e308] * 2 + [1.0] * 20, 2)[-3:] == [1.0, 1.0, 1.0]
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+
+
+def test_a_metric_logged_only_as_nan_is_not_called_unlogged_and_greedy_accuracy_is_still_drawn(tmp_path):
+    import unittest.mock
+
+    run = tmp_path / "nanall"
+    w = RunWriter(str(run), tensorboard=False)
+    for s in range(2):
+        w.write(s, {"reward/mean": float("nan"), "val/accuracy": float("nan"), "val/greedy_accuracy": 0.5 + 0.1 * s})
+    w.close()
+    figs = []
+    with unittest.mock.patch.object(plot, "save_figure", lambda f, out, **kw: figs.append(f)), \
+            unittest.mock.patch.object(plot.plt, "close"):
+        assert plot.main([str(run)]) == 0
+    panels = {ax.get_title(): ax for ax in figs[0].axes[:-1]}
+    reward = next(ax for t, ax in panels.items() if "reward" in t.lower() and "val" not in t.lower())
+    assert [t.get_text() for t in reward.texts] == [plot.NO_FINITE]
+    val = next(ax for t, ax in panels.items() if "valid" in t.lower())
+    assert [list(ln.get_ydata()) for ln in val.get_lines()] == [pytest.approx([0.5, 0.6])]
+    assert not val.texts
+    summary = figs[0].axes[-1].texts[0].get_text()
+    assert "reward/mean: 2 steps" in summary and "val/accuracy: 2 steps" in summary
+    plt.close("all")
+
+
+def test_an_overlay_names_a_run_it_could_not_draw_and_gives_every_run_its_own_colour(tmp_path):
+    import unittest.mock
+
+    good = [{"step": s, "reward/mean": 0.5, "val/greedy_accuracy": 0.3} for s in range(5)]
+    diverged = [{"step": s, "reward/mean": float("nan")} for s in range(5)]
+    legends = []
+    real = plt.Axes.legend
+
+    def spy(ax, *args, **kw):
+        legends.append(list(args[1]) if len(args) > 1 else None)
+        return real(ax, *args, **kw)
+
+    with unittest.mock.patch.object(plt.Axes, "legend", spy):
+        plot.plot_overlay({"good": [good], "diverged": [diverged]}, str(tmp_path / "o.png"),
+                          panels=(("reward", ("reward/mean",), "linear"), ("val", ("val/accuracy",), "linear")))
+    assert legends == [["good", "diverged (no finite value in any panel)"]]
+    many = {f"run{i}": [[{"step": s, "reward/mean": float(i)} for s in range(3)]] for i in range(22)}
+    colours = []
+    real_draw = plot._draw_group
+    with unittest.mock.patch.object(plot, "_draw_group", lambda ax, n, runs, c, sm=None: (
+            colours.append(tuple(np.round(c, 6))), real_draw(ax, n, runs, c, sm))[1]):
+        plot.plot_overlay(many, str(tmp_path / "many.png"), panels=(("reward", ("reward/mean",), "linear"),))
+    assert len(colours) == 22 and len(set(colours)) == 22
+    plt.close("all")

@@ -21,6 +21,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 from jaxrl_mismatch.report.summary import by_step, moving_average, series, value  # noqa: E402
 from jaxrl_mismatch.runlog import read_run  # noqa: E402
@@ -143,8 +145,13 @@ SMOOTH_WINDOW, SMOOTH_MIN_POINTS = 10, 20  # per-step values are noisy (one roll
 
 
 def _logged_name(runs: Sequence[Sequence[Mapping[str, Any]]], names: Sequence[str]) -> str | None:
-    """The first of a panel's metric names that any of `runs` logged."""
-    return next((n for n in names if any(series(r, n)[0] for r in runs)), None)
+    """The first of a panel's metric names that any of `runs` logged with a finite value, else the first logged
+    only as NaN/inf (the panel says so: a diverged metric is not "not logged"), else None."""
+    return next((n for n in names if any(series(r, n)[0] for r in runs)),
+                next((n for n in names if any(series(r, n, finite=False)[0] for r in runs)), None))
+
+
+NO_FINITE = "logged, but NaN/inf only"
 
 
 # Overlays show only the smoothed line (no faint raw series under it), so the response length, which the
@@ -192,23 +199,26 @@ def make_report(run_dir: str, out: str | None = None) -> str:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
         xs, ys = series(records, name)
+        gx, gy = series(records, "val/greedy_accuracy") if name == "val/accuracy" else ([], [])
+        if not xs and not gx:
+            ax.text(0.5, 0.5, NO_FINITE, ha="center", va="center", transform=ax.transAxes)
+            continue
         marker = "o" if len(xs) < 30 else None
         if _smoothed(name, ys):
             # Per-step values are noisy (one rollout batch each): show them faintly under a moving average.
             ax.plot(xs, ys, lw=0.8, alpha=0.35)
             ax.plot(xs, moving_average(ys, SMOOTH_WINDOW), lw=2.0, label=f"{SMOOTH_WINDOW}-step mean")
             ax.legend(fontsize=8)
-        else:
+        elif xs:
             ax.plot(xs, ys, marker=marker, lw=1.5, label=name)
-        if name == "val/accuracy" and series(records, "val/greedy_accuracy")[0]:
-            gx, gy = series(records, "val/greedy_accuracy")
-            ax.plot(gx, gy, marker=marker, lw=1.5, ls="--", label="val/greedy_accuracy")
+        if gx:  # drawn even where sampled accuracy is NaN at every evaluation
+            ax.plot(gx, gy, marker="o" if len(gx) < 30 else None, lw=1.5, ls="--", label="val/greedy_accuracy")
             ax.legend(fontsize=8)
         if name == "length/mean" and surge_step is not None:
             ax.axvline(surge_step, color="red", ls="--", label=f"surge onset (step {int(surge_step)}"
                        + (f", detected at {int(detected)})" if detected is not None else ")"))
             ax.legend(fontsize=8)
-        _finish_axis(ax, scale, ys)
+        _finish_axis(ax, scale, ys + gy)
     # Last panel: a text summary of the run.
     ax = axes.flat[-1]
     ax.axis("off")
@@ -219,7 +229,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
         if ys:
             lines.append(f"{key}: first {ys[0]:.4g} → last {ys[-1]:.4g}")
     skipped = {key: len(series(records, key, finite=False)[0]) - len(series(records, key)[0])
-               for _, names, _ in PANELS for key in names}
+               for key in dict.fromkeys([*(key for _, names, _ in PANELS for key in names), "val/greedy_accuracy"])}
     if any(skipped.values()):  # the panels cannot draw them: say so rather than let a gap pass unnoticed
         lines += ["not drawn (NaN/inf):",
                   *(f"  {key}: {n} step{'s' if n > 1 else ''}" for key, n in skipped.items() if n)]
@@ -294,17 +304,19 @@ def _draw_group(ax, name: str, runs: Sequence[Sequence[Mapping[str, Any]]], colo
     single-run report."""
     smooth = _smooth_panel(name, runs) if smooth is None else smooth
     curves = [c for c in (_curve(r, name, smooth) for r in runs) if c[0]]
-    if not curves:
-        return None, [], False, False
-    steps, mean, lo, hi = _across([(c[0], c[1]) for c in curves])
-    (line,) = ax.plot(steps, mean, color=color, lw=1.6, marker="o" if len(steps) < 30 else None, ms=3)
-    if len(curves) > 1:
-        ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
     greedy = [c for c in (series(r, "val/greedy_accuracy") for r in runs) if c[0]] if name == "val/accuracy" else []
-    if greedy:
+    line, values = None, []
+    if curves:
+        steps, mean, lo, hi = _across([(c[0], c[1]) for c in curves])
+        (line,) = ax.plot(steps, mean, color=color, lw=1.6, marker="o" if len(steps) < 30 else None, ms=3)
+        if len(curves) > 1:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.18, lw=0)
+        values = lo + hi
+    if greedy:  # drawn even where sampled accuracy is NaN at every evaluation
         gx, gy, _, _ = _across(greedy)
-        ax.plot(gx, gy, color=color, lw=1.2, ls="--", marker="o" if len(gx) < 30 else None, ms=2)
-    return line, lo + hi, any(c[2] for c in curves), bool(greedy)
+        (dashed,) = ax.plot(gx, gy, color=color, lw=1.2, ls="--", marker="o" if len(gx) < 30 else None, ms=2)
+        line, values = line or dashed, values + gy
+    return line, values, any(c[2] for c in curves), bool(greedy)
 
 
 def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], out: str, *,
@@ -312,7 +324,9 @@ def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], ou
     """One panel per metric, one line per group: the mean over the group's runs (seeds) with a shaded
     min–max band where a group has several runs. `groups`: label -> the step records of each run.
     Returns `out`."""
-    colors = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors
+    # tab20 repeats from the 21st line on: more groups get as many evenly spaced colours of a continuous map
+    colors = (plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors if len(groups) <= 20
+              else plt.get_cmap("turbo")(np.linspace(0.0, 1.0, len(groups))))
     ncols = 4
     nrows = math.ceil((len(panels) + 1) / ncols)  # +1: the legend's cell
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.9 * nrows), squeeze=False)
@@ -326,6 +340,11 @@ def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], ou
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
             continue
         drawn, smoothed = [], False
+        if not any(series(r, name)[0] or (name == "val/accuracy" and series(r, "val/greedy_accuracy")[0])
+                   for r in all_runs):
+            ax.set_title(panel_title, fontsize=10)
+            ax.text(0.5, 0.5, NO_FINITE, ha="center", va="center", transform=ax.transAxes)
+            continue
         smooth_all = _smooth_panel(name, all_runs)  # one choice for every line of the panel: the title says it
         for i, (label, runs) in enumerate(groups.items()):
             line, values, smooth, greedy = _draw_group(ax, name, runs, colors[i % len(colors)], smooth_all)
@@ -336,6 +355,10 @@ def plot_overlay(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], ou
         _finish_axis(ax, scale, drawn)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    for i, (label, runs) in enumerate(groups.items()):  # a run drawn in no panel (all NaN) is still named
+        if label not in handles:
+            handles[f"{label} (no finite value in any panel)"] = (
+                Line2D([], [], color=colors[i % len(colors)], lw=1.6, ls=":"), len(runs))
     notes = ["line: mean over seeds; band: min–max over seeds"] if any(len(r) > 1 for r in groups.values()) else []
     notes += ["dashed: greedy validation accuracy"] if dashed else []
     axes.flat[len(panels)].legend(

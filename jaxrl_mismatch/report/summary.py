@@ -76,14 +76,13 @@ def trailing_median(ys: Sequence[float], window: int) -> list[float]:
 
 
 def moving_average(ys: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over the last `window` values (over all values so far for the first window - 1)."""
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y
-        if i >= window:
-            acc -= ys[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+    """Trailing mean over the last `window` values (over all values so far for the first window - 1).
+
+    Each window is summed on its own: a running sum (add the new value, subtract the one leaving) loses the small
+    values after a spike to rounding (0.01s after a 3e17 read as 0) and keeps an overflow (inf) for good. Each value
+    is divided before the sum, so a window of values near float's maximum does not overflow either."""
+    ys = np.asarray(ys, np.float64)
+    return [float(np.sum(ys[max(0, i + 1 - window): i + 1] / min(i + 1, window))) for i in range(len(ys))]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
