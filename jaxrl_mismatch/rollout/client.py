@@ -419,7 +419,10 @@ class RolloutClient:
                 raise EngineMismatchError(f"tensor {name!r}: shape {arr.shape} != engine's {spec.shape}")
             want = wire_dtype(spec.dtype)
             if arr.dtype != want:
-                if not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
+                # float to float rounds as the engine's precision says; another byte order is the same values. A
+                # float into an integer spec truncated and wrapped (1.7, 300 → 1, 44 in int8): refused.
+                floats = all(np.issubdtype(d, np.floating) or d.name == "bfloat16" for d in (arr.dtype, want))
+                if not (floats or arr.dtype.newbyteorder("=") == want):
                     raise EngineMismatchError(f"tensor {name!r}: dtype {arr.dtype} cannot be sent as {spec.dtype}")
                 arr = arr.astype(want)
             wire[name] = arr

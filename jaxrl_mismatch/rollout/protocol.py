@@ -226,6 +226,8 @@ def completion_from_proto(pb: rollout_pb2.Completion) -> Completion:
     routing = None
     if pb.HasField("routing"):
         routing = routing_from_proto(pb.routing, pb.routing.num_prompt_tokens + len(pb.token_ids))
+    if len(pb.logprobs) != len(pb.token_ids):  # a short list would surface later as a padding error, not the RPC's
+        raise MalformedMessageError(f"malformed completion: {len(pb.logprobs)} logprobs for {len(pb.token_ids)} tokens")
     if pb.kept_counts and len(pb.kept_counts) != len(pb.token_ids):
         raise MalformedMessageError(f"malformed completion: {len(pb.kept_counts)} kept_counts for "
                                     f"{len(pb.token_ids)} tokens")

@@ -244,6 +244,17 @@ def test_malformed_response_is_a_rollout_error_naming_it(served, monkeypatch):
         client.generate([[1]], SamplingSpec(max_tokens=2))
 
 
+def test_a_completion_with_fewer_logprobs_than_tokens_is_malformed(served, monkeypatch):
+    """It was returned as if whole: the mismatch surfaced later as a padding ValueError, not a transport error."""
+    engine, server, _ = served
+    bad = Completion(token_ids=[1, 2, 3], logprobs=[-0.5], finish_reason="length", weight_version=0)
+    monkeypatch.setattr(engine, "generate", lambda prompts, spec: [[bad]])
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    with pytest.raises(RolloutError, match=r"Generate on 127\.0\.0\.1:\d+: malformed completion: 1 logprobs for 3 "
+                                           r"tokens"):
+        client.generate([[1]], SamplingSpec(max_tokens=3))
+
+
 def test_client_check_names_the_first_non_finite_logprob():
     """The client's own check of every response (independent of the server's): crafted completions."""
     ok = Completion(token_ids=[1, 2], logprobs=[-0.5, -1.5], finish_reason="length", weight_version=4)
@@ -595,3 +606,22 @@ def test_client_reports_the_servers_request_limits_and_split_requests_fit(served
         assert len(request_chunks(prompts, spec, limits)) == 2
         outs = session.generate(prompts, spec)  # two requests, each within the limits
         assert len(outs) == 40 and all(len(g) == 5 for g in outs)
+
+
+def test_a_float_tensor_is_not_cast_into_an_integer_spec_and_another_byte_order_is_sent():
+    """A float pushed to an int8 spec was truncated and wrapped (1.7, -3.9, 300 → 1, -3, 44) and served; a
+    big-endian uint16 tensor, the same values, was refused."""
+    engine = FakeEngine()
+    engine.weights = {"w": np.zeros(3, np.int8), "b": np.zeros(2, np.uint16)}
+    server = RolloutServer(port=0, token=TOKEN)
+    server.attach(engine)
+    try:
+        client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+        with pytest.raises(EngineMismatchError, match=r"tensor 'w': dtype float32 cannot be sent as int8"):
+            client.push_weights({"w": np.array([1.7, -3.9, 300], np.float32), "b": np.zeros(2, np.uint16)}, version=1)
+        assert engine.weights["w"].tolist() == [0, 0, 0]
+        client.push_weights({"w": np.array([1, -3, 44], np.int8), "b": np.array([7, 513], ">u2")}, version=1)
+        assert engine.weights["w"].tolist() == [1, -3, 44] and engine.weights["b"].tolist() == [7, 513]
+        client.close()
+    finally:
+        server.stop(0)
