@@ -9,7 +9,10 @@ model (same values a W8A16 kernel multiplies) while the matmuls stay the engine'
 Methods (both symmetric, one scale per output channel, i.e. per column of our `[in, out]` kernels, per
 expert for stacked `[experts, in, out]` weights; the reduction runs over the `in` axis, -2):
 - ``int8``: absmax scaling, s = max|W[:, j]| / 127, q = clip(round(W / s), -127, 127) (round half to
-  even), W_q = q·s. Weight-only (activations stay in the compute dtype): |W_q − W| ≤ s/2.
+  even), W_q = q·s. Weight-only (activations stay in the compute dtype): |W_q − W| ≤ s/2 for float32 weights;
+  dequantized back to a bf16 / fp16 weight dtype, W_q is rounded once more to that dtype, as a kernel that
+  dequantizes to the half dtype before its matmul does (Marlin-style W8A16), adding up to half an ulp of W_q
+  (2⁻⁸·|W_q| bf16, 2⁻¹¹·|W_q| fp16; near |q| = 127 in bf16 that is up to ~0.5·s, so about s in all).
 - ``fp8``: e4m3 (`jnp.float8_e4m3fn`, max 448), s = max|W[:, j]| / 448, q = fp8(clip(W / s, ±448)),
   W_q = q·s: relative error ≤ 2⁻⁴ in the normal range, absolute ≤ 2⁻¹⁰·s among subnormals.
 

@@ -36,6 +36,20 @@ def test_int8_per_channel_scales_and_error_bound():
     assert rel.max() < 0.5 / 127 + 1e-6
 
 
+@pytest.mark.parametrize("dtype, half_ulp", [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
+def test_int8_error_bound_in_a_half_weight_dtype_adds_one_rounding(dtype, half_ulp):
+    """Dequantized to bf16 / fp16, W_q is rounded once more: s/2 alone (the float32 bound) is broken (bf16 reached
+    0.93·s), s/2 plus half an ulp of W_q holds."""
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(256, 64)) * 0.05, dtype)
+    _, s = q.quantize_int8(w)
+    wq = q.fake_quantize(w, "int8")
+    assert wq.dtype == w.dtype
+    err = np.abs(np.asarray(wq, np.float64) - np.asarray(w, np.float64))
+    s = np.asarray(s, np.float64)
+    assert np.any(err > s / 2 * (1 + 1e-6))  # the extra rounding is real
+    assert np.all(err <= (s / 2 + half_ulp * np.abs(np.asarray(wq, np.float64))) * (1 + 1e-6))
+
+
 def test_fp8_e4m3_error_bound_and_range():
     w = _weights(seed=1)
     codes, s = q.quantize_fp8(w)
