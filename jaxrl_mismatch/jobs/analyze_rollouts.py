@@ -359,6 +359,11 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
         stop_ids, tok_vocab = tuple(a.stop_ids), None
     else:
         prompts, stop_ids, tok_vocab = task_prompts(a)
+    if len(prompts) < a.num_prompts:  # a file's first --num-prompts records: all of them when it holds fewer
+        print(f"analyze: {'--prompt-ids ' + a.prompt_ids if a.prompt_ids else '--file ' + str(a.file)} holds "
+              f"{len(prompts)} prompts, fewer than --num-prompts {a.num_prompts}: sampling all {len(prompts)}",
+              flush=True)
+        a.num_prompts = len(prompts)  # summary.json's settings say what was sampled (they said 100 for 12)
     longest = max(len(p) for p in prompts)
     limit = cfg.max_position_embeddings
     if limit is not None and longest + a.max_tokens > limit:

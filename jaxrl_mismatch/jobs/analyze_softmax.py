@@ -94,10 +94,12 @@ def _sample_index(p: Float[Array, "*rows vocab"], u: Float[Array, " draws"]) -> 
 
 def _kl_low_vs_ref(p_low: Float[Array, "*rows vocab"], z: Float[Array, "*rows vocab"]) -> Float[Array, "*rows"]:
     """KL(p̃/Σp̃ ‖ p) over the vocabulary, float32 (0·log 0 = 0), with log p = log_softmax(z): log(softmax(z))
-    was −inf where p underflowed in float32 while p̃ > 0 (large scales), an infinite KL for a finite one."""
+    was −inf where p underflowed in float32 while p̃ > 0 (large scales), an infinite KL for a finite one. Clamped at
+    0: a KL is never negative, and the two logs' float32 rounding made p̃ = p (a float32 "low" dtype) read −4e-8."""
     q = p_low / jnp.sum(p_low, axis=-1, keepdims=True)
     safe = jnp.where(q > 0, q, 1.0)
-    return jnp.sum(jnp.where(q > 0, q * (jnp.log(safe) - jax.nn.log_softmax(z, axis=-1)), 0.0), axis=-1)
+    kl = jnp.sum(jnp.where(q > 0, q * (jnp.log(safe) - jax.nn.log_softmax(z, axis=-1)), 0.0), axis=-1)
+    return jnp.maximum(kl, 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("vocab", "tokens", "dtype", "shared_logits"))

@@ -89,11 +89,15 @@ def test_rollouts_three_precision_pairs_end_to_end(tiny_model, tmp_path, capsys)
     ckpt, prompts = tiny_model
     out = tmp_path / "out"
     rc = analyze.main(["rollouts", "--model", str(ckpt), "--prompt-ids", str(prompts), "--stop-ids", "5,7",
-                       "--pairs", "fp32:float32,bf16:bfloat16,fp16:float16", "--num-prompts", "12", "--n", "4",
+                       "--pairs", "fp32:float32,bf16:bfloat16,fp16:float16", "--num-prompts", "100", "--n", "4",
                        "--max-tokens", "48", "--seed", "1", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "bf16:bfloat16 over fp16:float16" in printed
+    # the file holds 12 prompts: all sampled, said, and the settings record 12 (they said 100)
+    assert f"--prompt-ids {prompts} holds 12 prompts, fewer than --num-prompts 100: sampling all 12" in printed
+    settings = json.loads((out / "summary.json").read_text())["settings"]
+    assert settings["num_prompts"] == 12 and settings["n"] == 4
     for f in ("summary.json", "pairs.md", "analysis.png"):
         assert (out / f).is_file(), f
     summary = json.loads((out / "summary.json").read_text())["pairs"]

@@ -69,7 +69,7 @@ def test_simulation_is_deterministic_per_seed_and_independent_of_token_count():
 def test_fp32_ratio_is_exactly_one_and_fp16_spreads_less_than_bf16():
     p_ref, p_low, kl = _sim(0, vocab=256, tokens=4000, dtype="float32")
     np.testing.assert_array_equal(p_ref, p_low)
-    assert np.all(np.abs(kl) < 1e-6)  # float32 rounding of the renormalisation only
+    assert np.all((kl >= 0) & (kl < 1e-6))  # float32 rounding only, never below 0 (rows read −4e-8 before)
     bf16 = analyze_softmax.ratio_stats(*_sim(0, vocab=256, tokens=4000, dtype="bfloat16")[:2])
     fp16 = analyze_softmax.ratio_stats(*_sim(0, vocab=256, tokens=4000, dtype="float16")[:2])
     # 3 more mantissa bits: 8x finer rounding; the ratio's spread shrinks by about that much
