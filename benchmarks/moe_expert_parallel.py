@@ -48,10 +48,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "moe_expert_parallel.json"))
     a = ap.parse_args()
     check_out("--out", a.out, __file__)
-    if a.rows % DEVICES or a.seq > MODEL["max_position_embeddings"]:
-        print(f"error: --rows must be a multiple of {DEVICES} and --seq at most {MODEL['max_position_embeddings']}, "
-              f"got {a.rows}, {a.seq}", file=sys.stderr)
-        return 2
+    if a.rows % DEVICES:
+        ap.error(f"--rows must be a multiple of {DEVICES}, got {a.rows}")
+    if not 2 <= a.seq <= MODEL["max_position_embeddings"]:  # one token leaves nothing to predict
+        ap.error(f"--seq must be in [2, {MODEL['max_position_embeddings']}], got {a.seq}")
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -65,6 +65,9 @@ def test_check_fits_refuses_an_array_larger_than_memory_in_one_line(capsys):
     ("metrics_overhead.py", ["--vocab", "99999999999"], "argument --vocab: expected an integer in 1..2147483647"),
     # an unknown preset: a ValueError traceback before
     ("metrics_overhead.py", ["--preset", "bogus"], "argument --preset: invalid choice: 'bogus' (choose from 'grpo'"),
+    # one token per sequence leaves nothing to predict: a ZeroDivisionError traceback inside the measurement
+    ("moe_expert_parallel.py", ["--seq", "1"], "--seq must be in [2, 512], got 1"),
+    ("moe_expert_parallel.py", ["--rows", "12"], "--rows must be a multiple of 8, got 12"),
 ])
 def test_a_count_or_choice_out_of_range_is_one_line(script, args, needle, tmp_path):
     line = _one_line(_run(script, *args, "--out", str(tmp_path / "r.json")), f"error: {script}: ")
