@@ -6,7 +6,7 @@ attribute} --out`, a train's warm start into `model.path`):
 - the target must be new, an empty directory, or a directory carrying this project's marker file of
   the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
   replacing such a previous output needs `--force`, and the marker lists what was written (each file with its
-  size and mtime), so `--force` refuses an output that holds anything added or changed since; anything else
+  size and mtime, each folder or link as such), so `--force` refuses an output that holds anything added or changed since; anything else
   (user files, a run directory, a file, a symbolic link) is refused with one line naming it and saying how to
   proceed (`UsageError`, exit 2);
 - everything is written into a temporary sibling (`.<name>.tmp-<random>`) and renamed into place at the
@@ -71,13 +71,41 @@ def file_fingerprint(path: str) -> str | None:
     return f"{st.st_size}\t{st.st_mtime_ns}" if stat.S_ISREG(st.st_mode) else None
 
 
+def _entry_kind(path: str) -> str | None:
+    """What a marker records of an entry that is not a regular file: "dir", "link" or "other" (None: nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    return "dir" if stat.S_ISDIR(mode) else "link" if stat.S_ISLNK(mode) else "other"
+
+
+_KINDS = ("dir", "link", "other")
+_UNKNOWN = "?"  # the oldest markers list names only: a change goes unseen
+
+
 def _marker_lines(root: str) -> list[str]:
-    """The marker's listing of `root`: every entry, a regular file's with its fingerprint."""
+    """The marker's listing of `root`: every entry, a regular file's with its fingerprint, any other's with its kind
+    (a user's file where the output had a folder is then "changed", not the output's own)."""
     lines = []
     for rel in sorted(_entries(root)):
         fp = file_fingerprint(os.path.join(root, rel))
-        lines.append(rel if fp is None else f"{rel}\t{fp}")
+        lines.append(f"{rel}\t{_entry_kind(os.path.join(root, rel))}" if fp is None else f"{rel}\t{fp}")
     return lines
+
+
+def _changed(path: str, written: str | None) -> bool:
+    """Whether the entry at `path` differs from the marker's record of it: a file's fingerprint, another entry's
+    kind; a bare name (markers before kinds were recorded) was a folder or a link, so a regular file there now is
+    not what was written (without this, --force deleted a user's file put where the output had a folder); the
+    oldest markers' names tell nothing (`_UNKNOWN`)."""
+    if written == _UNKNOWN:
+        return False
+    if written is None:
+        return file_fingerprint(path) is not None
+    if written in _KINDS:
+        return _entry_kind(path) != written
+    return file_fingerprint(path) != written
 
 
 def _foreign_entries(path: str, kind: str) -> list[str] | None:
@@ -92,16 +120,17 @@ def _foreign_entries(path: str, kind: str) -> list[str] | None:
             parts = line.rsplit("\t", 2)
             if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
                 written[parts[0]] = f"{parts[1]}\t{parts[2]}"
+            elif (kind_of := line.rsplit("\t", 1))[-1] in _KINDS and len(kind_of) == 2:
+                written[kind_of[0]] = kind_of[1]
             else:
                 written[line] = None
     elif _MARKER_LIST in lines:
-        written = dict.fromkeys(lines[lines.index(_MARKER_LIST) + 1:])
+        written = dict.fromkeys(lines[lines.index(_MARKER_LIST) + 1:], _UNKNOWN)
     else:
         return None
     present = _entries(path) - {marker_name(kind)}
     foreign = sorted(present - set(written))
-    changed = sorted(rel for rel in present & set(written)
-                     if written[rel] is not None and file_fingerprint(os.path.join(path, rel)) != written[rel])
+    changed = sorted(rel for rel in present & set(written) if _changed(os.path.join(path, rel), written[rel]))
     return foreign + [f"{rel} (changed since written)" for rel in changed]
 
 

@@ -151,7 +151,11 @@ def _split_at(path: str, step: int) -> tuple[list[bytes], list[bytes]]:
 
 def _write_atomic(path: str, lines: list[bytes]) -> None:
     """`lines` as the file `path`, through `outputs.staged_file` (a hidden temporary sibling, made durable and
-    renamed into place: a crash leaves the old file or the new one)."""
+    renamed into place: a crash leaves the old file or the new one). A symbolic link to a file is written through,
+    as the log's appends are: renaming over the link replaced the user's link with a plain file, and left its
+    target holding the records the resume redoes."""
+    if os.path.islink(path) and os.path.isfile(path):
+        path = os.path.realpath(path)
     with staged_file(path) as tmp, open(tmp, "wb") as f:
         f.writelines(lines)
 

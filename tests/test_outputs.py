@@ -62,6 +62,27 @@ def test_force_refuses_an_earlier_output_whose_files_changed_since(tmp_path, edi
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
+@pytest.mark.parametrize("marker", ["with kinds", "bare folder names"])
+def test_force_refuses_a_users_file_put_where_the_output_had_a_folder(tmp_path, marker):
+    """A folder has no fingerprint, so its entry went unchecked: --force deleted a user's file that had taken the
+    folder's name. The marker records each entry's kind now; a bare name (markers before) was no regular file."""
+    out = tmp_path / "out"
+    _write(out)
+    if marker == "bare folder names":
+        m = out / marker_name(KIND)
+        m.write_text(m.read_text().replace("sub\tdir\n", "sub\n"))
+    assert "sub\tdir\n" in (out / marker_name(KIND)).read_text() or marker != "with kinds"
+    (out / "sub" / "b.txt").unlink()
+    (out / "sub").rmdir()
+    (out / "sub").write_text("USER DATA")
+    with pytest.raises(UsageError, match=r"changed since \(sub \(changed since written\)\)"):
+        _write(out, files=("c.txt",))
+    assert (out / "sub").read_text() == "USER DATA"
+    _write(tmp_path / "again")  # unchanged folders still pass
+    _write(tmp_path / "again", files=("c.txt",))
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == [marker_name(KIND), "c.txt"]
+
+
 def test_force_accepts_an_earlier_output_whose_marker_lists_names_only(tmp_path):
     """Outputs written before the marker carried sizes and mtimes (names only) are still replaced by --force
     when they hold nothing else, as before."""

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -141,3 +142,22 @@ def test_a_resume_never_writes_through_a_dangling_metrics_link(tmp_path, capsys)
     assert read_jsonl(str(run / "metrics.jsonl")) == [{"step": 3, "loss": 1.0}]
     (aside,) = run.glob("metrics.jsonl.replaced-*")
     assert aside.is_symlink() and "a dangling symbolic link; kept as" in capsys.readouterr().err
+
+
+def test_a_resume_and_an_amend_write_through_a_live_metrics_link(tmp_path, capsys):
+    """The resume's cut renamed a new file over the user's link: the link was gone and its target still held the
+    records the resume redoes. The cut (and an amend) now rewrite the target, as the appends always did."""
+    run, shared = tmp_path / "run", tmp_path / "shared_metrics.jsonl"
+    run.mkdir()
+    shared.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(-1, 6)))
+    (run / "metrics.jsonl").symlink_to(shared)
+    w = RunWriter(str(run), resume_from_step=3, tensorboard=False)
+    w.write(3, {"loss": 30.0})
+    w.amend(3, {"val/accuracy": 0.5})
+    w.close()
+    assert (run / "metrics.jsonl").is_symlink() and os.readlink(run / "metrics.jsonl") == str(shared)
+    assert [r["step"] for r in read_jsonl(str(shared))] == [-1, 0, 1, 2, 3]
+    assert read_jsonl(str(shared))[-1] == {"step": 3, "loss": 30.0, "val/accuracy": 0.5}
+    (aside,) = run.glob("metrics.jsonl.cut-*")  # the redone steps' first records, kept in the run directory
+    assert [r["step"] for r in read_jsonl(str(aside))] == [3, 4, 5]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shared_metrics")]
