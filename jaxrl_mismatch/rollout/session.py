@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+import grpc
 import numpy as np
 
 from jaxrl_mismatch.rollout.client import RetryPolicy, RolloutClient, RolloutError, ServerRestartedError
@@ -147,8 +148,30 @@ class RolloutSession:
             part = [list(p) for p in prompts[chunk]]
             # Each prompt keeps its place in the batch, so the split does not change what is sampled.
             sub = dataclasses.replace(spec, prompt_offset=spec.prompt_offset + chunk.start)
-            out += self._recovering("Generate", lambda part=part, sub=sub: self.client.generate(part, sub))
+            out += self._recovering("Generate", lambda part=part, sub=sub: self._generate_within_limits(part, sub))
         return out
+
+    def _generate_within_limits(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """One request cut under the limits in force when it was cut, split again if they have since tightened (a
+        server restarted with other limits, noticed by `_recovering`: its retry resent the oversized request)."""
+        out: list[list[Completion]] = []
+        for piece in request_chunks(prompts, spec, self.limits):
+            sub = dataclasses.replace(spec, prompt_offset=spec.prompt_offset + piece.start)
+            out += self.client.generate(prompts[piece], sub)
+        return out
+
+    def _restarted_unseen(self, e: RolloutError) -> bool:
+        """Whether a refused call (INVALID_ARGUMENT) came from a server process this session has not seen yet: a
+        restarted server refuses a request over its new limits before any Generate could report its new id, so
+        without this GetInfo every later Generate was refused until the next push."""
+        if e.code != grpc.StatusCode.INVALID_ARGUMENT:
+            return False
+        seen = self.client.server_id
+        try:
+            self.client.info()
+        except RolloutError:
+            return False
+        return self.client.server_id != seen
 
     def set_server_check(self, check: Callable[[RolloutClient], None] | None) -> None:
         """Run `check(client)` on every server process that comes back (it raises a RolloutError to refuse it)."""
@@ -185,12 +208,16 @@ class RolloutSession:
         except ServerRestartedError:
             log.warning("%s: the rollout server restarted; pushing weights version %d again", what, self.version)
         except RolloutError as e:
-            if self.server is None or not self.restart or self.server.alive():
+            if self._restarted_unseen(e):
+                log.warning("%s: refused by a restarted rollout server (%s); pushing weights version %d again",
+                            what, e, self.version)
+            elif self.server is None or not self.restart or self.server.alive():
                 raise
-            log.warning("rollout server died during %s (%s); restarting it on port %d", what, e, self.server.port)
-            self.server.start()
-            self.client.wait_until_ready(self.ready_timeout_s)
-            self.client.info()  # notice the new server id now
+            else:
+                log.warning("rollout server died during %s (%s); restarting it on port %d", what, e, self.server.port)
+                self.server.start()
+                self.client.wait_until_ready(self.ready_timeout_s)
+                self.client.info()  # notice the new server id now
         self._returned()
         if self._weights is not None:
             self.client.push_weights(self._weights, self.version)

@@ -625,3 +625,34 @@ def test_a_float_tensor_is_not_cast_into_an_integer_spec_and_another_byte_order_
         client.close()
     finally:
         server.stop(0)
+
+
+def test_a_server_restarted_with_tighter_limits_before_a_generate_gets_requests_it_takes():
+    """Restarted between a push and a Generate with a smaller per-request limit, the server refused the session's
+    chunks (INVALID_ARGUMENT) before any Generate could report its new id: every Generate failed until the next
+    push. A refused call now asks GetInfo whether the server changed; the session recovers (re-push, new limits)
+    and the retry is split under them, sampling the same completions."""
+    from jaxrl_mismatch.rollout.session import RolloutSession
+
+    server = RolloutServer(port=0, token=TOKEN)
+    server.attach(FakeEngine())
+    port = server.port
+    client = RolloutClient(f"127.0.0.1:{port}", token=TOKEN, wait_ready_s=10)
+    session = RolloutSession(client, restart=False)
+    session.push({"w": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.ones(3, np.float32)})
+    prompts, spec = [[1, 2]] * 20, SamplingSpec(n=3, max_tokens=4)
+    before = session.generate(prompts, spec)
+    server.stop(0)
+    engine = FakeEngine()
+    server = RolloutServer(port=port, token=TOKEN, limits=Limits(max_request_completion_tokens=36))  # 3 prompts
+    server.attach(engine)
+    try:
+        after = session.generate(prompts, spec)
+        assert after == before and engine.version == 1 and engine.update_calls == 1
+        assert session.restarts == 1 and session.limits.max_request_completion_tokens == 36
+        with pytest.raises(RolloutError, match="INVALID_ARGUMENT"):  # a request refused for itself still is
+            session.generate([[1, 99]], spec)
+        assert session.restarts == 1
+        session.close()
+    finally:
+        server.stop(0)
