@@ -35,9 +35,12 @@ RewardFn = Callable[[str, str], float]
 # and a GSM8K final line gives a number ("#### 72"): a markdown heading "#### Verification" is not one.
 # The answer may stand on one of the next two lines ("**Answer:**\n34"): the span starts at the first character not
 # markdown emphasis or blank (a lone "*" or " " was the span, and outranked an earlier box).
-_ANSWER_LINE = re.compile(r"^[ \t*_>#-]*answer[ \t*_]*:(?:[ \t*_]*\n){0,2}[ \t*_]*([^\s*_][^\n]*?)[ \t*_]*$",
+# The span runs to the end of its line and its trailing emphasis / blanks are stripped after the match
+# (`_line_span`): a lazy span before "[ \t*_]*$" rescanned a run of spaces from every position, quadratic (19 s for
+# "Answer: 5" and 32,000 spaces).
+_ANSWER_LINE = re.compile(r"^[ \t*_>#-]*answer[ \t*_]*:(?:[ \t*_]*\n){0,2}[ \t*_]*([^\s*_][^\n]*)$",
                           re.IGNORECASE | re.MULTILINE)
-_GSM8K_FINAL = re.compile(r"^[ \t]*####[ \t]*([-+$]?[ \t]*[0-9.][^\n]*?)\s*$", re.MULTILINE)
+_GSM8K_FINAL = re.compile(r"^[ \t]*####[ \t]*([-+$]?[ \t]*[0-9.][^\n]*)$", re.MULTILINE)
 # An equation in the answer span: math-verify grades the right-hand side of its last "=", so "6 (since 2+3=5)"
 # or "1=2=3=4=5" graded as 5. Only "name = value" is an answer ("x = 5", "f(x) = 2x", "a_1 = 3"); any other
 # span with "=" scores 0. ("<=", ">=", "!=" and ":=" are not equalities here.)
@@ -59,6 +62,11 @@ def _one_answer(span: str) -> bool:
         return False
     parts = _EQUALS.split(span)
     return len(parts) == 1 or (len(parts) == 2 and bool(_ANSWER_NAME.match(parts[0])))
+
+
+def _line_span(m: re.Match) -> str:
+    """The answer of an `Answer:` / `####` line match, without its trailing markdown emphasis and blanks."""
+    return m.group(1).rstrip(" \t\r*_")
 
 
 def _line_answer(span: str) -> str:
@@ -110,18 +118,22 @@ def extract_math_answer(completion: str) -> str | None:
     for pattern in (_ANSWER_LINE, _GSM8K_FINAL):
         found = list(pattern.finditer(completion))
         if found:
-            candidates.append((found[-1].start(), _line_answer(found[-1].group(1))))
+            candidates.append((found[-1].start(), _line_answer(_line_span(found[-1]))))
     return max(candidates, key=lambda c: c[0])[1] if candidates else None
 
 
 def gsm8k_final_answer(solution: str) -> str:
     """The gold answer of a GSM8K solution (text after ``####``, thousands separators removed)."""
-    found = _GSM8K_FINAL.findall(solution)
+    found = [_line_span(m) for m in _GSM8K_FINAL.finditer(solution)]
     if not found:
         raise ValueError(f"GSM8K answer has no '#### <answer>' line: {solution[-80:]!r}")
     return found[-1].replace(",", "").strip()
 
 
+# An answer span longer than this is no final answer: a degenerate response ("Answer: 5", 32,000 spaces, "7"; a box
+# of a million digits) held math-verify's parse to its timeouts, 10 s a completion, and scores 0.
+MAX_ANSWER_CHARS = 2000
+_BLANKS = re.compile(r"\s+")
 MATH_VERIFY_TIMEOUT_S = 5  # math-verify's alarms: `_math_reward` runs in a main thread (its own, or the helper's)
 
 
@@ -141,10 +153,24 @@ def _parse(text: str) -> list:
             parsed = math_verify.parse(candidate, extraction_config=configs, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
         except Exception:  # math-verify raises on pathological input; treat as unparseable
             parsed = []
+        if candidate is text and _other_numbers(text, parsed):
+            return []  # the plain pass took the last of several numbers: "5 or 7." and "5 \xrightarrow{} 7" read 7
         if any(not isinstance(p, str) for p in parsed):
             return parsed
         first = first or parsed
     return first
+
+
+def _other_numbers(text: str, parsed: list) -> bool:
+    """Whether the plain pass's match (math-verify returns [expression, matched text]) leaves a digit of `text`
+    outside it. That pass takes the span's last expression, so a span the LaTeX pass could not read that holds
+    several answers ("5 or 7.", "5 [or 7]", "1, 2, \\dots, 42", "5 \\hookrightarrow 7") was graded by its last
+    number; it holds no one answer and scores 0."""
+    matched = next((p for p in parsed[1:] if isinstance(p, str)), None) if len(parsed) > 1 else None
+    if not matched or matched not in text:
+        return False
+    at = text.rfind(matched)
+    return any(c.isdigit() for c in text[:at] + text[at + len(matched):])
 
 
 OFF_THREAD_TIMEOUT_S = 30.0  # > math-verify's own alarms (5 s per parse, 5 s to verify) in the helper
@@ -183,24 +209,26 @@ def math_reward(completion: str, answer: str) -> float:
     return _math_reward(completion, answer)
 
 
-def math_gold_answer(answer: str) -> str:
-    """The gold answer as `math_reward` reads it; ValueError when it is empty (whatever else math-verify cannot
-    parse it still compares literally, so that is the one gold answer it cannot grade)."""
+def math_gold_answer(answer: str) -> list:
+    """The gold answer as `math_reward` reads it (math-verify's parse); ValueError when it is empty or math-verify
+    reads nothing in it (`\\`, `$$`, `\\boxed{}`: checked only at the first step that sampled it before). About
+    0.4 ms a gold answer: the task loaders check every record before a run starts."""
     if not str(answer).strip():
         raise ValueError(f"math reward: gold answer {answer!r} is empty")
-    return str(answer)
+    gold = _parse(str(answer))
+    if not gold:
+        raise ValueError(f"math reward: gold answer {answer!r} cannot be parsed by math-verify")
+    return gold
 
 
 def _math_reward(completion: str, answer: str) -> float:
     import math_verify
 
-    math_gold_answer(answer)
+    gold = math_gold_answer(answer)
     span = extract_math_answer(completion)
-    if span is None or not span.strip() or not _one_answer(span):
+    if span is None or not span.strip() or len(span) > MAX_ANSWER_CHARS or not _one_answer(span):
         return 0.0
-    gold = _parse(str(answer))
-    if not gold:
-        raise ValueError(f"math reward: gold answer {answer!r} cannot be parsed by math-verify")
+    span = _BLANKS.sub(" ", span)  # LaTeX and plain expressions ignore runs of blanks; math-verify's parse did not
     pred = _parse(span)
     if not pred:
         return 0.0

@@ -88,6 +88,17 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         # a hedge after an answer line's answer: the plain pass graded its last number
         ("Answer: 7 (or maybe 5)", "5"),
         ("Answer: 6 (since 2+3 -> 5)", "5"),
+        # spans the LaTeX pass cannot read, graded by the plain pass's last number (a review found 30 such)
+        ("\\boxed{5 \\xrightarrow{} 7}", "7"),
+        ("\\boxed{5 \\hookrightarrow 7}", "7"),
+        ("\\boxed{5 \\propto 7}", "7"),
+        ("\\boxed{1, 2, \\dots, 42}", "42"),
+        ("Answer: 5 or 7.", "7"),
+        ("Answer: 5 [or 7]", "7"),
+        ("Answer: 5 -- or maybe 7", "7"),
+        ("Answer: 5 & 7", "7"),
+        # a degenerate span: no final answer, and no 10 s in math-verify's timeouts
+        ("Answer: 5" + " " * 3000 + "7", "7"),
     ],
 )
 def test_wrong_or_malformed_score_zero(completion, gold):
@@ -104,6 +115,25 @@ def test_gsm8k_final_answer():
     assert R.gsm8k_final_answer("a\nb\n#### 1,234") == "1234"
     with pytest.raises(ValueError, match="####"):
         R.gsm8k_final_answer("no marker")
+
+
+@pytest.mark.parametrize("gold", ["\\", "$", "$$", "\\boxed{}", "\\text{}"])
+def test_a_gold_answer_math_verify_reads_nothing_in_is_refused_when_checked(gold):
+    """The load-time check refused only blank gold answers: these passed it and raised at the first step that
+    sampled their prompt, after the rollout server had started."""
+    with pytest.raises(ValueError, match="cannot be parsed by math-verify"):
+        R.check_gold_answer("math", gold)
+
+
+def test_answer_lines_are_found_in_linear_time():
+    """A lazy span before "[ \\t*_]*$" rescanned a run of spaces from every position: 19 s for 32,000 spaces."""
+    import time
+
+    t0 = time.perf_counter()
+    assert R.extract_math_answer("Answer: 5" + " " * 32000 + "7") is not None
+    assert R.extract_math_answer("#### 5" + " " * 32000 + "x") is not None
+    assert time.perf_counter() - t0 < 5.0  # a hang guard, as the helper test's: about 1 ms now, 40 s before
+    assert R.extract_math_answer("**Answer:** 34 \t ** ") == "34" and R.gsm8k_final_answer("#### 1,234  \n") == "1234"
 
 
 def test_empty_gold_is_a_data_error():
