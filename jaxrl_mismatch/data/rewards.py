@@ -134,6 +134,7 @@ def gsm8k_final_answer(solution: str) -> str:
 # of a million digits) held math-verify's parse to its timeouts, 10 s a completion, and scores 0.
 MAX_ANSWER_CHARS = 2000
 _BLANKS = re.compile(r"\s+")
+_THIN_SPACE_THOUSANDS = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
 MATH_VERIFY_TIMEOUT_S = 5  # math-verify's alarms: `_math_reward` runs in a main thread (its own, or the helper's)
 
 
@@ -229,6 +230,7 @@ def _math_reward(completion: str, answer: str) -> float:
     if span is None or not span.strip() or len(span) > MAX_ANSWER_CHARS or not _one_answer(span):
         return 0.0
     span = _BLANKS.sub(" ", span)  # LaTeX and plain expressions ignore runs of blanks; math-verify's parse did not
+    span = _THIN_SPACE_THOUSANDS.sub("", span)  # "5\,000" was read as 5·000 = 0 (5,\!000 and 5{,}000 were fine)
     pred = _parse(span)
     if not pred:
         return 0.0

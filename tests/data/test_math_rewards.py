@@ -49,6 +49,9 @@ from jaxrl_mismatch.data import rewards as R
         ("#### 72 (the total)", "72"),
         ("Answer: (1, 2)", "(1,2)"),
         ("\\boxed{x \\le 3}", "x<=3"),  # an inequality is an answer
+        # a thin space as the thousands separator: read as 5·000 = 0 before (5,\\!000 and 5{,}000 were fine)
+        ("\\boxed{5\\,000}", "5000"),
+        ("\\boxed{1\\,234\\,567}", "1234567"),
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
