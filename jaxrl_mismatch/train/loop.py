@@ -57,6 +57,18 @@ ASYNC_STAT_KEYS = ("rollout/batch_index", "rollout/prompt_position", "rollout/dr
 RUN_META_FIELDS: dict[str, type] = {"step": int, "weight_version": int, "data": dict, "config": dict}
 
 
+def check_context(c: ml_collections.ConfigDict, longest_prompt: int, max_position_embeddings: int) -> None:
+    """ConfigError naming `rollout.max_tokens` unless the task's longest prompt and a whole response fit the context
+    the server serves (`rollout.max_model_len`, else the model's): the server refused the first rollout, after the
+    run directory, its lock and checkpoints folder were made and, on a large model, after the model had loaded."""
+    context, name = ((c.rollout.max_model_len, "rollout.max_model_len") if c.rollout.max_model_len else
+                     (max_position_embeddings, f"{c.model.path}'s max_position_embeddings"))
+    if longest_prompt + c.rollout.max_tokens > context:
+        raise ConfigError(f"config.rollout.max_tokens: the task's longest prompt ({longest_prompt} tokens) + "
+                          f"max_tokens ({c.rollout.max_tokens}) exceeds {name} {context}; lower rollout.max_tokens "
+                          "or use shorter prompts")
+
+
 def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str) -> None:
     """ConfigError unless every server serves what the config's `rollout` section asks for: its weight quantization,
     with top-k/top-p each token's kept-set size (an attached vLLM server returns log-probs renormalised over the
@@ -130,6 +142,7 @@ class Trainer:
                                 and not c.rollout.exact)
         # Process 0 first: a file task's dataset is built (once, under a lock) in a directory all processes share.
         self.data = distributed.lead_first(self.is_lead, lambda: TaskData(c, self.learner.model_cfg.vocab_size))
+        check_context(c, self.data.longest_prompt, self.learner.model_cfg.max_position_embeddings)
         self.controller = build_controller(c.controller)
         self.ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), max_to_keep=c.checkpoint.keep)
         self.step = 0

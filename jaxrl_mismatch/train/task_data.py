@@ -80,6 +80,7 @@ class TaskData:
                                       c.batch.prompts_per_step, seed=c.seed)
         self.val_ids = val_ids
         self.val_answers = [r["answer"] for r in val]
+        self.longest_prompt = max(len(p) for p in ids + val_ids)  # tokens: what a rollout's context must hold
 
     def tokenize(self, texts: list[str], where: list[str] | None = None) -> list[list[int]]:
         return tokenize_prompts(self.tok, texts, template=self.template, max_prompt_len=self.max_prompt_len,

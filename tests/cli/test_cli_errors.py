@@ -143,6 +143,13 @@ def test_responses_longer_than_the_model_context_are_refused_before_any_rollout(
               f"--config.model.path={tiny_base_model_h64}", f"--config.rollout.max_tokens={context}")
     assert_one_line_error(out, "config.rollout.max_tokens", f"max_position_embeddings {context}")
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    # A response that fits alone but not after the task's longest prompt: exit 3 at the first rollout, after the
+    # run directory, its lock and checkpoints folder were made. Refused once the prompts are tokenised.
+    out = cli("train", "--config", CONFIG, f"--config.run_dir={tmp_path / 'run'}",
+              f"--config.model.path={tiny_base_model_h64}", f"--config.rollout.max_tokens={context - 2}")
+    assert_one_line_error(out, "config.rollout.max_tokens: the task's longest prompt (",
+                          f"+ max_tokens ({context - 2}) exceeds {tiny_base_model_h64}'s max_position_embeddings")
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_external_rollout_server_nobody_serves_is_exit_3_with_one_line(tiny_base_model_h64, tmp_path):
