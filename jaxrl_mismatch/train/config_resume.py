@@ -7,6 +7,9 @@ unless `--accept-config-changes` says so. Fields that only change length, loggin
 
 from __future__ import annotations
 
+import dataclasses
+
+from jaxrl_mismatch.objectives.policy import objective_config
 from jaxrl_mismatch.train.config import FALSE_WORDS, TRUE_WORDS, base_config, flatten
 
 # Fields a resumed run may change without changing what it trains (length, logging, plumbing, memory knobs).
@@ -17,6 +20,16 @@ RESUME_MAY_CHANGE = (
     "rollout.num_servers", "rollout.stall_timeout_s", "rollout.weight_transport", "rollout.retry_s",
     "trainer.chunk_size", "trainer.remat", "trainer.remat_policy", "trainer.attention_impl", "trainer.packing",
 )
+_OBJECTIVE_KEYS = ("objective.preset", "objective.overrides")
+
+
+def _objective(flat: dict) -> dict | None:
+    """The objective `objective.preset` and `objective.overrides` make (`objective_config`), None if they do not."""
+    overrides = flat.get("objective.overrides") or {}
+    try:
+        return dataclasses.asdict(objective_config(flat.get("objective.preset", "grpo"), **dict(overrides)))
+    except (TypeError, ValueError):
+        return None
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
@@ -32,6 +45,17 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     for flat in (old, new):
         if flat.get("trainer.exact_forward") is None:
             flat["trainer.exact_forward"] = bool(flat.get("rollout.exact", False))
+    # The objective is compared as resolved: an override restating its preset's value (`correction_cap=3.0` where
+    # the cap is 3.0) trains the same run and was refused; a real change is still named by preset and overrides.
+    if (resolved := _objective(old)) is not None and resolved == _objective(new):
+        for flat in (old, new):
+            for k in _OBJECTIVE_KEYS:
+                flat.pop(k, None)
+    # Gradient accumulation gives the same minibatch gradient in smaller pieces, except the MoE load-balancing loss,
+    # a product of two means computed per microbatch (docs/models.md).
+    if not any(flat.get("objective.router_aux_coef", 0.0) for flat in (old, new)):
+        for flat in (old, new):
+            flat.pop("batch.microbatches", None)
     if "task.data_seed" not in old and "seed" in old:
         old["task.data_seed"] = old["seed"]  # a run from before the field drew its problems from `seed`
     out = []

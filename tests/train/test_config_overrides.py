@@ -138,3 +138,21 @@ def test_a_none_valued_field_takes_true_false_words_as_booleans_and_a_resume_see
     assert config_changes(saved, current.to_dict()) == []
     current.trainer.exact_forward = True
     assert config_changes(saved, current.to_dict()) == ["trainer.exact_forward: False → True"]
+
+
+def test_a_resume_compares_the_objective_as_resolved_and_takes_another_microbatch_count():
+    """`objective.overrides.correction_cap=3.0` restating the cap its correction already had was refused as a
+    change, and so was `batch.microbatches` (gradient accumulation: the same minibatch gradient)."""
+    from jaxrl_mismatch.objectives.policy import objective_config
+
+    a, b = base_config(), base_config()
+    a.objective.overrides.correction = b.objective.overrides.correction = "token_tis"
+    b.objective.overrides.correction_cap = objective_config("grpo", correction="token_tis").correction_cap
+    b.batch.microbatches = 4
+    assert config_changes(a.to_dict(), b.to_dict()) == []
+    b.objective.overrides.correction_cap = 5.0  # a real change is still named by what was given
+    assert config_changes(a.to_dict(), b.to_dict()) == [
+        "objective.overrides: {'correction': 'token_tis'} → {'correction': 'token_tis', 'correction_cap': 5.0}"]
+    b.objective.overrides.correction_cap = 3.0
+    a.objective.router_aux_coef = b.objective.router_aux_coef = 0.001  # the MoE aux loss is per microbatch
+    assert config_changes(a.to_dict(), b.to_dict()) == ["batch.microbatches: 1 → 4"]
