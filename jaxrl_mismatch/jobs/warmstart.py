@@ -277,6 +277,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be <= 2^31 - 1 ({INT32_MAX}), got {getattr(args, name)}")
     if args.shortcut_steps is not None and not 0 <= args.shortcut_steps <= args.steps:
         raise UsageError(f"--shortcut-steps must be in [0, --steps], got {args.shortcut_steps}")
+    if args.shortcut_steps is not None and args.shortcut_prob == 0.0:  # it was accepted and changed nothing
+        raise UsageError("--shortcut-steps: it limits --shortcut-prob to the last steps, but --shortcut-prob is 0 "
+                         "(no shortcut targets); give --shortcut-prob too, or leave --shortcut-steps out")
     if not 0.0 <= args.shortcut_prob <= 1.0:
         raise UsageError(f"--shortcut-prob must be in [0, 1], got {args.shortcut_prob}")
     check_seed("--seed", args.seed)
@@ -397,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics["eval_seconds"] = time.perf_counter() - t_eval
 
     with staged_dir("--out", args.out, "warmstart", force=args.force) as tmp:
-        hf_io.save_hf(nnx.merge(graphdef, params), cfg, tmp)
+        # config.json carries the tokenizer's ids as generation_config.json does (transformers' AutoConfig read None)
+        hf_io.save_hf(nnx.merge(graphdef, params), cfg, tmp, extra_config={
+            "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
         save_tokenizer(tok, tmp, model_max_length=args.max_len)
         write_generation_config(tok, tmp, max_new)
         with open(os.path.join(tmp, arithmetic.TASK_FILE), "w") as f:

@@ -33,6 +33,10 @@ def test_directory_is_complete(ckpt, capsys):
     assert all(os.stat(os.path.join(ckpt, n)).st_mode & 0o044 == 0o044 for n in files)  # readable by all
     metrics = json.loads(open(os.path.join(ckpt, "warmstart.json")).read())
     assert np.isfinite(metrics["final_loss"]) and 0 <= metrics["validation_greedy"]["accuracy"] <= 1
+    # config.json carries the token ids generation_config.json has (transformers' AutoConfig read None for them)
+    config, generation = (json.loads(open(os.path.join(ckpt, n)).read()) for n in ("config.json",
+                                                                                    "generation_config.json"))
+    assert all(config[k] == generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
     task = json.loads(open(os.path.join(ckpt, "task.json")).read())
     assert arithmetic.ArithmeticSpec(**task["spec"]) == arithmetic.ArithmeticSpec()
     # refuses to overwrite without --force
@@ -177,6 +181,8 @@ print("refused", rc, [m for m in heavy if m in sys.modules])
     (["--max-operands", "100000"], "--max-operands 100000: a problem of 100000 operands takes at least 10000100003"),
     (["--max-operands", "100", "--max-len", "1000000"], "over the 4096 tokens a warm-start example may have"),
     (["--min-operands", "6", "--max-operands", "5"], "need 2 <= --min-operands <= --max-operands, got 6, 5"),
+    # accepted and ignored: it only limits --shortcut-prob, 0 by default (the checkpoint came out identical)
+    (["--shortcut-steps", "2"], "--shortcut-steps: it limits --shortcut-prob to the last steps, but --shortcut-prob"),
 ])
 def test_sizes_and_counts_have_upper_bounds_checked_before_any_work(tmp_path, flags, needle):
     from jaxrl_mismatch.jobs.warmstart import parse_args
