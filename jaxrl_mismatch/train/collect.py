@@ -86,8 +86,11 @@ def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[
 
     Round 0 samples one batch of prompts; each further round (at most `max_oversample_rounds`) samples
     another batch and keeps its informative groups. If the batch is still short, uninformative groups
-    fill it: they carry zero advantage (no gradient) but keep the batch shape, and so the compiled step,
-    fixed. `reward/*` stats describe round 0 only — an unbiased estimate of the current policy's reward.
+    fill it: they keep the batch shape, and so the compiled step, fixed, and carry zero advantage (no gradient)
+    unless the overlong penalty gives their samples different shaped rewards. `reward/*` and `rollout/*` describe
+    round 0 only — an unbiased sample of the current policy, which the kept groups of later rounds are not (the
+    trained batch's lengths are `length/*`, `metrics.step`). `filter/informative_frac_of_batch` is the share of
+    the batch's groups that are informative, dynamic sampling on or off.
     """
     kept: list[Group] = []
     spare: list[Group] = []
@@ -114,7 +117,7 @@ def collect(session: RolloutSession, next_prompts: Callable[[], tuple[list[list[
             (kept if (g.informative or not dynamic_sampling) else spare).append(g)
         if len(kept) >= num_groups:
             break
-    informative = len(kept)
+    informative = sum(g.informative for g in kept)  # without dynamic sampling `kept` holds every group
     if len(kept) < num_groups:
         kept += spare[: num_groups - len(kept)]
     if len(kept) < num_groups:  # not dynamic sampling and not enough prompts: cannot happen by construction

@@ -63,6 +63,24 @@ def test_it_reaches_the_advantages_and_not_the_filter_or_the_reported_reward():
     short_row, long_row = a_shaped[0], a_shaped[1]
     assert long_row[long_row != 0].max() < 0 < short_row[short_row != 0].min()
     np.testing.assert_array_equal(a_shaped[2:], a_plain[2:])  # the short group: no penalty, same advantages
+    # One of the two groups is informative, dynamic sampling off: the share was len(kept) / num_groups, always 1.0
+    assert plain.stats["filter/informative_frac_of_batch"] == 0.5
+
+
+def test_rollout_stats_describe_round_0_and_the_informative_share_counts_informative_groups():
+    """Round 0: the all-right prompt 0 (3 tokens each, stopped) is set aside; round 1's prompt 1 (10 tokens, cut
+    at the budget) is informative and trained on. `rollout/*` report round 0, as `reward/*` (documented now)."""
+    session = _Session([[3, 3], [10, 10]])
+    prompts = iter([([[0]], ["a"]), ([[1]], ["b"])])
+
+    def reward(ids, answer):
+        return 1.0 if answer == "a" or ids[0] == 7 else 0.0
+
+    got = collect(session, lambda: next(prompts), lambda rnd: None, reward, num_groups=1, dynamic_sampling=True,
+                  max_oversample_rounds=1)
+    assert [g.prompt_ids for g in got.groups] == [[1]]
+    assert got.stats["rollout/response_length"] == 3.0 and got.stats["rollout/truncated_frac"] == 0.0
+    assert got.stats["filter/rounds"] == 2.0 and got.stats["filter/informative_frac_of_batch"] == 1.0
 
 
 def test_the_config_checks_and_the_trainer_wiring():
