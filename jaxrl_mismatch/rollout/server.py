@@ -144,6 +144,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._engine: Engine | None = None
         self._update_lock = threading.Lock()  # one UpdateWeights at a time keeps versions monotone
         self._served: tuple[int, int] | None = None  # (version, weights_digest) of the last push applied
+        self._unusable: str | None = None  # why the engine became unusable (then Generate and pushes refuse)
         self.server_id = uuid.uuid4().hex
         self.shm_host_id = shm.host_id()  # "" where same-host shared memory is not offered
         self._shm_reader = shm.ShmReader()
@@ -167,10 +168,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
         return self._engine
 
+    def _usable_engine(self, context: grpc.ServicerContext) -> Engine:
+        """The engine, unless a call found it unusable: then FAILED_PRECONDITION, as that call was answered. The
+        engine's own refusals said so before, except a push repeating the one in service, which never reaches the
+        engine and answered OK on a dead server (a resumed trainer re-serving its checkpoint version, say)."""
+        engine = self._require_engine(context)
+        if self._unusable is not None:
+            context.set_trailing_metadata(((ERROR_KIND_KEY, ENGINE_UNUSABLE),))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"engine unusable, restart the rollout server: {self._unusable}")
+        return engine
+
     def _abort_engine_failure(self, context: grpc.ServicerContext, rpc: str, e: Exception) -> None:
         """Answer an engine exception with the status that tells the client the server's state (module doc)."""
         if isinstance(e, EngineUnusableError) or (isinstance(e, WeightReloadError) and not e.restored):
             log.error("%s: the engine is unusable and refuses further calls: %s", rpc, e)
+            self._unusable = f"{type(e).__name__}: {e}"
             if self._on_engine_unusable is not None:
                 self._on_engine_unusable()
             context.set_trailing_metadata(((ERROR_KIND_KEY, ENGINE_UNUSABLE),))
@@ -233,7 +246,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     # -- RPCs --------------------------------------------------------------------------------------
     def Generate(self, request, context):
-        engine = self._require_engine(context)
+        engine = self._usable_engine(context)
         with self._generating_cv:  # admission: the cap keeps threads free for health, GetInfo and pushes
             admitted = self._generating < self._max_generates
             if admitted:
@@ -279,7 +292,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def UpdateWeights(self, request_iterator: Iterator[rollout_pb2.WeightChunk], context):
         self._authenticate(context)
-        engine = self._require_engine(context)
+        engine = self._usable_engine(context)
         with self._update_turn(context, "UpdateWeights"):
             assembler = TensorAssembler(engine.weight_specs(), engine.info().weight_version)
             try:
@@ -308,7 +321,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeightsShm(self, request: rollout_pb2.ShmWeights, context):
         """UpdateWeights from the caller's shared-memory buffer (rollout/shm.py); same checks, same atomicity."""
         self._authenticate(context)
-        engine = self._require_engine(context)
+        engine = self._usable_engine(context)
         if not self.shm_host_id:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server does not offer shared-memory weight sync")
         with self._update_turn(context, "UpdateWeightsShm"):

@@ -364,10 +364,15 @@ def test_unusable_engine_is_failed_precondition_not_retried_and_not_serving(fail
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert health() == health_pb2.HealthCheckResponse.NOT_SERVING  # supervisors and new clients see it
     calls = engine.generate_calls
-    with pytest.raises(RolloutError, match=r"Generate on .*: FAILED_PRECONDITION: .*EngineUnusableError") as err:
+    with pytest.raises(RolloutError, match=r"Generate on .*: FAILED_PRECONDITION: engine unusable, restart the "
+                                           r"rollout server: WeightReloadError: .*restoring failed too") as err:
         client.generate([[1]], SamplingSpec(max_tokens=2))
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert engine.generate_calls == calls + 1  # not retried: no retry can help, only a restart
+    assert engine.generate_calls == calls  # refused by the server, and not retried: only a restart can help
+    # A push repeating the one in service never reaches the engine: it answered OK on this dead server
+    with pytest.raises(RolloutError, match=r"FAILED_PRECONDITION: engine unusable") as err:
+        client.push_weights(_good(), version=1)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as raw:
         stub.Generate(_req(max_tokens=2), timeout=10)
     assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION
