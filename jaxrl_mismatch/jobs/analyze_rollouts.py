@@ -179,6 +179,15 @@ def read_prompt_ids(path: str, vocab_size: int, limit: int) -> list[list[int]]:
     return prompts
 
 
+def note_fewer_prompts(a: argparse.Namespace, got: int) -> None:
+    """A file's first --num-prompts records are all of them when it holds fewer: said, and `a.num_prompts` set to
+    the number used, so the settings a job records say what was sampled (they said 100 for 12)."""
+    if got < a.num_prompts:
+        print(f"analyze: {'--prompt-ids ' + a.prompt_ids if a.prompt_ids else '--file ' + str(a.file)} holds {got} "
+              f"prompts, fewer than --num-prompts {a.num_prompts}: sampling all {got}", flush=True)
+        a.num_prompts = got
+
+
 def task_prompts(a: argparse.Namespace) -> tuple[list[list[int]], tuple[int, ...], int]:
     """(prompt ids, stop ids, tokenizer vocab size) of `--num-prompts` prompts of `--task`, rendered through the
     task's template with the checkpoint's tokenizer (the path `perfectible` and the trainer take). The arithmetic
@@ -359,11 +368,7 @@ def run_rollouts(a: argparse.Namespace, out: str) -> list[PairResult]:
         stop_ids, tok_vocab = tuple(a.stop_ids), None
     else:
         prompts, stop_ids, tok_vocab = task_prompts(a)
-    if len(prompts) < a.num_prompts:  # a file's first --num-prompts records: all of them when it holds fewer
-        print(f"analyze: {'--prompt-ids ' + a.prompt_ids if a.prompt_ids else '--file ' + str(a.file)} holds "
-              f"{len(prompts)} prompts, fewer than --num-prompts {a.num_prompts}: sampling all {len(prompts)}",
-              flush=True)
-        a.num_prompts = len(prompts)  # summary.json's settings say what was sampled (they said 100 for 12)
+    note_fewer_prompts(a, len(prompts))
     longest = max(len(p) for p in prompts)
     limit = cfg.max_position_embeddings
     if limit is not None and longest + a.max_tokens > limit:

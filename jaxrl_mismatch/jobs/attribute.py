@@ -113,6 +113,7 @@ def check_args(a: argparse.Namespace) -> None:
         if tokenizer_vocab > cfg.vocab_size:  # an id past the embedding table would be clamped by the gather
             raise UsageError(f"--model {a.model}: tokenizer/model mismatch: the tokenizer has {tokenizer_vocab} ids "
                              f"but the model's vocab_size is {cfg.vocab_size}")
+    analyze_rollouts.note_fewer_prompts(a, len(a.prompts))  # attribution.json's settings: the number used
     longest = max(len(p) for p in a.prompts) + a.max_tokens
     if longest > cfg.max_position_embeddings:
         raise UsageError(f"--max-tokens {a.max_tokens}: the longest prompt + response ({longest}) exceeds the model's "

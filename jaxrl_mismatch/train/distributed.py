@@ -153,6 +153,19 @@ def lead_first(is_lead: bool, fn: Callable[[], T]) -> T:
     return out if is_lead else fn()
 
 
+def _header(arrays: dict[str, np.ndarray], keys: tuple[str, ...]) -> np.ndarray:
+    """Each array's dtype code, ndim and shape (0-padded), in `keys` order; ValueError (KeyError) for an array that
+    cannot travel. Checked inside the lead's reported work: raised after it, the other processes waited forever."""
+    header = np.zeros((len(keys), 2 + _MAX_NDIM), np.int32)
+    for i, k in enumerate(keys):
+        a = np.asarray(arrays[k])
+        if not 1 <= a.ndim <= _MAX_NDIM or a.dtype.type not in _DTYPES:
+            raise ValueError(f"rollout array {k!r}: need a 1- to {_MAX_NDIM}-d int32/float32/uint8/uint16 array, "
+                             f"got {a.dtype}{a.shape}")
+        header[i, :2 + a.ndim] = (_DTYPES.index(a.dtype.type), a.ndim, *a.shape)
+    return header
+
+
 def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], dict[str, float]]],
                   keys: tuple[str, ...], stat_keys: tuple[str, ...]):
     """Run `fn` (the rollout) on process 0 and broadcast its (arrays, scalars) result to every process.
@@ -166,15 +179,12 @@ def lead_computes(is_lead: bool, fn: Callable[[], tuple[dict[str, np.ndarray], d
         return fn()
     from jax.experimental import multihost_utils
 
-    arrays, stats = _lead_runs(is_lead, fn, "process 0 failed to produce the rollout batch (see its log)") or ({}, {})
-    header = np.zeros((len(keys), 2 + _MAX_NDIM), np.int32)  # dtype code, ndim, shape (0-padded)
-    if is_lead:
-        for i, k in enumerate(keys):
-            a = np.asarray(arrays[k])
-            if not 1 <= a.ndim <= _MAX_NDIM or a.dtype.type not in _DTYPES:
-                raise ValueError(f"rollout array {k!r}: need a 1- to {_MAX_NDIM}-d int32/float32/uint8/uint16 array, "
-                                 f"got {a.dtype}{a.shape}")
-            header[i, :2 + a.ndim] = (_DTYPES.index(a.dtype.type), a.ndim, *a.shape)
+    def produce():  # the arrays' checks belong to the lead's work: a failure there reaches every process too
+        arrays, stats = fn()
+        return arrays, stats, _header(arrays, keys)
+
+    arrays, stats, header = _lead_runs(is_lead, produce, "process 0 failed to produce the rollout batch (see its "
+                                       "log)") or ({}, {}, np.zeros((len(keys), 2 + _MAX_NDIM), np.int32))
     header = np.asarray(multihost_utils.broadcast_one_to_all(header))
     out = {}
     for i, k in enumerate(keys):

@@ -211,6 +211,8 @@ def test_moe_router_and_experts_ablations(tmp_path):
     (tmp_path / "p").write_text("[1, 2, 3]\n")
     attribute.check_args(ns)
     assert ns.components == list(precision.COMPONENTS)
+    # one prompt in the file for the default --num-prompts 16: attribution.json's settings recorded 16
+    assert ns.num_prompts == 1 and len(ns.prompts) == 1
 
 
 def test_most_removed_names_a_component_only_when_it_lowered_the_mismatch():

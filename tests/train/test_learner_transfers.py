@@ -224,6 +224,13 @@ _BROADCAST = textwrap.dedent("""
         raise AssertionError("lead_first returned after the lead failed")
     except (ValueError if lead else distributed.LeadFailure):
         pass
+    # An array the broadcast cannot carry (float64) fails on the lead after its fn returned: the check raised on
+    # process 0 only, and the others waited in the header's broadcast until process 0 exited.
+    try:
+        distributed.lead_computes(lead, lambda: ({"x": np.zeros((2, 3))}, {}), ("x",), ())
+        raise AssertionError("lead_computes returned a float64 array")
+    except (ValueError if lead else distributed.LeadFailure):
+        pass
     # A stop that reached one process only is every process's stop (Trainer.run's loop), and no stop is none.
     assert distributed.any_process(not lead) and distributed.any_process(lead)
     assert not distributed.any_process(False)
