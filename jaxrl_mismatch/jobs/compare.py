@@ -209,6 +209,9 @@ def load_spec(path: str) -> Spec:
     for v in variants:
         if not isinstance(v, str) or not _NAME.match(v) or v in (".", ".."):
             raise _error(path, "variants", f"name {v!r} is not a directory name (letters, digits, _ . -)")
+        if v in (*OUTPUT_FILES, "warmstart.log") or v.startswith("."):  # its runs' folder would take the name
+            raise _error(path, "variants", f"name {v!r} is one of the names compare writes in `out` (table.md, "
+                                           "table.json, compare.png, warmstart.log, hidden files); rename it")
     seeds = d.get("seeds")
     if (not isinstance(seeds, (list, tuple)) or not seeds or len(set(seeds)) != len(seeds)
             or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < SEED_LIMIT for s in seeds)):
@@ -318,6 +321,12 @@ def validate_spec(spec: Spec) -> Spec:
 
 
 # -- the state of a run on disk ------------------------------------------------------------------------
+def _same_command(recorded: list, argv: list) -> bool:
+    """Whether a run's recorded train command is this job's: the interpreter's path may differ, and the
+    `--config.*` flags may come in another order (a spec whose override keys were reordered: its finished runs read
+    as another command's and ran again); the resolved configs are compared next (`config_changes`)."""
+    split = lambda a: (a[1:6], sorted(a[6:]))  # noqa: E731 - (-m jaxrl_mismatch.cli train --config C), the flags
+    return len(recorded) == len(argv) and split(recorded) == split(argv)
 def read_attempts(run_dir: str) -> list[dict]:
     """The attempts recorded in `run_dir/compare.json` (command, started, returncode, wall_s), oldest first."""
     path = os.path.join(run_dir, STATUS_FILE)
@@ -389,7 +398,7 @@ def run_result(job: Job) -> RunResult:
     last = attempts[-1] if attempts else None
     if last is None:
         status = "not run" if not records else f"not run by compare ({done}/{job.steps} steps)"
-    elif list(last.get("command", []))[1:] != list(job.argv)[1:]:  # the interpreter's path may differ
+    elif not _same_command(list(last.get("command", [])), list(job.argv)):
         status = f"made by another command ({done}/{job.steps} steps); rerun compare"
     elif isinstance(last.get("config"), dict) and (changes := config_changes(last["config"], job.config)):
         # train's own resume rule (fields that change only length, logging or plumbing do not count); attempts

@@ -89,6 +89,9 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"variants": {"a": {"optim.lr": "fast"}}}, ["variants.a: config.optim.lr: expected a number"]),
     ({"variants": {}}, ["variants: must be a non-empty dict"]),
     ({"variants": {"a/b": {}}}, ["variants: name 'a/b' is not a directory name"]),
+    # its runs' folder took the name of an output: a traceback after the whole grid had trained
+    ({"variants": {"table.md": {}}}, ["variants: name 'table.md' is one of the names compare writes in `out`"]),
+    ({"variants": {".jaxrl-mismatch-compare": {}}}, ["variants: name '.jaxrl-mismatch-compare' is one of the"]),
     ({"seeds": []}, ["seeds: must be a non-empty list"]),
     ({"seeds": [0, 0]}, ["seeds: must be a non-empty list of distinct integers"]),
     # passed --dry-run, then every run failed on config.seed (compare exit 1)
@@ -217,6 +220,23 @@ def test_which_runs_are_skipped_rerun_or_left_to_another_process(tmp_path, fake_
     assert "b seed 1 is still running in another process" in captured.err
     # Once that process is gone, the run is an interrupted one like any other.
     assert compare.run_result(jobs["b", 1]).status == "interrupted (0/3 steps)"
+
+
+def test_a_spec_whose_override_keys_were_reordered_keeps_its_finished_runs(tmp_path, fake_model):
+    """The recorded train command had to match flag for flag: reordering two override keys made a finished run
+    "made by another command", rerun by the next invocation and left out of --table-only's statistics."""
+    def job(overrides):
+        spec = compare.validate_spec(compare.load_spec(str(write_spec(tmp_path, _spec(
+            tmp_path, fake_model, seeds=[0], overrides=overrides, variants={"a": {}})))))
+        return spec.jobs[0]
+
+    first = job({"steps": 3, "optim.lr": 1e-3})
+    _write_run(Path(first.run_dir), [{"step": s, "reward/mean": 0.5} for s in range(3)])
+    compare.write_attempts(first.run_dir, [{"command": list(first.argv), "wall_s": 1.0, "returncode": 0,
+                                            "config": json.loads(json.dumps(first.config))}])
+    reordered = job({"optim.lr": 1e-3, "steps": 3})
+    assert reordered.argv != first.argv and compare.run_result(reordered).status == "ok"
+    assert compare.run_result(job({"optim.lr": 2e-3, "steps": 3})).status.startswith("made by another command")
 
 
 def test_a_finished_run_made_from_an_edited_config_file_is_not_counted(tmp_path, fake_model):
