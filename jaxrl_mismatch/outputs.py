@@ -6,9 +6,9 @@ attribute} --out`, a train's warm start into `model.path`):
 - the target must be new, an empty directory, or a directory carrying this project's marker file of
   the *same kind* (`.jaxrl-mismatch-export`, `.jaxrl-mismatch-warmstart`) from an earlier write — and
   replacing such a previous output needs `--force`, and the marker lists what was written (each file with its
-  size and mtime, each folder or link as such), so `--force` refuses an output that holds anything added or changed since; anything else
-  (user files, a run directory, a file, a symbolic link) is refused with one line naming it and saying how to
-  proceed (`UsageError`, exit 2);
+  size and mtime, each folder or link as such), so `--force` refuses an output that holds anything added or
+  changed since; anything else (user files, a run directory, a file, a symbolic link) is refused with one line
+  naming it and saying how to proceed (`UsageError`, exit 2);
 - everything is written into a temporary sibling (`.<name>.tmp-<random>`) and renamed into place at the
   end, so a crash or error never leaves a half-written output under the target name, and the temporary
   is removed on every failure path (except a target that changed while the command ran: the finished output
