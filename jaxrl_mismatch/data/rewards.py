@@ -138,7 +138,7 @@ _THIN_SPACE_THOUSANDS = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
 MATH_VERIFY_TIMEOUT_S = 5  # math-verify's alarms: `_math_reward` runs in a main thread (its own, or the helper's)
 
 
-def _parse(text: str) -> list:
+def _parse(text: str, *, one_answer: bool = True) -> list:
     import math_verify  # deferred: imports sympy (~1 s), not needed by the arithmetic demo
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
@@ -154,7 +154,7 @@ def _parse(text: str) -> list:
             parsed = math_verify.parse(candidate, extraction_config=configs, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
         except Exception:  # math-verify raises on pathological input; treat as unparseable
             parsed = []
-        if candidate is text and _other_numbers(text, parsed):
+        if one_answer and candidate is text and _other_numbers(text, parsed):
             return []  # the plain pass took the last of several numbers: "5 or 7." and "5 \xrightarrow{} 7" read 7
         if any(not isinstance(p, str) for p in parsed):
             return parsed
@@ -171,7 +171,7 @@ def _other_numbers(text: str, parsed: list) -> bool:
     if not matched or matched not in text:
         return False
     at = text.rfind(matched)
-    return any(c.isdigit() for c in text[:at] + text[at + len(matched):])
+    return any(c in "0123456789" for c in text[:at] + text[at + len(matched):])  # not "m²": a unit, no number
 
 
 OFF_THREAD_TIMEOUT_S = 30.0  # > math-verify's own alarms (5 s per parse, 5 s to verify) in the helper
@@ -216,7 +216,7 @@ def math_gold_answer(answer: str) -> list:
     0.4 ms a gold answer: the task loaders check every record before a run starts."""
     if not str(answer).strip():
         raise ValueError(f"math reward: gold answer {answer!r} is empty")
-    gold = _parse(str(answer))
+    gold = _parse(str(answer), one_answer=False)  # read as before: one odd gold must not refuse a whole dataset
     if not gold:
         raise ValueError(f"math reward: gold answer {answer!r} cannot be parsed by math-verify")
     return gold

@@ -171,7 +171,7 @@ class RolloutSession:
             self.client.info()
         except RolloutError:
             return False
-        return self.client.server_id != seen
+        return seen is not None and self.client.server_id != seen  # None: no id read yet (the first call)
 
     def set_server_check(self, check: Callable[[RolloutClient], None] | None) -> None:
         """Run `check(client)` on every server process that comes back (it raises a RolloutError to refuse it)."""

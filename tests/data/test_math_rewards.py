@@ -52,6 +52,9 @@ from jaxrl_mismatch.data import rewards as R
         # a thin space as the thousands separator: read as 5·000 = 0 before (5,\\!000 and 5{,}000 were fine)
         ("\\boxed{5\\,000}", "5000"),
         ("\\boxed{1\\,234\\,567}", "1234567"),
+        # a superscript unit is no second number (str.isdigit() took "²" for one: 0.0)
+        ("Answer: 25 m²", "25"),
+        ("#### 12 ft³", "12"),
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -126,6 +129,13 @@ def test_a_gold_answer_math_verify_reads_nothing_in_is_refused_when_checked(gold
     sampled their prompt, after the rollout server had started."""
     with pytest.raises(ValueError, match="cannot be parsed by math-verify"):
         R.check_gold_answer("math", gold)
+
+
+def test_a_gold_answer_is_read_as_before_even_where_a_prediction_must_hold_one_answer():
+    """The one-answer rule is for predictions: applied to gold answers, a repeating decimal (0.\\overline{3})
+    refused a whole MATH-style file at load."""
+    R.check_gold_answer("math", "0.\\overline{3}")
+    R.check_gold_answer("math", "5 cm²")
 
 
 def test_answer_lines_are_found_in_linear_time():

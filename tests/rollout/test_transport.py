@@ -659,5 +659,12 @@ def test_a_server_restarted_with_tighter_limits_before_a_generate_gets_requests_
             session.generate([[1, 99]], spec)
         assert session.restarts == 1
         session.close()
+        # A new session's first call refused for itself is no restart (`_restarted_unseen` also ignores a client
+        # that has read no server id yet; the real client reads it when it connects)
+        fresh = RolloutSession(RolloutClient(f"127.0.0.1:{port}", token=TOKEN, wait_ready_s=10), restart=False)
+        with pytest.raises(RolloutError, match="INVALID_ARGUMENT"):
+            fresh.generate([[1, 99]], spec)
+        assert fresh.restarts == 0
+        fresh.close()
     finally:
         server.stop(0)
