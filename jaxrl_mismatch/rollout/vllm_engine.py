@@ -58,6 +58,7 @@ from jaxrl_mismatch.usage import UsageError
 # vLLM treats temperature < 1e-5 as greedy (vllm.sampling_params._SAMPLING_EPS).
 VLLM_GREEDY_TEMPERATURE = 1e-5
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+CPU_BATCHED_TOKENS = 4096  # vLLM's default token budget per step, kept (at least max_model_len)
 # Checkpoint entries that are buffers, not weights: vLLM's loaders skip them and the trainer never sends them.
 _NON_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -262,6 +263,13 @@ class VLLMEngine(Engine):
             kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         self._eager_sampler_ops = eager_sampler_ops
         self._torch = torch
+        # On a CPU, whole prefills only: a step over vLLM's token budget (4,096) split a prompt's prefill, and vLLM
+        # then rewound the request's seeded generator with `set_offset`, which a CPU generator lacks — the generate
+        # failed, left its requests queued, and the engine was unusable (every request here is seeded).
+        scheduler = {}
+        if on_cpu:
+            scheduler = {"enable_chunked_prefill": False,
+                         "max_num_batched_tokens": max(max_model_len, CPU_BATCHED_TOKENS)}
 
         self._llm = vllm.LLM(
             model=model_dir,
@@ -276,6 +284,7 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             quantization=VLLM_QUANTIZATION.get(quantize),
+            **scheduler,
         )
         try:
             engine_core = self._llm.llm_engine.engine_core

@@ -197,6 +197,20 @@ def test_logprobs_equal_teacher_forced_recompute(served):
 
 
 @pytest.mark.vllm
+def test_a_batch_over_vllms_step_token_budget_samples_as_its_prompts_alone(served):
+    """40 prompts of 150 tokens (6,000 > vLLM's 4,096-token step budget): chunked prefill split a prompt, vLLM
+    rewound its seeded CPU generator with `set_offset` (RuntimeError), and the engine was unusable after."""
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=150)] for _ in range(40)]
+    spec = SamplingSpec(n=1, max_tokens=4, seed=7)
+    out = served.engine.generate(prompts, spec)
+    assert len(out) == 40
+    for i in (0, 17, 39):
+        alone = served.engine.generate([prompts[i]], dataclasses.replace(spec, prompt_offset=i))[0]
+        assert out[i][0].token_ids == alone[0].token_ids
+
+
+@pytest.mark.vllm
 def test_prompt_offset_keeps_each_prompts_samples_when_a_batch_is_split(served):
     """A request for prompts 1.. with prompt_offset=1 samples what the whole batch sampled for them (a fleet
     spreads one batch over several servers this way, rollout/fleet.py)."""
