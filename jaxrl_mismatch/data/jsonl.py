@@ -18,6 +18,23 @@ def write_jsonl(records: Sequence[Mapping], path: str) -> None:
             f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
 
 
+def write_lines(lines: Sequence[str], path: str) -> None:
+    """Already-serialised JSONL lines (no newline) to `path`, atomically as `write_jsonl`."""
+    with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+def with_fields(line: str, fields: Mapping) -> str | None:
+    """The JSON object `line` with `fields` appended, its own text kept byte for byte (spacing, escapes, numbers
+    a float would round: 12345678901234567890123.0); None when it already has one of them or is no object text."""
+    text = line.rstrip()
+    if not text.endswith("}") or any(json.dumps(k) in text for k in fields):
+        return None
+    body = text[:-1].rstrip()
+    extra = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in fields.items())
+    return f"{body}{'' if body.endswith('{') else ', '}{extra}}}"
+
+
 def json_error(e: ValueError | RecursionError) -> str:
     """What `json.loads` refused, in a few words: a JSONDecodeError's message, else the error's first line (an
     integer longer than Python's 4,300-digit limit is a plain ValueError, nesting past the recursion limit a
@@ -81,7 +98,7 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
             check_gold_answer(get_task(task).reward_name, answer)
         except ValueError as e:
             raise UsageError(f"{flag} {path}:{lineno}: {e}") from None
-        records.append({"prompt_text": text, "answer": answer, "where": f"{flag} {path}:{lineno}"})
+        records.append({"prompt_text": text, "answer": answer, "where": f"{flag} {path}:{lineno}", "lineno": lineno})
         originals.append(obj)
         if num and len(records) == num:
             break

@@ -25,7 +25,7 @@ import grpc
 
 from jaxrl_mismatch.data import get_task
 from jaxrl_mismatch.data.batching import PromptError, generation_stop_ids, response_text, tokenize_prompts
-from jaxrl_mismatch.data.jsonl import read_task_file, write_jsonl
+from jaxrl_mismatch.data.jsonl import read_task_file, with_fields, write_lines
 from jaxrl_mismatch.data.perfectible import filter_perfectible
 from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.data.templates import TEMPLATES
@@ -111,6 +111,10 @@ def parse_args(argv: Sequence[str]):
     a.template = pick(a.template, "task.template", (str, type(None)), None) or None
     a.max_tokens = pick(a.max_tokens, "rollout.max_tokens", (int,), None)
     a.temperature = pick(a.temperature, "rollout.temperature", (int, float), 1.0)
+    # the run's truncation and prompt bound too: it samples with them, and refuses a prompt over the bound
+    a.top_p = _config_field(c, label, "rollout.top_p", (int, float)) if c is not None else 1.0
+    a.top_k = _config_field(c, label, "rollout.top_k", (int,)) if c is not None else 0
+    a.max_prompt_len = _config_field(c, label, "task.max_prompt_len", (int,)) if c is not None else None
     a.engine = pick(a.engine, "rollout.engine", (str,), "jax")
     a.dtype = pick(a.dtype, "rollout.dtype", (str,), "float32")
     for flag, field, value, valid in (("--engine", "rollout.engine", a.engine, ("jax", "vllm")),
@@ -189,17 +193,33 @@ def check_out(a) -> None:
     check_out_file("--out", a.out, ours=lambda _: False, what="", force=a.force)
 
 
-def _write_out(a, out: list[dict]) -> None:
-    """The kept prompts to --out, re-checked first: a file that appeared there while sampling is never replaced;
-    the result then goes to a new sibling named in the error instead of being lost."""
+def _output_lines(a, records: list[dict], originals: list[dict], kept: list[dict]) -> list[str]:
+    """The kept records as output lines: a file's own line with the two fields appended, its bytes kept (they were
+    re-encoded: spacing, escapes and a big number's digits changed); the synthetic task's records as JSON."""
+    raw: list[str] = []
+    if a.task != "arithmetic":
+        with open(a.file, encoding="utf-8") as f:
+            raw = f.read().split("\n")
+    lines = []
+    for r in kept:
+        fields = {"initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
+        lineno = records[r["line"]].get("lineno")
+        line = with_fields(raw[lineno - 1], fields) if lineno else None
+        lines.append(line if line is not None else json.dumps({**originals[r["line"]], **fields}, ensure_ascii=False))
+    return lines
+
+
+def _write_out(a, out: list[str]) -> None:
+    """The kept prompts' lines to --out, re-checked first: a file that appeared there while sampling is never
+    replaced; the result then goes to a new sibling named in the error instead of being lost."""
     try:
         check_out(a)
     except (UsageError, OSError) as e:  # whatever the check met there, the results are not lost
         aside = f"{a.out}.new-{time.time_ns()}"
-        write_jsonl(out, aside)
+        write_lines(out, aside)
         why = e if isinstance(e, UsageError) else f"--out {a.out}: {e}"
         raise UsageError(f"{why} (it changed while sampling); the {len(out)} kept prompts are in {aside}") from None
-    write_jsonl(out, a.out)
+    write_lines(out, a.out)
 
 
 def _has_content(path: str) -> bool:
@@ -274,8 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop_ids = generation_stop_ids(tok, template)
     try:  # before a server starts: a prompt the tokenizer cannot take is one line naming its file and line
         where = [r["where"] for r in records] if a.task != "arithmetic" else None
-        ids = tokenize_prompts(tok, [r["prompt_text"] for r in records], template=template, where=where)
-    except PromptError as e:
+        ids = tokenize_prompts(tok, [r["prompt_text"] for r in records], template=template, where=where,
+                               max_prompt_len=a.max_prompt_len)
+    except PromptError as e:  # (a prompt over the config's task.max_prompt_len, which train would refuse, too)
         raise UsageError(str(e) if where else f"--task arithmetic (--seed {a.seed}): {e}") from None
     longest = max(len(p) for p in ids)
     if not a.address:  # the server it starts serves --model's whole context, with the default request limits
@@ -312,8 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             def sample_fn(prompts: list[str], n: int) -> list[list[str]]:
                 ids = tokenize_prompts(tok, prompts, template=template)
                 calls["n"] += 1
-                spec = SamplingSpec(n=n, max_tokens=a.max_tokens, temperature=a.temperature,
-                                    seed=a.seed * 7919 + calls["n"], stop_token_ids=stop_ids)
+                spec = SamplingSpec(n=n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                    top_k=a.top_k, seed=a.seed * 7919 + calls["n"], stop_token_ids=stop_ids)
                 # the text the trainer's reward reads (TaskData.reward); a malformed response scores 0 there: ""
                 return [[response_text(tok, c.token_ids, stop_ids) or "" for c in group]
                         for group in session.generate(ids, spec)]
@@ -321,9 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records],
                                       sample_fn, task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=64,
                                       extras=[{"line": i} for i in range(len(records))])
-        out = [{**originals[r["line"]], "initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
-               for r in kept]
-        _write_out(a, out)
+        _write_out(a, _output_lines(a, records, originals, kept))
     except RolloutError as e:
         # The server itself failed: its log says why, so its folder is kept and named. Anything else (a refused
         # request, Ctrl-C, an error here) leaves nothing behind.

@@ -175,16 +175,17 @@ def test_an_out_file_that_appears_while_sampling_is_never_replaced(tmp_path):
     import argparse
 
     records = [{"prompt": "1+1=", "answer": "2", "initial_accuracy": 0.5, "num_samples": 4}]
+    lines = [json.dumps(r) for r in records]
     out = tmp_path / "kept.jsonl"
     a = argparse.Namespace(out=str(out), file=None, force=False)
-    perfectible._write_out(a, records)
+    perfectible._write_out(a, lines)
     assert [json.loads(line) for line in out.read_text().splitlines()] == records
     mine = tmp_path / "mine.jsonl"
     mine.write_text("my notes\n")
     a = argparse.Namespace(out=str(mine), file=None, force=False)
     with pytest.raises(UsageError, match=r"^--out .*mine.jsonl: .*\(it changed while sampling\); the 1 kept prompts "
                                          r"are in .*mine.jsonl.new-\d+$") as e:
-        perfectible._write_out(a, records)
+        perfectible._write_out(a, lines)
     assert mine.read_text() == "my notes\n"
     aside = str(e.value).rsplit(" ", 1)[-1]
     assert [json.loads(line) for line in open(aside).read().splitlines()] == records
@@ -209,7 +210,76 @@ def test_a_dangling_link_or_an_unparsable_force_target_is_refused_and_the_result
         with pytest.raises(UsageError, match=rf"^--out {out}: .*{needle}"):
             perfectible.check_out(a)
         with pytest.raises(UsageError, match=r"\(it changed while sampling\); the 1 kept prompts are in "):
-            perfectible._write_out(a, records)
+            perfectible._write_out(a, [json.dumps(r) for r in records])
     assert dangling.is_symlink() and not dangling.exists() and big.read_text().startswith('{"a": 10000')
     kept = sorted(tmp_path.glob("*.new-*"))
     assert len(kept) == 2 and all(json.loads(p.read_text()) == records[0] for p in kept)
+
+
+def _config(tmp_path, model, **fields) -> str:
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt_text": "1+1=", "answer": "2"}\n{"prompt_text": "2+3*4=", "answer": "14"}\n')
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("from jaxrl_mismatch.train.config import base_config\n\n\ndef get_config():\n"
+                   "    c = base_config()\n"
+                   f"    c.model.path = {str(model)!r}\n"
+                   "    c.task.name = 'arithmetic_prompts'\n"
+                   f"    c.task.files = {{'train': {str(data)!r}}}\n"
+                   "    c.rollout.max_tokens = 8\n"
+                   + "".join(f"    c.{k} = {v!r}\n" for k, v in fields.items()) + "    return c\n")
+    return str(cfg)
+
+
+def test_the_configs_truncation_and_prompt_bound_reach_the_filter(tiny_base_model, tmp_path, capsys, monkeypatch):
+    """`--config` is to make the filter sample as the run will, but its rollout.top_p / top_k were dropped (the
+    full distribution sampled) and task.max_prompt_len not enforced (a prompt train refuses was kept)."""
+    from jaxrl_mismatch.rollout.engine import Completion
+    from jaxrl_mismatch.rollout.protocol import Limits
+
+    specs = []
+
+    class Session:
+        limits = Limits()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def generate(self, ids, spec):  # one right answer and one wrong per prompt: accuracy 0.5, kept
+            specs.append(spec)
+            answers = {len(p): a for p, a in zip(ids, ("2", "14"))}  # the two prompts differ in length
+            def said(text):
+                return Completion(token_ids=tok.encode(text, add_special_tokens=False), logprobs=[-1.0],
+                                  finish_reason="stop", weight_version=0)
+
+            return [[said(f"{answers[len(p)]}#{answers[len(p)]}"), said("0#0")] for p in ids]
+
+    from jaxrl_mismatch.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_base_model))
+    monkeypatch.setattr(RolloutSession, "launch", staticmethod(lambda **kwargs: Session()))
+    cfg = _config(tmp_path, tiny_base_model, **{"rollout.top_p": 0.5, "rollout.top_k": 3})
+    assert cli.main(["perfectible", "--config", cfg, "--k", "2", "--out", str(tmp_path / "o.jsonl")]) == 0
+    assert specs and all((s.top_p, s.top_k) == (0.5, 3) for s in specs)
+    # the input's own lines, the two fields appended
+    given = (tmp_path / "p.jsonl").read_text().splitlines()
+    assert (tmp_path / "o.jsonl").read_text().splitlines() == [
+        line[:-1] + ', "initial_accuracy": 0.5, "num_samples": 2}' for line in given]
+    capsys.readouterr()
+    bounded = _config(tmp_path, tiny_base_model, **{"task.max_prompt_len": 5})  # "2+3*4=" is longer
+    _refused(capsys, ["p.jsonl:2", "max_prompt_len"], "perfectible", "--config", bounded, "--k", "2", "--out",
+             str(tmp_path / "o2.jsonl"))
+
+
+def test_kept_lines_are_the_inputs_own_with_the_two_fields_appended():
+    """Kept records were re-encoded: spacing and escapes changed, and 12345678901234567890123.0 lost digits."""
+    from jaxrl_mismatch.data.jsonl import with_fields
+
+    fields = {"initial_accuracy": 0.5, "num_samples": 4}
+    line = '{"answer":"1","prompt_text":"\\u0031+0=","big":12345678901234567890123.0,"n":1e2}  '
+    got = with_fields(line, fields)
+    assert got == line.rstrip()[:-1] + ', "initial_accuracy": 0.5, "num_samples": 4}'
+    assert json.loads(got)["prompt_text"] == "1+0=" and with_fields("{}", fields) == json.dumps(fields)
+    assert with_fields(got, fields) is None  # already has them: the caller writes the record anew
