@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -208,9 +209,15 @@ def _fingerprint(fmt: str, records: Mapping[str, Sequence[Record]]) -> str:
     return "rec_" + h.hexdigest()[:16]
 
 
+_SPLIT_NAME = re.compile(r"^\w+$", re.ASCII)
+
+
 def _normalise_files(files: Mapping[str, str | Sequence[str]]) -> dict[str, list[str]]:
     out = {}
     for split, paths in files.items():
+        if not isinstance(split, str) or not _SPLIT_NAME.match(split):  # checked before anything is built
+            raise ValueError(f"split {split!r}: a split name is letters, digits and _ (TFDS reads '[', ':', '+' "
+                             "and spaces as slicing; the whole dataset was built before it was refused)")
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         if not paths:
             raise ValueError(f"split {split!r}: no JSONL files given")

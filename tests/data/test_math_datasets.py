@@ -223,3 +223,12 @@ def test_a_line_json_refuses_without_a_decode_error_names_file_and_line(tmp_path
     assert not (tmp_path / "tfds").exists()
     with pytest.raises(UsageError, match=rf"--file .*b\.jsonl:2: not JSON \({re.escape(needle)}"):
         read_task_file("gsm8k", str(bad), 0)
+
+
+@pytest.mark.parametrize("split", ["a b", "train[:1]", "x+y"])
+def test_a_split_name_tfds_would_read_as_a_slice_is_refused_before_anything_is_built(tmp_path, split):
+    """"a b" built the whole dataset, then TFDS failed parsing the split ("train[:1]": Unknown split 'train')."""
+    path = _write(tmp_path / "g.jsonl", GSM8K[:1])
+    with pytest.raises(ValueError, match=rf"split {re.escape(repr(split))}: a split name is letters, digits and _"):
+        M.build("gsm8k", {"train": path, split: path}, str(tmp_path / "tfds"))
+    assert not (tmp_path / "tfds").exists()
