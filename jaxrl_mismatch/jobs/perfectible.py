@@ -203,10 +203,19 @@ def _output_lines(a, records: list[dict], originals: list[dict], kept: list[dict
     lines = []
     for r in kept:
         fields = {"initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
-        lineno = records[r["line"]].get("lineno")
-        line = with_fields(raw[lineno - 1], fields) if lineno else None
-        lines.append(line if line is not None else json.dumps({**originals[r["line"]], **fields}, ensure_ascii=False))
+        lineno, original = records[r["line"]].get("lineno"), originals[r["line"]]
+        line = None
+        if lineno and lineno <= len(raw) and _parses_to(raw[lineno - 1], original):  # (not edited while sampling)
+            line = with_fields(raw[lineno - 1], fields)
+        lines.append(line if line is not None else json.dumps({**original, **fields}, ensure_ascii=False))
     return lines
+
+
+def _parses_to(line: str, obj: dict) -> bool:
+    try:
+        return json.loads(line) == obj
+    except (ValueError, RecursionError):
+        return False
 
 
 def _write_out(a, out: list[str]) -> None:
