@@ -10,6 +10,7 @@ update leaves the previous step's state and data position intact.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
@@ -41,7 +42,7 @@ from jaxrl_mismatch.train.learner import Learner
 from jaxrl_mismatch.train.learner_config import learner_config
 from jaxrl_mismatch.train.optimizer import build_controller
 from jaxrl_mismatch.train.rollout_producer import LockedSession, Produced, RolloutProducer
-from jaxrl_mismatch.train.runlock import LOCK_FILE, RunDirLock
+from jaxrl_mismatch.train.runlock import RunDirLock
 from jaxrl_mismatch.train.task_data import TaskData
 from jaxrl_mismatch.usage import UsageError, listing
 
@@ -284,12 +285,12 @@ class Trainer:
         refused the directory, "not written by train", for the dataset build it held)."""
         if not self._created or getattr(self, "step", 0):
             return
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
         built = os.path.join(self.c.run_dir, "tfds")
         if not self.c.task.data_dir and os.path.isdir(built) and not os.path.islink(built):
             shutil.rmtree(built)  # the task's dataset, built by this start in the directory it created
+        if self.lock is not None:  # removed while held: released first, another trainer could take it meanwhile
+            self.lock.remove()
+            self.lock = None
         _remove_created(self.c.run_dir, self._created)
 
     def close(self) -> None:
@@ -605,21 +606,21 @@ def _missing_dirs(path: str) -> list[str]:
     return missing
 
 
+# The folders a start makes in its run directory before the first step (the checkpointer's), removed when empty.
+_START_FOLDERS = ("checkpoints",)
+
+
 def _remove_created(run_dir: str, created: list[str]) -> None:
-    """Remove what a stopped start left in the folders it created (`created`, deepest first): its own lock and
-    empty folders only. Anything else found there (nothing, in practice) keeps its folder."""
+    """Remove the empty folders a stopped start made (`created`, deepest first: the run directory and the parents
+    makedirs created, and `_START_FOLDERS` in it); the lock went before (`RunDirLock.remove`). A folder holding
+    anything, a user's empty folder included, keeps it and the folders above it (every empty subfolder was
+    removed before, whoever had made it)."""
     if not created:
         return
-    lock = os.path.join(os.path.abspath(run_dir), LOCK_FILE)
-    if os.path.isfile(lock) and not os.path.islink(lock):
-        os.remove(lock)
-    for root, _, files in os.walk(created[0], topdown=False):  # the run directory and its empty subfolders
-        if not files:
-            try:
-                os.rmdir(root)
-            except OSError:  # a folder still holding something (a subfolder with files)
-                pass
-    for d in created[1:]:  # the parents makedirs created, if now empty
+    for name in _START_FOLDERS:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(created[0], name))
+    for d in created:  # the run directory, then the parents makedirs created, while each is empty
         try:
             os.rmdir(d)
         except OSError:

@@ -75,10 +75,30 @@ class RunDirLock:
             raise UsageError(f"config.run_dir: {os.path.dirname(self.path)} is in use by another trainer "
                              f"({holder or 'PID unknown'}, lock {self.path}); wait for it to finish, stop it "
                              "(SIGTERM checkpoints and exits), or use another run_dir") from None
+        if not self._is_the_file_at_path(fd):  # unlinked (a stopped start's cleanup) between open and flock
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return self.acquire()
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
         return self
+
+    def _is_the_file_at_path(self, fd: int) -> bool:
+        try:
+            at_path = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+    def remove(self) -> None:
+        """Delete the lock file while still holding it, then release: a trainer that opens the path meanwhile locks a
+        new file, or finds it gone and opens again (`acquire`). (Released first, a cleanup deleted a file another
+        trainer had just locked, and a third one then ran beside it.)"""
+        if self._fd is not None and self._is_the_file_at_path(self._fd):
+            os.remove(self.path)
+        self.release()
 
     def release(self) -> None:
         if self._fd is not None:

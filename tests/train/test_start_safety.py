@@ -116,6 +116,46 @@ def test_a_symlinked_run_lock_is_refused_and_its_target_untouched(tmp_path, mode
         check_paths(_config(tmp_path))
 
 
+def test_a_removed_lock_is_never_held_by_two_trainers_and_cleanup_keeps_a_users_empty_folder(tmp_path):
+    """A stopped start released its lock, then deleted the lock file and its run directory: a trainer that took the
+    lock in between lost both, and a third trainer then ran beside it. The lock file goes while still held now, and
+    a lock taken on a file already unlinked is taken again on the path's file. The cleanup also removed every empty
+    folder in the run directory, a user's made meanwhile included."""
+    from jaxrl_mismatch.train.loop import _missing_dirs, _remove_created
+
+    run = tmp_path / "a" / "run"
+    created = _missing_dirs(str(run))
+    run.mkdir(parents=True)
+    first = RunDirLock(str(run)).acquire()
+    (run / "checkpoints").mkdir()
+    (run / "user_data" / "empty").mkdir(parents=True)
+    first.remove()
+    _remove_created(str(run), created)
+    assert (run / "user_data" / "empty").is_dir() and not (run / "checkpoints").exists()
+    assert not (run / "train.lock").exists()
+    second = RunDirLock(str(run)).acquire()
+    with pytest.raises(UsageError, match="is in use by another trainer"):  # the file the second trainer holds
+        RunDirLock(str(run)).acquire()
+    # a lock whose file was unlinked after it was opened (its flock succeeds on the orphan inode) is taken anew
+    stale = os.open(run / "train.lock", os.O_RDWR)
+    second.remove()
+    third = RunDirLock(str(run))
+    real_open = os.open
+
+    def open_then_unlinked(path, *args, **kwargs):
+        if str(path) == third.path and not getattr(open_then_unlinked, "done", False):
+            open_then_unlinked.done = True
+            return stale  # the descriptor of the file `remove` just unlinked
+        return real_open(path, *args, **kwargs)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(os, "open", open_then_unlinked):
+        third.acquire()
+    assert (run / "train.lock").exists() and os.fstat(third._fd).st_ino == os.stat(run / "train.lock").st_ino
+    third.release()
+
+
 # ---- 3. / 4. finite floats, int32 integers, a schedule that evaluates -----------------------------------------
 
 @pytest.mark.parametrize("field", ["rollout.temperature", "eval.temperature", "objective.kl_coef",
