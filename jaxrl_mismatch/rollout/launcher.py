@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxrl_mismatch.rollout.client import RolloutError
-from jaxrl_mismatch.rollout.server import build_parser
+from jaxrl_mismatch.rollout.server import PARENT_PID_ENV, build_parser
 from jaxrl_mismatch.usage import UsageError
 
 
@@ -85,6 +85,7 @@ class ManagedServer:
         except OSError as e:
             what = "is a symbolic link; remove it" if e.errno == errno.ELOOP else f"cannot be written: {e.strerror}"
             raise UsageError(f"rollout server token {self.token_file} {what}") from None
+        os.fchmod(fd, 0o600)  # the mode above applies only to a file it creates: an existing one kept its own
         with open(fd, "w") as f:
             f.write(self.token + "\n")
         self.log_path = os.path.join(work_dir, "rollout_server.log")
@@ -124,7 +125,7 @@ class ManagedServer:
             if os.path.exists(self.ready_file):
                 os.remove(self.ready_file)
             args = [sys.executable, "-m", "jaxrl_mismatch.cli", "serve", *serve_argv(self.options)]
-            env = server_env(os.environ) | {"PYTHONUNBUFFERED": "1"}
+            env = server_env(os.environ) | {"PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
             with open(self.log_path, "a") as log:
                 log.write(f"\n=== start {self.starts + 1}: {' '.join(args)}\n")
                 log.flush()

@@ -487,6 +487,9 @@ def _is_ready_file(path: str) -> bool:
     return isinstance(data, dict) and all(data.get(k) == v for k, v in READY_FILE_MARK.items())
 
 
+PARENT_PID_ENV = "JAXRL_SERVE_PARENT_PID"  # set by `launcher.ManagedServer` for --exit-with-parent
+
+
 def _check_ready_file(path: str) -> None:
     """UsageError naming --ready-file unless the file can be written there: its directory exists and is writable,
     and nothing but an earlier server's ready file is at the path (a user's file is never replaced)."""
@@ -609,7 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_file is not None:
         _check_ready_file(args.ready_file)
     _check_max_model_len(args.model, args.max_model_len)
-    parent = os.getppid() if args.exit_with_parent else None
+    # The launcher's pid as it gave it (`ManagedServer` sets PARENT_PID_ENV): read here, after the imports, a parent
+    # killed during them had already handed this process to init, whose pid was then taken for the parent's.
+    parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid()) if args.exit_with_parent else None
     token = read_token(args.token_file)
     limits = Limits(
         max_request_prompt_tokens=args.max_request_prompt_tokens,

@@ -47,6 +47,8 @@ def test_managed_server_exits_when_the_trainer_is_killed(tmp_path):
         with open(f"/proc/{server_pid}/environ", "rb") as f:
             env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
         assert env[b"XLA_FLAGS"] == b"--xla_cpu_use_fusion_emitters=false"
+        # its pid as the parent's: read by the child after its imports, a launcher killed during them left init's
+        assert env[b"JAXRL_SERVE_PARENT_PID"] == str(trainer.pid).encode()
         trainer.send_signal(signal.SIGKILL)  # no chance to stop the server itself
         trainer.wait(timeout=10)
         deadline = time.monotonic() + 30
@@ -81,6 +83,21 @@ def test_serve_argv_comes_from_the_servers_own_parser(tmp_path):
         ManagedServer(str(tmp_path), engine="jax", model="/m", port=99999)
 
 
+@pytest.mark.slow
+def test_serve_stops_once_the_parent_it_was_given_is_not_its_parent(tmp_path):
+    """The parent's pid was read as os.getppid() after the start-up imports: a launcher killed during them had
+    already handed the server to init, whose pid was then taken for the parent's, and the server ran on for good.
+    A launcher's pid given in the environment is compared from the start (here pid 1 stands in for a parent that
+    has gone: this process is the server's parent)."""
+    model = make_tiny_qwen3(tmp_path / "model", tied=False)
+    (tmp_path / "token").write_text("t" * 32 + "\n")
+    out = subprocess.run([sys.executable, "-m", "jaxrl_mismatch.cli", "serve", "--engine", "jax", "--model", str(model),
+                          "--dtype", "float32", "--port", "0", "--token-file", str(tmp_path / "token"),
+                          "--exit-with-parent"], env=dict(os.environ, JAXRL_SERVE_PARENT_PID="1"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "serve: parent process 1 exited" in out.stdout, out.stdout + out.stderr
+
+
 def test_the_token_is_never_written_through_a_link(tmp_path):
     """A `rollout_token` that is a symbolic link (to the user's own token file, say) was followed, and its target
     truncated and overwritten with the generated token; it is refused by name and the target kept."""
@@ -91,6 +108,12 @@ def test_the_token_is_never_written_through_a_link(tmp_path):
     with pytest.raises(UsageError, match=r"^rollout server token .*rollout_token is a symbolic link; remove it$"):
         ManagedServer(str(tmp_path / "w"), engine="jax", model="/m", dtype="float32")
     assert theirs.read_text() == "their secret\n"
+    # an existing token file of mode 0644 kept it: the new token was world-readable
+    (tmp_path / "w" / "rollout_token").unlink()
+    (tmp_path / "w" / "rollout_token").write_text("old\n")
+    os.chmod(tmp_path / "w" / "rollout_token", 0o644)
+    ManagedServer(str(tmp_path / "w"), engine="jax", model="/m", dtype="float32")
+    assert os.stat(tmp_path / "w" / "rollout_token").st_mode & 0o777 == 0o600
 
 
 @pytest.mark.slow
