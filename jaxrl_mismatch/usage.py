@@ -19,6 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line (its first; its type's name when it has none), for one-line errors."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 class UsageError(ValueError):
     """Bad input from the user; the message names the flag, field or file at fault."""
 

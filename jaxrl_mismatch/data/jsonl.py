@@ -7,15 +7,13 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 
 from jaxrl_mismatch.outputs import staged_file
-from jaxrl_mismatch.usage import UsageError
+from jaxrl_mismatch.usage import UsageError, first_line
 
 
 def write_jsonl(records: Sequence[Mapping], path: str) -> None:
     """Write records as JSONL atomically (a crash never leaves a half-written file under ``path``, and a
     failed write leaves no temporary behind)."""
-    with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(dict(r), ensure_ascii=False) + "\n")
+    write_lines([json.dumps(dict(r), ensure_ascii=False) for r in records], path)
 
 
 def write_lines(lines: Sequence[str], path: str) -> None:
@@ -39,7 +37,7 @@ def json_error(e: ValueError | RecursionError) -> str:
     """What `json.loads` refused, in a few words: a JSONDecodeError's message, else the error's first line (an
     integer longer than Python's 4,300-digit limit is a plain ValueError, nesting past the recursion limit a
     RecursionError; both were tracebacks or messages naming no file)."""
-    return e.msg if isinstance(e, json.JSONDecodeError) else (str(e).splitlines() or [type(e).__name__])[0]
+    return e.msg if isinstance(e, json.JSONDecodeError) else first_line(e)
 
 
 def unpaired_surrogate(obj: object) -> str | None:
@@ -53,9 +51,9 @@ def unpaired_surrogate(obj: object) -> str | None:
     return None
 
 
-def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
-    """(line number, parsed object) of each non-blank line of a JSONL file; a line that is not JSON is a
-    `UsageError` naming the flag, file and line."""
+def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object, str]]:
+    """(line number, parsed object, the line's text) of each non-blank line of a JSONL file; a line that is not
+    JSON is a `UsageError` naming the flag, file and line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -71,7 +69,7 @@ def iter_jsonl(path: str, flag: str) -> Iterator[tuple[int, object]]:
             if (bad := unpaired_surrogate(obj)) is not None:
                 raise UsageError(f"{flag} {path}:{lineno}: a string holds the unpaired surrogate escape {bad}, "
                                  "which is not text")
-            yield lineno, obj
+            yield lineno, obj, line
 
 
 def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tuple[list[dict], list[dict]]:
@@ -87,7 +85,7 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
     if fmt not in CONVERTERS:
         raise UsageError(f"--task {task}: not a file-backed task; valid: arithmetic, {', '.join(sorted(CONVERTERS))}")
     records, originals = [], []
-    for lineno, obj in iter_jsonl(path, flag):
+    for lineno, obj, line in iter_jsonl(path, flag):
         if not isinstance(obj, dict):
             raise UsageError(f"{flag} {path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         try:
@@ -98,7 +96,7 @@ def read_task_file(task: str, path: str, num: int, flag: str = "--file") -> tupl
             check_gold_answer(get_task(task).reward_name, answer)
         except ValueError as e:
             raise UsageError(f"{flag} {path}:{lineno}: {e}") from None
-        records.append({"prompt_text": text, "answer": answer, "where": f"{flag} {path}:{lineno}", "lineno": lineno})
+        records.append({"prompt_text": text, "answer": answer, "where": f"{flag} {path}:{lineno}", "text": line})
         originals.append(obj)
         if num and len(records) == num:
             break

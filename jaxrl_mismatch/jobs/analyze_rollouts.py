@@ -165,7 +165,7 @@ def read_prompt_ids(path: str, vocab_size: int, limit: int) -> list[list[int]]:
     from jaxrl_mismatch.data.jsonl import iter_jsonl
 
     prompts = []
-    for lineno, obj in iter_jsonl(path, "--prompt-ids"):
+    for lineno, obj, _ in iter_jsonl(path, "--prompt-ids"):
         ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
         if (not isinstance(ids, list) or not ids
                 or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids)):

@@ -193,29 +193,17 @@ def check_out(a) -> None:
     check_out_file("--out", a.out, ours=lambda _: False, what="", force=a.force)
 
 
-def _output_lines(a, records: list[dict], originals: list[dict], kept: list[dict]) -> list[str]:
-    """The kept records as output lines: a file's own line with the two fields appended, its bytes kept (they were
-    re-encoded: spacing, escapes and a big number's digits changed); the synthetic task's records as JSON."""
-    raw: list[str] = []
-    if a.task != "arithmetic":
-        with open(a.file, encoding="utf-8") as f:
-            raw = f.read().split("\n")
+def _output_lines(records: list[dict], originals: list[dict], kept: list[dict]) -> list[str]:
+    """The kept records as output lines: a file's own line (`read_task_file`'s "text") with the two fields appended,
+    its bytes kept (they were re-encoded: spacing, escapes and a big number's digits changed); the synthetic task's
+    records, and a line that already holds one of the fields, as JSON."""
     lines = []
     for r in kept:
         fields = {"initial_accuracy": r["initial_accuracy"], "num_samples": r["num_samples"]}
-        lineno, original = records[r["line"]].get("lineno"), originals[r["line"]]
-        line = None
-        if lineno and lineno <= len(raw) and _parses_to(raw[lineno - 1], original):  # (not edited while sampling)
-            line = with_fields(raw[lineno - 1], fields)
-        lines.append(line if line is not None else json.dumps({**original, **fields}, ensure_ascii=False))
+        text = records[r["line"]].get("text")
+        line = with_fields(text, fields) if text is not None else None
+        lines.append(line if line is not None else json.dumps({**originals[r["line"]], **fields}, ensure_ascii=False))
     return lines
-
-
-def _parses_to(line: str, obj: dict) -> bool:
-    try:
-        return json.loads(line) == obj
-    except (ValueError, RecursionError):
-        return False
 
 
 def _write_out(a, out: list[str]) -> None:
@@ -351,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kept = filter_perfectible([r["prompt_text"] for r in records], [r["answer"] for r in records],
                                       sample_fn, task.reward, k=a.k, lo=a.lo, hi=a.hi, batch_size=64,
                                       extras=[{"line": i} for i in range(len(records))])
-        _write_out(a, _output_lines(a, records, originals, kept))
+        _write_out(a, _output_lines(records, originals, kept))
     except RolloutError as e:
         # The server itself failed: its log says why, so its folder is kept and named. Anything else (a refused
         # request, Ctrl-C, an error here) leaves nothing behind.

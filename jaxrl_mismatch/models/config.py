@@ -26,6 +26,8 @@ import json
 import os
 from typing import Any
 
+from jaxrl_mismatch.usage import first_line
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -220,7 +222,7 @@ def _read_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from None
         except (ValueError, RecursionError) as e:  # an integer past Python's 4,300 digits; nesting too deep
-            raise ValueError(f"{path} is not valid JSON ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+            raise ValueError(f"{path} is not valid JSON ({first_line(e)})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object")
     return d

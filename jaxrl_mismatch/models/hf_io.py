@@ -42,6 +42,7 @@ from jaxrl_mismatch.models.config import ModelConfig
 from jaxrl_mismatch.models.model import Transformer
 from jaxrl_mismatch.models.sharding import stacked_layer_param, tree_path
 from jaxrl_mismatch.precision import DTypePolicy
+from jaxrl_mismatch.usage import first_line
 
 _EXPERT_STACK = re.compile(r"layers/\d+/mlp/experts/(gate|up|down)_proj")
 
@@ -218,11 +219,6 @@ def params_to_hf(params: PyTree, cfg: ModelConfig) -> dict[str, np.ndarray]:
 class ModelFilesError(ValueError):
     """A checkpoint directory's weights cannot be loaded: an unreadable safetensors file, a missing tensor, a shape
     that does not match config.json (`load_hf`; the message names the directory or file)."""
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message as one line (its first), for the one-line errors of the jobs and the server."""
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:

@@ -65,7 +65,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxrl_mismatch.rollout import rollout_pb2, rollout_pb2_grpc
-from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, port
+from jaxrl_mismatch.usage import ArgumentParser, UsageError, existing_dir, existing_file, first_line, port
 from jaxrl_mismatch.rollout.engine import (
     ENGINE_DTYPES,
     Engine,
@@ -523,7 +523,7 @@ def _check_model_files(model_dir: str) -> None:
     config.json's tensors (`hf_io.check_model_files`, headers only): before any engine starts (vLLM took 10 s to
     fail on a folder without weights, with a multi-line error after its start-up warnings)."""
     from jaxrl_mismatch.models.config import ModelConfig
-    from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files, first_line
+    from jaxrl_mismatch.models.hf_io import ModelFilesError, check_model_files
 
     try:
         check_model_files(model_dir, ModelConfig.from_hf(model_dir))
@@ -638,8 +638,6 @@ def main(argv: list[str] | None = None) -> int:
         server.stop(0)
         raise
     except Exception as e:  # noqa: BLE001 - any load failure is reported as a bad --model, one line
-        from jaxrl_mismatch.models.hf_io import first_line
-
         server.stop(0)
         raise UsageError(f"--model {args.model}: the {args.engine} engine cannot load it: {type(e).__name__}: "
                          f"{first_line(e)}") from None
