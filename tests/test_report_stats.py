@@ -203,3 +203,17 @@ def test_table_json_is_strict_json_with_non_finite_values(tmp_path):
     content = json.loads((tmp_path / "t.json").read_text(), parse_constant=refuse)
     stats = content["variants"]["v"]["runs"][0]["stats"]
     assert stats["val_final"] == "nan" and stats["log_ppl_abs_diff_max"] == "inf"  # as runlog writes them
+
+
+def test_the_training_step_statistics_leave_out_the_step_minus_1_record():
+    # A step -1 record holding training metrics (a hand-written or foreign log) is the initial validation's, not a
+    # training step's: the means, max, lengths, decays and summed step time are over steps 0-2 only.
+    recs = [{"step": -1, "val/accuracy": 0.1, "mismatch/log_ppl_abs_diff": 5.0, "mismatch/rho_std": 7.0,
+             "time/step_s": 100.0, "length/mean": 1000.0, "controller/scale": 0.5}]
+    recs += [{"step": s, "mismatch/log_ppl_abs_diff": 0.01, "mismatch/rho_std": 0.1, "time/step_s": t,
+              "length/mean": 10.0, "controller/scale": 1.0} for s, t in enumerate((1.0, 1.0, 1.0))]
+    s = run_stats(recs, CollapseRule())
+    assert (s["log_ppl_abs_diff_mean"], s["log_ppl_abs_diff_max"]) == (pytest.approx(0.01), 0.01)
+    assert s["rho_std_mean"] == pytest.approx(0.1) and s["step_time_s"] == 3.0
+    assert (s["length_start"], s["length_end"], s["lr_decays"]) == (10.0, 10.0, 0.0)
+    assert s["val_initial"] == 0.1 and s["steps_done"] == 3.0

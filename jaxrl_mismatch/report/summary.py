@@ -162,8 +162,9 @@ def run_stats(records: Sequence[Mapping[str, Any]], rule: CollapseRule) -> dict[
     - `step_time_s`: the sum of `time/step_s` (training steps only: no start-up, no validation);
     - `steps_done`: the last training step logged + 1.
     """
-    def values(name: str) -> list[float]:
-        return series(records, name, finite=False)[1]
+    def values(name: str) -> list[float]:  # the training steps' (a step -1 record is the initial validation's)
+        steps, v = series(records, name, finite=False)
+        return [y for x, y in zip(steps, v) if x >= 0]
 
     def mean(v: Sequence[float]) -> float | None:
         with np.errstate(all="ignore"):  # inf - inf is NaN, a sum past 1.8e308 inf: what the cell should say
