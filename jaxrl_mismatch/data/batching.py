@@ -130,7 +130,16 @@ def tokenize_prompts(
             raise PromptError(f"{name(i)}: the question holds the text of the tokenizer's special token(s) {specials}, "
                               "which would be encoded as those control tokens inside the templated prompt; remove "
                               "them from the data")
-    ids = tokenizer.encode_batch(rendered)
+    try:
+        ids = tokenizer.encode_batch(rendered)
+    except Exception:  # `tokenizers` raises a bare Exception for text it cannot encode (a closed vocabulary, no unk)
+        for i, t in enumerate(rendered):
+            try:
+                tokenizer.encode(t)
+            except Exception as e:
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise PromptError(f"{name(i)} {t[:60]!r} cannot be encoded by the tokenizer ({why})") from None
+        raise
     for i, p in enumerate(ids):
         if not p:
             raise PromptError(f"{name(i)} {rendered[i][:60]!r} has no tokens (the tokenizer adds no BOS); a rollout "
@@ -164,7 +173,7 @@ def response_text(tokenizer: TextTokenizer, token_ids: Sequence[int], stop_ids: 
     ids = list(token_ids)
     if ids and ids[-1] in stop_ids:
         ids = ids[:-1]
-    if any(not 0 <= i < tokenizer.vocab_size for i in ids):
+    if not all(tokenizer.is_token(i) for i in ids):
         return None
     return tokenizer.decode(ids, skip_special_tokens=False)
 

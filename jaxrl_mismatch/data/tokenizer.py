@@ -53,10 +53,16 @@ class TextTokenizer:
         """Every id that ends a generation, ``eos_id`` first, each once."""
         return tuple(dict.fromkeys((self.eos_id, *self.extra_stop_ids)))
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce (including added special tokens)."""
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+        """One past the highest id the tokenizer can produce (added special tokens included): the rows a model's
+        embedding needs. Not the number of tokens: a vocabulary may leave ids unused, and an id past a model's
+        table would be clipped by its gather (`check_model_vocab`)."""
+        return id_bound(self.tokenizer)
+
+    def is_token(self, i: int) -> bool:
+        """Whether id `i` names a token of this tokenizer (in range, and not an unused id of a gapped vocabulary)."""
+        return 0 <= i < self.vocab_size and self.tokenizer.id_to_token(i) is not None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS (as vLLM/HF do)."""
@@ -113,14 +119,15 @@ class TextTokenizer:
         return [t for t in self._special_texts if t in text]
 
     def check_known(self, text: str) -> None:
-        """Raise when ``text`` contains characters this tokenizer maps to ``<unk>``.
+        """Raise when ``text`` contains characters this tokenizer maps to its unknown token (``<unk>`` here, the
+    model's own, ``[UNK]`` say, in a loaded one).
 
         Only meaningful for the closed-vocabulary arithmetic tokenizer: a prompt with an unknown
         character would otherwise train the model on ``<unk>`` silently. A special token's text
         (``<eos>``) counts as unknown characters: it is not made of the vocabulary's characters, and
         encoded it would be the control token.
         """
-        unk = self.tokenizer.token_to_id(UNK)
+        unk = unknown_id(self.tokenizer)
         if unk is None:
             return
         enc = self.tokenizer.encode(text, add_special_tokens=False)
@@ -226,7 +233,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
             raise ValueError(f"{d}: {key} {name!r} from the tokenizer config is not in tokenizer.json's vocabulary")
         return i
 
-    gen_eos = _generation_eos_ids(d, tok.get_vocab_size(with_added_tokens=True))
+    gen_eos = _generation_eos_ids(d, id_bound(tok))
     eos_id = _id("eos_token")
     if eos_id is None:
         eos_id = gen_eos[0] if gen_eos else None
@@ -235,6 +242,19 @@ def load_tokenizer(path: str) -> TextTokenizer:
     pad_id = _id("pad_token")
     return TextTokenizer(tokenizer=tok, pad_id=eos_id if pad_id is None else pad_id, bos_id=_id("bos_token"), eos_id=eos_id,
                          extra_stop_ids=tuple(i for i in gen_eos if i != eos_id))
+
+
+def id_bound(tok: Tokenizer) -> int:
+    """One past the highest id of `tok`'s vocabulary and added tokens (0 for an empty one)."""
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
+def unknown_id(tok: Tokenizer) -> int | None:
+    """The id `tok` encodes unknown text as: its model's unknown token (WordLevel, WordPiece and BPE name one), else
+    ``<unk>`` if the vocabulary has it; None for none."""
+    name = getattr(tok.model, "unk_token", None)
+    i = tok.token_to_id(name) if isinstance(name, str) and name else None
+    return i if i is not None else tok.token_to_id(UNK)
 
 
 def _read_json(path: str):

@@ -84,3 +84,52 @@ def test_a_saved_truncation_or_padding_setting_never_changes_the_ids(tok, tmp_pa
     back = T.load_tokenizer(str(tmp_path))
     texts = ["12+34*5=", "1+2="]
     assert back.encode_batch(texts) == [tok.encode(t) for t in texts] and back.encode("1+2=") == tok.encode("1+2=")
+
+
+def _word_level(tmp_path, vocab: dict[str, int], unk: str | None, eos: str):
+    """A closed character-level tokenizer folder with the given vocabulary and unknown token (None: none)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
+    t = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk) if unk else models.WordLevel(vocab=vocab))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    t.add_special_tokens([k for k in vocab if k.startswith(("<", "["))])
+    t.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "pad_token": "<pad>"}))
+    return T.load_tokenizer(str(tmp_path))
+
+
+def test_a_loaded_closed_vocabulary_refuses_characters_its_own_unknown_token_stands_for(tmp_path):
+    # The model's unknown token is "[UNK]", not "<unk>": `1+x=` encoded x as [UNK] and trained on it silently.
+    vocab = {"<pad>": 0, "<eos>": 1, "[UNK]": 2, **{c: 3 + i for i, c in enumerate("0123456789+=")}}
+    tok = _word_level(tmp_path, vocab, "[UNK]", "<eos>")
+    tok.check_known("1+2=")
+    with pytest.raises(T.UnknownCharactersError, match=r"\['x'\]"):
+        tok.check_known("1+x=")
+
+
+def test_a_closed_vocabulary_without_an_unknown_token_names_the_prompt_it_cannot_encode(tmp_path):
+    from jaxrl_mismatch.data.batching import PromptError, tokenize_prompts
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: 2 + i for i, c in enumerate("0123456789+=")}}
+    tok = _word_level(tmp_path, vocab, None, "<eos>")
+    assert tokenize_prompts(tok, ["1+2="]) == [[3, 12, 4, 13]]
+    with pytest.raises(PromptError, match=r"^t.jsonl:2: prompt '1\+x=' cannot be encoded by the tokenizer \(.*UNK"):
+        tokenize_prompts(tok, ["1+2=", "1+x="], where=["t.jsonl:1", "t.jsonl:2"])
+
+
+def test_vocab_size_is_one_past_the_highest_id_of_a_vocabulary_with_unused_ids(tmp_path):
+    # ids 0-16 and an end token at 40: a model needs 41 rows, and 40 is a token; 20 (unused) is not.
+    from jaxrl_mismatch.data.batching import response_text
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3, **{c: 4 + i for i, c in enumerate("0123456789+-*")},
+             "<end>": 40}
+    tok = _word_level(tmp_path, vocab, "<unk>", "<end>")
+    assert tok.eos_id == 40 and tok.vocab_size == 41
+    tok.check_model_vocab(41)
+    with pytest.raises(ValueError, match="tokenizer has 41 ids"):
+        tok.check_model_vocab(20)
+    assert response_text(tok, [vocab["1"], 40], (40,)) == "1"
+    assert response_text(tok, [vocab["1"], 20], (40,)) is None  # an unused id: malformed
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 40}))
+    assert T.load_tokenizer(str(tmp_path)).stop_ids == (40,)
