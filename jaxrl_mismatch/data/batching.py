@@ -173,7 +173,7 @@ def response_text(tokenizer: TextTokenizer, token_ids: Sequence[int], stop_ids: 
     ids = list(token_ids)
     if ids and ids[-1] in stop_ids:
         ids = ids[:-1]
-    if not all(tokenizer.is_token(i) for i in ids):
+    if not tokenizer.all_tokens(ids):
         return None
     return tokenizer.decode(ids, skip_special_tokens=False)
 

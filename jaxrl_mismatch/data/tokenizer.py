@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Sequence
 
+import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from jaxrl_mismatch.data.jsonl import json_error
@@ -60,9 +61,17 @@ class TextTokenizer:
         table would be clipped by its gather (`check_model_vocab`)."""
         return id_bound(self.tokenizer)
 
-    def is_token(self, i: int) -> bool:
-        """Whether id `i` names a token of this tokenizer (in range, and not an unused id of a gapped vocabulary)."""
-        return 0 <= i < self.vocab_size and self.tokenizer.id_to_token(i) is not None
+    @functools.cached_property
+    def _is_id(self) -> np.ndarray:
+        """[vocab_size] bool: which ids name a token (False for an unused id of a vocabulary with gaps)."""
+        used = np.zeros((self.vocab_size,), bool)
+        used[list(self.tokenizer.get_vocab(with_added_tokens=True).values())] = True
+        return used
+
+    def all_tokens(self, ids: Sequence[int]) -> bool:
+        """Whether every id names a token of this tokenizer (in range, and not an unused id of a gapped vocabulary)."""
+        a = np.asarray(ids, np.int64)
+        return bool(a.size == 0 or (a.min() >= 0 and a.max() < self.vocab_size and self._is_id[a].all()))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS (as vLLM/HF do)."""
