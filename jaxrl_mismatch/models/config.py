@@ -68,6 +68,11 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        small = [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]
+        if small:
+            raise ValueError(f"{', '.join(small)}: sizes must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -131,9 +136,13 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        model_type = d.get("model_type")
+        if model_type is not None and model_type != _MODEL_TYPE[arch]:  # mistral + LlamaForCausalLM: a sliding window
+            raise ValueError(f"config.json: model_type {model_type!r} is not {arch}'s ({_MODEL_TYPE[arch]!r}); "
+                             "another model family's config would be read as this one")
         _refuse_unsupported_features(d, arch)
         theta, scaling = _rope_settings(d)
-        heads = int(d["num_attention_heads"])
+        heads = _number(d, "num_attention_heads", int)
         moe = {}
         if arch == "Qwen3MoeForCausalLM":
             if "num_experts" not in d and "num_local_experts" in d:  # transformers 5 writes this spelling
@@ -141,30 +150,34 @@ class ModelConfig:
             missing = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size") if k not in d]
             if missing:
                 raise ValueError(f"config.json of {arch} is missing {', '.join(missing)}")
+            only = d.get("mlp_only_layers") or []
+            if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+                raise ValueError(f"config.json: mlp_only_layers must be a list of layer indices, got {only!r}")
             moe = dict(
-                num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
-                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                num_experts=_number(d, "num_experts", int), num_experts_per_tok=_number(d, "num_experts_per_tok", int),
+                moe_intermediate_size=_number(d, "moe_intermediate_size", int),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
-                mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
-                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+                decoder_sparse_step=_number(d, "decoder_sparse_step", int, 1),
+                mlp_only_layers=tuple(only),
+                router_aux_loss_coef=_number(d, "router_aux_loss_coef", float, 0.001),
             )
+        hidden = _number(d, "hidden_size", int)
         return cls(
             architecture=arch,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=_number(d, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_number(d, "intermediate_size", int),
+            num_hidden_layers=_number(d, "num_hidden_layers", int),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=_number(d, "num_key_value_heads", int, heads),
+            head_dim=_number(d, "head_dim", int, hidden // heads if heads > 0 else 0),
+            rms_norm_eps=_number(d, "rms_norm_eps", float, 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch in _QK_NORM,
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_number(d, "max_position_embeddings", int, 4096),
             **moe,
         )
 
@@ -239,15 +252,46 @@ def _refuse_unsupported_features(d: dict[str, Any], arch: str) -> None:
         raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
 
 
+_REQUIRED = object()
+
+
+def _number(d: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """config.json's `key` as an int or float (`kind`); a missing or null key takes `default` when one is given.
+    ValueError naming the key for a missing required one or a value of another type (a string, a bool, 2.5 layers):
+    a KeyError or TypeError there ended `train` and `serve` with a traceback-less exit 1 naming no file."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json: {key} is missing")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise ValueError(f"config.json: {key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    return kind(v)
+
+
 def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, llama3 scaling dict or None) from either config spelling."""
-    params = d.get("rope_parameters")
-    if params is not None:
-        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-        scaling = params
-    else:
-        theta = float(d.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling")
+    """(rope_theta, llama3 scaling dict or None) from either config spelling. A config holding both (as `to_hf`
+    writes them) must say the same in each: transformers 5 and vLLM read a non-null `rope_scaling` first, this
+    reader `rope_parameters`, so two different settings would give the engine and the trainer different RoPE."""
+    params, legacy = d.get("rope_parameters"), d.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config.json: {key} must be an object or null, got {value!r}")
+    settings = _rope_from(params if params is not None else legacy, d, "rope_parameters" if params is not None
+                          else "rope_scaling")
+    if params is not None and legacy:
+        theta, scaling = _rope_from(legacy, d, "rope_scaling")
+        if scaling != settings[1] or ("rope_theta" in d and theta != settings[0]):
+            raise ValueError(f"config.json: rope_parameters {params!r} and rope_scaling {legacy!r} (with rope_theta "
+                             f"{d.get('rope_theta')!r}) give different RoPE settings; readers differ in which they "
+                             "take, so keep one or make them agree")
+    return settings
+
+
+def _rope_from(scaling: dict[str, Any] | None, d: dict[str, Any], key: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, llama3 scaling or None) of one spelling: `scaling` is `rope_parameters` or `rope_scaling` (`key`)."""
+    outer = _number(d, "rope_theta", float, 10000.0)
+    theta = _number(scaling, "rope_theta", float, outer) if key == "rope_parameters" and scaling else outer
     if not scaling:
         return theta, None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))

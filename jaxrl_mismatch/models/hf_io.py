@@ -262,8 +262,14 @@ class _LazyCheckpoint(Mapping):
                 self._handles[fname] = stack.enter_context(safe_open(fpath, framework="numpy"))
             except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (truncated, garbled)
                 raise ModelFilesError(f"{fpath} is not a readable safetensors file ({first_line(e)})") from None
-        if weight_map is None:
-            weight_map = {n: fname for fname, h in self._handles.items() for n in h.keys()}
+        if weight_map is None:  # no index: every safetensors file of the folder, as vLLM reads them
+            weight_map = {}
+            for fname, h in self._handles.items():
+                for n in h.keys():
+                    if n in weight_map:  # a stray copy (model_old.safetensors): which one wins is a file-name accident
+                        raise ModelFilesError(f"{directory}: tensor {n!r} is in both {weight_map[n]} and {fname} (no "
+                                              "model.safetensors.index.json says which); move the other file away")
+                    weight_map[n] = fname
         self._weight_map = weight_map
 
     def __getitem__(self, name: str) -> np.ndarray:

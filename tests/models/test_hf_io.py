@@ -263,3 +263,49 @@ def test_a_config_json_python_cannot_parse_is_named(llama_tied, tmp_path, value,
     (d / "config.json").write_text(text.replace("{", '{"extra": ' + value + ", ", 1))
     with pytest.raises(ValueError, match=re.escape(f"{d / 'config.json'} is not valid JSON ({needle}")):
         load_hf(d, policy=policy("fp32"))
+
+
+def test_a_stray_safetensors_copy_of_a_tensor_is_refused_naming_both_files(llama_tied, tmp_path):
+    """Without an index every safetensors file was read and the name sorting last won: a zeroed
+    model_old.safetensors beside model.safetensors replaced the weights silently."""
+    d = _copy_checkpoint(llama_tied, tmp_path / "x")
+    t = load_file(d / "model.safetensors")
+    save_file({"model.embed_tokens.weight": np.zeros_like(t["model.embed_tokens.weight"])},
+              d / "model_old.safetensors", metadata={"format": "pt"})
+    msg = "tensor 'model.embed_tokens.weight' is in both model.safetensors and model_old.safetensors"
+    for load in (lambda: check_model_files(d), lambda: load_hf(d, policy=policy("fp32"))):
+        with pytest.raises(ModelFilesError, match=re.escape(msg)):
+            load()
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("edit, needle", [
+    # read as Llama, while transformers builds a Mistral with a sliding window (logits 1.6 apart) or refuses
+    ({"model_type": "mistral", "sliding_window": 8}, "model_type 'mistral' is not LlamaForCausalLM's ('llama')"),
+    ({"model_type": "bogus"}, "model_type 'bogus' is not LlamaForCausalLM's"),
+    # transformers 5 and vLLM take a non-null rope_scaling first, this reader rope_parameters
+    ({"rope_scaling": _LLAMA3, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+     "give different RoPE settings"),
+    # a KeyError / TypeError / AttributeError before: exit 1 from train and serve, no file named
+    ({"hidden_size": None}, "config.json: hidden_size is missing"),
+    ({"num_hidden_layers": "2"}, "config.json: num_hidden_layers must be an integer, got '2'"),
+    ({"rms_norm_eps": [1e-6]}, "config.json: rms_norm_eps must be a number"),
+    ({"rope_scaling": "llama3", "rope_parameters": None}, "config.json: rope_scaling must be an object or null"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads=0: sizes must be >= 1"),
+])
+def test_a_config_json_this_reader_would_misread_is_refused(llama_tied, tmp_path, edit, needle):
+    d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_config=lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_hf(d, policy=policy("fp32"))
+
+
+def test_rope_settings_in_both_spellings_that_agree_load(llama_tied, tmp_path):
+    """What `save_hf` writes (both spellings, the same settings) and a legacy config's `type` key load as one."""
+    d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_config=lambda c: c.update(
+        rope_theta=5e5, rope_scaling={**{k: v for k, v in _LLAMA3.items() if k != "rope_type"}, "type": "llama3"},
+        rope_parameters={"rope_theta": 5e5, **_LLAMA3}))
+    cfg, _ = load_hf(d, policy=policy("fp32"))
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == _LLAMA3
