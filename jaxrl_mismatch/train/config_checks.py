@@ -279,7 +279,9 @@ def _check_rollout_and_batch(c: ml_collections.ConfigDict) -> None:
         except UsageError as e:
             raise ConfigError(str(e)) from None
         if c.rollout.weight_transport == "shm":
-            remote = [a for a in addresses if host_port("", a)[0] not in ("127.0.0.1", "localhost", "::1")]
+            from jaxrl_mismatch.rollout.shm import is_local_target  # the client's own rule: 127.*, 0.0.0.0, LocalHost
+
+            remote = [a for a in addresses if not is_local_target(a)]
             if remote:
                 raise ConfigError(f"config.rollout.weight_transport: 'shm' needs a server on this host (loopback "
                                   f"address), got {', '.join(remote)}; use 'auto' or 'grpc'")

@@ -41,6 +41,8 @@ def test_combinations_refused_by_name(rollout, field, words):
 
 def test_shm_to_a_loopback_fleet_and_fixed_staleness_with_staleness_are_accepted():
     validate(_config(address="127.0.0.1:5000,localhost:5001", weight_transport="shm"))
+    # every address the shared-memory client takes as this host's (`shm.is_local_target`) was refused as remote
+    validate(_config(address="127.0.1.1:5000,0.0.0.0:5001,LocalHost:5002,[::1]:5003", weight_transport="shm"))
     validate(_config(max_staleness=2, fixed_staleness=True))
 
 
