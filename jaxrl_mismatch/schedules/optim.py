@@ -88,8 +88,9 @@ def make_optimizer(
       max_grad_norm: global-norm clip threshold (LR paper: 1.0); `None` disables clipping.
       lr_scale: initial value of the host-set multiplier on the update.
       **hparams: the optimizer's own hyperparameters, overriding the defaults in `OPTIMIZERS`
-        (adamw: b1, b2, eps, weight_decay). Unknown names raise listing the accepted ones, so a
-        `ConfigDict` can be splatted in (`make_optimizer(**cfg.optim)`) and typos fail early.
+        (adamw: b1, b2, eps, weight_decay). Unknown names raise listing the accepted ones, so typos fail
+        early. A run's `config.optim` section (`lr`, `schedule`, `warmup_steps`, ...) is not these arguments:
+        `train/optimizer.build_optimizer(c)` turns it into this call.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {sorted(OPTIMIZERS)}")

@@ -25,19 +25,23 @@ from jaxrl_mismatch.schedules._registry import check_kwargs
 Schedule = Callable[[Int[ArrayLike, ""]], Float[Array, ""]]
 
 
-def _check_positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
 def _check_non_negative_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
+def _is_real(value: Any) -> bool:
+    """A finite int or float, not a bool (`True` read as 1.0 turned a decay off)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (_is_real(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 def _check_fraction(name: str, value: float, *, allow_one: bool) -> None:
-    upper_ok = value <= 1.0 if allow_one else value < 1.0
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0.0 < value and upper_ok):
+    if not (_is_real(value) and 0.0 < value and (value <= 1.0 if allow_one else value < 1.0)):
         interval = "(0, 1]" if allow_one else "(0, 1)"
         raise ValueError(f"{name} must lie in {interval}, got {value!r}")
 
@@ -61,8 +65,7 @@ def linear_warmup_schedule(peak_value: float, warmup_steps: int, init_value: flo
     """
     _check_positive("peak_value", peak_value)
     _check_non_negative_int("warmup_steps", warmup_steps)
-    if isinstance(init_value, bool) or not isinstance(init_value, (int, float)) or not (
-            math.isfinite(init_value) and init_value >= 0):
+    if not (_is_real(init_value) and init_value >= 0):
         raise ValueError(f"init_value must be a finite number >= 0, got {init_value!r}")
 
     def schedule(count: Int[ArrayLike, ""]) -> Float[Array, ""]:
@@ -84,7 +87,7 @@ def cosine_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> 
     _check_non_negative_int("decay_steps", decay_steps)
     if decay_steps == 0:
         raise ValueError("decay_steps must be >= 1")
-    if not (math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
+    if not (_is_real(alpha) and 0.0 <= alpha <= 1.0):
         raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
 
     def schedule(count: Int[ArrayLike, ""]) -> Float[Array, ""]:

@@ -171,6 +171,12 @@ def test_num_train_beyond_the_warm_starts_problems_is_refused(tmp_path):
     ("linear_warmup", {"warmup_steps": 10, "peak_value": 1e-3}, r"takes its peak_value from optim\.lr"),
     # a string was "must be real number, not str", naming no argument
     ("linear_warmup", {"warmup_steps": 10, "init_value": "0"}, r"init_value must be a finite number >= 0, got '0'"),
+    # likewise for floor / factor / alpha ("'<=' not supported between 'NoneType' and 'float'"); True was 1.0 (no decay)
+    ("step_decay", {"decay_period": 10, "floor": None}, r"floor must lie in \(0, 1\], got None"),
+    ("step_decay", {"decay_period": 10, "factor": "half"}, r"factor must lie in \(0, 1\), got 'half'"),
+    ("step_decay", {"decay_period": 10, "floor": True}, r"floor must lie in \(0, 1\], got True"),
+    ("cosine", {"decay_steps": 10, "alpha": "x"}, r"alpha must lie in \[0, 1\], got 'x'"),
+    ("cosine", {"decay_steps": 10, "alpha": True}, r"alpha must lie in \[0, 1\], got True"),
 ])
 def test_schedule_kwargs_that_cannot_be_used_are_named(schedule, kwargs, message):
     c = _config(**{"optim.schedule": schedule, "optim.schedule_kwargs": kwargs})
