@@ -116,7 +116,8 @@ def row_scores(model: Transformer, tokens: Int[Array, " length"], n_valid: Int[A
                entropy: bool = False) -> tuple[Float[Array, " length_minus_1"], Float[Array, " length_minus_1"] | None]:
     """(log π(tokens[t+1] | tokens[:t+1]) for t < length-1 of one row, and with `entropy` the entropy of each
     position's distribution, else None), 0 past `n_valid`; with `kept` (top-k/top-p), renormalised over the
-    `kept[t]` most likely tokens. The LM head runs per `EXACT_CHUNK` through `models.scoring`, the trainer's scorer."""
+    `kept[t]` most likely tokens. The head runs per `EXACT_CHUNK` (`chunk_logprobs`, float32), the target's
+    score through `models.scoring.target_scores`, the trainer's."""
     length = tokens.shape[0]
     if length % EXACT_CHUNK:
         raise ValueError(f"exact rows must be a multiple of {EXACT_CHUNK} long, got {length}")

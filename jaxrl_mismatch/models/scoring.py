@@ -8,7 +8,9 @@ scores exactly as the trainer trains. Two layers:
 
 - `head_logprobs` (`logprobs_from_logits`) + `target_scores`: the LM head, softmax(logits / T) in the policy's
   logits dtype, the target's log-prob, the entropy, and top-k/top-p renormalisation over the engine's kept set.
-  Shared by the batched scorer below and the batch-invariant per-row programs of `models.exact`.
+  The batch-invariant per-row programs of `models.exact` share `target_scores` but run their own head
+  (`exact.chunk_logprobs`: the division and log-softmax in float32, because their samplers draw from what they
+  report), so exact mode's π is the exact scorer's, not this head's: the two differ by the logits dtype's rounding.
 - `token_logprobs` / `logprobs_from_hidden` / `score_tokens` / `make_scorer`: the batched forward.
 
 Memory: with Qwen's ~152k vocabulary, a batch of 64 × 4k tokens has 4e10 logits (160 GB in float32), far
