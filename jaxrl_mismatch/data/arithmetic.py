@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 
@@ -83,6 +84,17 @@ class ArithmeticSpec:
         other = bool(others) and not ("*" in self.ops and self.mul_prob >= 1.0)
         m = int(star) + (len(others) if other else 0)
         return sum((self.max_value + 1) ** k * m ** (k - 1) for k in range(self.min_operands, self.max_operands + 1))
+
+
+    def split_capacity(self, split: str) -> int:
+        """An upper bound on the distinct problems of `split`: its share of `num_problems` (the prompt hash's
+        buckets) plus six standard deviations of that binomial count. Asked for more, `generate` could never
+        finish (and drawing until it gives up took hours for a spec of millions)."""
+        check_split(split)
+        share = {"validation": self.validation_permille, "test": self.test_permille}.get(
+            split, 1000 - self.validation_permille - self.test_permille) / 1000
+        n = self.num_problems
+        return min(n, math.floor(share * n + 6 * math.sqrt(share * (1 - share) * n)) + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,10 +208,10 @@ def generate(spec: ArithmeticSpec, split: str, n: int, seed: int = 0) -> list[Pr
     Candidates are drawn from one stream seeded by ``(seed, split index)`` and kept when their prompt
     hashes into ``split``; a prefix of the result for a smaller ``n`` is the same problems.
     """
-    check_split(split)
-    if n > spec.num_problems:  # found at once: drawing would take 200 n tries to give up (hours for millions)
-        raise ValueError(f"asked for {n} unique {split!r} problems, but {spec} has only {spec.num_problems} distinct "
-                         "problems in all splits together; widen the spec (operands, max_value) or ask for fewer")
+    if n > spec.split_capacity(split):  # found at once: drawing would take hours to give up for millions
+        raise ValueError(f"asked for {n} unique {split!r} problems, but the {split!r} split of {spec} holds at most "
+                         f"{spec.split_capacity(split)} (its share of {spec.num_problems} distinct problems); widen "
+                         "the spec (operands, max_value) or ask for fewer")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     seen: set[str] = set()
     out: list[Problem] = []
@@ -224,12 +236,16 @@ def records(spec: ArithmeticSpec, split: str, n: int, seed: int = 0) -> list[dic
     return [p.record() for p in generate(spec, split, n, seed)]
 
 
-_ANSWER_RE = re.compile(r"#\s*(-?\d+)\s*$")
+# The answer as the scratchpad writes it: ASCII digits, no leading zero, no "-0", directly after "#"; only
+# whitespace after it. (`\d` took Unicode digits, and `#\s*` a space or newline before the answer: "#06", "# 6"
+# and "#\n6" scored 1.0 against 6.)
+_ANSWER_RE = re.compile(r"#(0|-?[1-9][0-9]*)\s*$")
 _CHAIN_RE = re.compile(r"^-?\d+([+\-*]\d+)*(=-?\d+([+\-*]\d+)*)*#-?\d+$")
 
 
 def extract_answer(completion: str) -> int | None:
-    """The integer after the single ``#`` at the end (trailing whitespace allowed), or None when malformed.
+    """The integer right after the single ``#`` at the end, written as the scratchpad writes integers (ASCII
+    digits, no leading zeros, no ``-0``; trailing whitespace allowed), or None when malformed.
 
     Anything after the answer other than whitespace, or a second ``#`` (a policy that keeps writing
     past where ``<eos>`` should have come), makes the completion malformed: we score what the policy
@@ -250,10 +266,10 @@ def is_well_formed(completion: str) -> bool:
 def gold_answer(answer: str | int) -> int:
     """The integer a gold answer stands for, as `reward` reads it; ValueError when it is none ("4.0", "abc"): the
     loaders check every record's answer with it, so bad data fails at start-up naming its line, not at a step."""
-    try:
-        return int(str(answer).strip())
-    except ValueError as e:
-        raise ValueError(f"arithmetic reward: gold answer {answer!r} is not an integer") from e
+    text = str(answer).strip()
+    if re.fullmatch(r"[+-]?[0-9]+", text) is None:  # int() also reads "1_0" as 10 and Unicode digits
+        raise ValueError(f"arithmetic reward: gold answer {answer!r} is not an integer")
+    return int(text)
 
 
 def reward(completion: str, answer: str | int, *, format_bonus: float = 0.0) -> float:

@@ -13,7 +13,8 @@ One Generate call is one jitted program: prefill of the left-padded prompts, the
 (decode steps) that ends when every row has stopped or `max_tokens` is reached. Shapes are bucketed
 (rows, prompt length and max_tokens to powers of two) so a training run compiles a handful of programs,
 not one per request; sampling settings (temperature, top-k, top-p, stop ids, max_tokens) are traced
-values, so changing them never recompiles, except that top-k/top-p select the variant with the sort.
+values, so changing them never recompiles, except that top-k/top-p and greedy (T < 1e-5) select the variant
+with the sort.
 
 Mixture-of-experts routing (`SamplingSpec.return_routing`, engine option "routing" for MoE models): the
 program also records the experts each sparse layer chose for every prompt token (prefill) and every sampled

@@ -53,15 +53,8 @@ class TaskData:
         self.template = c.task.template or self.task.template
         self.stop_ids = generation_stop_ids(self.tok, self.template)  # what ends a rollout and what the reward strips
         self.max_prompt_len = c.task.max_prompt_len
-        try:
-            train = self.task.load(c.task.train_split, **task_options(c, c.task.train_split, c.task.num_train))
-            val = self.task.load(c.task.val_split, **task_options(c, c.task.val_split, c.task.num_val))
-        except ValueError as e:
-            from jaxrl_mismatch.data.math_datasets import DataFormatError  # file tasks only (it imports TFDS)
-
-            if isinstance(e, DataFormatError):  # names the file and line: one line, exit 2, like a config fault
-                raise ConfigError(f"config.task.files: {e}") from None
-            raise
+        train = self._load(c, c.task.train_split, c.task.num_train, "num_train")
+        val = self._load(c, c.task.val_split, c.task.num_val, "num_val")
         for split, records in ((c.task.train_split, train), (c.task.val_split, val)):
             if not records:
                 raise ConfigError(f"config.task: split {split!r} of task {c.task.name!r} is empty")
@@ -81,6 +74,20 @@ class TaskData:
         self.val_ids = val_ids
         self.val_answers = [r["answer"] for r in val]
         self.longest_prompt = max(len(p) for p in ids + val_ids)  # tokens: what a rollout's context must hold
+
+    def _load(self, c: ml_collections.ConfigDict, split: str, num: int, field: str) -> list[dict]:
+        """The task's records of `split`; ConfigError naming the field for a file's bad record (file and line) or a
+        generated task that cannot give `num` distinct problems (`config.task.<field>`)."""
+        try:
+            return self.task.load(split, **task_options(c, split, num))
+        except ValueError as e:
+            if self.task.check_files is None:  # a generated task (the arithmetic demo, which needs no TFDS)
+                raise ConfigError(f"config.task.{field}: {e}") from None
+            from jaxrl_mismatch.data.math_datasets import DataFormatError  # file tasks only (it imports TFDS)
+
+            if isinstance(e, DataFormatError):  # names the file and line: one line, exit 2, like a config fault
+                raise ConfigError(f"config.task.files: {e}") from None
+            raise
 
     def tokenize(self, texts: list[str], where: list[str] | None = None) -> list[list[int]]:
         return tokenize_prompts(self.tok, texts, template=self.template, max_prompt_len=self.max_prompt_len,

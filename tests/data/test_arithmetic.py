@@ -50,10 +50,10 @@ def test_splits_never_overlap_and_are_unique():
 
 def test_too_small_problem_space_raises():
     spec = A.ArithmeticSpec(min_operands=2, max_operands=2, max_value=1, ops="+")
-    with pytest.raises(ValueError, match="only 4 distinct problems in all splits"):  # more than exist: at once
+    with pytest.raises(ValueError, match=r"holds at most 4 \(its share of 4 distinct problems\)"):  # at once
         A.generate(spec, "train", 10)
-    with pytest.raises(ValueError, match="could only generate"):  # within the count, beyond the split's 5 %
-        A.generate(spec, "validation", 4)
+    with pytest.raises(ValueError, match="could only generate"):  # within the bound, beyond the split's 5 %
+        A.generate(spec, "validation", 3)
 
 
 @pytest.mark.parametrize(
@@ -68,10 +68,29 @@ def test_too_small_problem_space_raises():
         ("3+8-5=11-5=6#6#6", 0.0),  # junk after the answer
         ("3+8-5=11-5=6#66", 0.0),
         ("", 0.0),
+        # not how the scratchpad writes 6: leading zeros, a blank or newline after '#', Unicode digits
+        ("1+5=6#06", 0.0), ("#0006", 0.0), ("# 6", 0.0), ("#\n6", 0.0), ("#\u0666", 0.0), ("#\uff16", 0.0),
     ],
 )
 def test_reward_exact_match_and_malformed(completion, score):
     assert A.reward(completion, "6") == score
+
+
+def test_zero_is_written_one_way_and_gold_answers_are_ascii_integers():
+    assert A.reward("#0", "0") == 1.0 and A.reward("#-0", "0") == 0.0 and A.reward("3-3=0#0", 0) == 1.0
+    for bad in ("1_0", "\u0666", "4.0", ""):  # int() read "1_0" as 10 and Arabic-Indic six as 6
+        with pytest.raises(ValueError, match="not an integer"):
+            A.gold_answer(bad)
+    assert A.gold_answer(" -21 ") == -21 and A.gold_answer(7) == 7
+
+
+def test_asking_for_more_than_a_split_holds_is_refused_at_once():
+    # The default spec's validation split holds ~419,000 problems; asked for 1,000,000 (within all splits' 8.4M),
+    # it drew for 200 n tries (hours) before giving up. The split's bound refuses it at once.
+    spec = A.ArithmeticSpec()
+    assert 419_000 < spec.split_capacity("validation") < 425_000 and spec.num_problems == 8_379_000
+    with pytest.raises(ValueError, match=r"'validation' split of .* holds at most 42\d{4} \(its share of 8379000 "):
+        A.generate(spec, "validation", 1_000_000)
 
 
 def test_format_bonus_only_for_well_formed_wrong_answers():
@@ -107,7 +126,7 @@ def test_a_spec_too_small_for_n_is_refused_at_once_with_its_count():
             seen.add(A._sample(rng, spec).prompt)
         assert spec.num_problems == len(seen), spec
     spec = A.ArithmeticSpec(max_value=1, min_operands=2, max_operands=2)
-    with pytest.raises(ValueError, match="only 12 distinct problems in all splits"):
+    with pytest.raises(ValueError, match=r"holds at most 12 \(its share of 12 distinct problems\)"):
         A.generate(spec, "train", 10_000_000)
     rng, train = np.random.default_rng(1), set()
     for _ in range(2_000):

@@ -154,12 +154,17 @@ def test_num_val_beyond_the_tasks_problems_is_refused_before_the_run_dir(tmp_pat
 def test_num_train_beyond_the_warm_starts_problems_is_refused(tmp_path):
     c = _config(**{"run_dir": str(tmp_path / "run"), "model.path": str(tmp_path / "base"),
                    "model.warmstart_if_missing": True, "model.warmstart_args": "--max-operands 3 --max-value 1"})
-    n = ArithmeticSpec(min_operands=3, max_operands=3, max_value=1).num_problems
-    c.task.num_train, c.task.num_val = n + 1, n
+    spec = ArithmeticSpec(min_operands=3, max_operands=3, max_value=1)
+    n, k = spec.split_capacity("train"), spec.split_capacity("validation")
+    assert (n, k, spec.num_problems) == (72, 15, 72)  # the train split's ~90 % of 72 and 6 sigma; validation's ~5 %
+    c.task.num_train, c.task.num_val = n + 1, k
     validate(c)
     check_paths(c)
-    _refused(c, f"config.task.num_train: {n + 1}", f"only {n} distinct", check=check_warmstart_args)
-    c.task.num_train = n
+    _refused(c, f"config.task.num_train: {n + 1}", "'train' split of the task's", check=check_warmstart_args)
+    c.task.num_train, c.task.num_val = n, k + 1
+    _refused(c, f"config.task.num_val: {k + 1}", f"holds at most {k} (its share of 72 distinct problems)",
+             check=check_warmstart_args)
+    c.task.num_val = k
     check_warmstart_args(c)
 
 

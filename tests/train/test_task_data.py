@@ -98,3 +98,19 @@ def test_a_damaged_tokenizer_is_a_config_error_naming_the_file(model_dir, tmp_pa
     (broken / "tokenizer_config.json").write_text("{")
     with pytest.raises(ConfigError, match=r"tokenizer_config\.json is not valid JSON"):
         TaskData(c, model_vocab_size=10_000)
+
+
+def test_a_split_too_small_for_num_val_is_a_config_error_naming_the_field_without_tfds(tmp_path, monkeypatch):
+    """Within the bound but past what the split holds (25 problems, ~1 of them validation), the generator's
+    ValueError escaped (exit 1), and with the `math` extra absent the handler's TFDS import hid it."""
+    import json
+    import sys
+
+    save_tokenizer(build_arithmetic_tokenizer(), str(tmp_path))
+    (tmp_path / "task.json").write_text(json.dumps({"spec": {"min_operands": 2, "max_operands": 2, "max_value": 4,
+                                                             "ops": "+"}}))
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # an install without the `math` extra
+    c = base_config()
+    c.model.path, c.task.num_train, c.task.num_val, c.batch.prompts_per_step = str(tmp_path), 20, 3, 4
+    with pytest.raises(ConfigError, match=r"^config\.task\.num_val: could only generate \d of 3 unique 'validation'"):
+        TaskData(c, model_vocab_size=10_000)
