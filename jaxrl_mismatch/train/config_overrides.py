@@ -21,12 +21,16 @@ def load_config(path: str, overrides: Sequence[tuple[str, str]] = ()) -> ml_coll
     """`get_config()` of the Python file `path` (`path:ARG` passes ARG), then `--config.a.b=value` overrides.
 
     Values are parsed by the type of the field they replace (bool: true/false/1/0/yes/no); a key new to
-    an open section (`OPEN_SECTIONS`) is parsed as a Python literal, else kept as a string.
+    an open section (`OPEN_SECTIONS`) is parsed as a Python literal, else kept as a string. A dict given for a
+    fixed section (`--config.batch="{'dynamic_sampling': False}"`) sets the fields it names, each parsed by its
+    type, and keeps the others; one given for an open section replaces it. A `FrozenConfigDict` is thawed.
     """
     file, _, arg = path.partition(":")
     c = call_file_function(file, "get_config", f"--config {file}", *([arg] if arg else []))
     if not isinstance(c, ml_collections.ConfigDict):
         raise UsageError(f"--config {file}: get_config() returned {type(c).__name__}, not an ml_collections.ConfigDict")
+    if isinstance(c, ml_collections.FrozenConfigDict):  # immutable: every override was an AttributeError (exit 1)
+        c = c.as_configdict()
     for dotted, text in overrides:
         apply_override(c, dotted, text)
     return c
@@ -42,7 +46,9 @@ def parse_overrides(args: Sequence[str], prog: str) -> list[tuple[str, str]]:
         key, eq, value = item[len("--config."):].partition("=")
         if not eq:
             value = next(it, None)
-            if value is None:
+            # `--config.run_dir --config.steps=5`: the next flag is no value (a value may start with "--", as
+            # model.warmstart_args does, but not with "--config.")
+            if value is None or value.startswith("--config."):
                 raise UsageError(f"{prog}: --config.{key} needs a value (--config.{key}=VALUE)")
         overrides.append((key, value))
     return overrides
@@ -89,12 +95,29 @@ def _parse_as(text: str, old: Any, field: str) -> Any:
     if isinstance(old, (dict, ml_collections.ConfigDict)):
         if not isinstance(value, dict):
             raise bad("a dict such as {'key': 1}")
+        if isinstance(old, ml_collections.ConfigDict) and field not in OPEN_SECTIONS:
+            return _section_update(old, value, field)
         return ml_collections.ConfigDict(value)
     if isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
         # None-valued fields: a bare true/false word is a bool (a string 'false' would be truthy, and a resume
         # would see 'false' and False as two configs); numbers stay numbers (literal_eval took '1' as 1).
         return value.lower() in TRUE_WORDS
     return value  # None-valued fields: any literal
+
+
+def _section_update(old: ml_collections.ConfigDict, value: dict, field: str) -> ml_collections.ConfigDict:
+    """A fixed section (`--config.batch="{'dynamic_sampling': False}"`) with the given fields replaced, each parsed
+    by its field's type as its own override would be (the string 'false' was stored, and read as true); the fields
+    not given keep their values."""
+    new = ml_collections.ConfigDict(old.to_dict())
+    for key, v in value.items():
+        dotted = f"{field}.{key}"
+        if not isinstance(key, str) or key not in old:
+            raise unknown_field(dotted, [f"{field}.{k}" for k in flatten(old)])
+        if isinstance(old[key], str) and not isinstance(v, str):
+            raise ConfigError(f"config.{dotted}: expected a string, got {v!r}")
+        new[key] = _parse_as(v if isinstance(v, str) else repr(v), old[key], dotted)
+    return new
 
 
 def apply_override(c: ml_collections.ConfigDict, dotted: str, text: str) -> None:

@@ -65,6 +65,16 @@ def config_changes(saved: dict, current: dict) -> list[str]:
         if path not in old and path in base and new.get(path) == base[path]:
             continue  # a field added after the run started, at its default: the run trains as before
         a, b = old.get(path, "<unset>"), new.get(path, "<unset>")
-        if a != b:
+        if _as_saved(a) != _as_saved(b):
             out.append(f"{path}: {a!r} → {b!r}")
     return out
+
+
+def _as_saved(value):
+    """`value` as the checkpoint's JSON gives it back: tuples are lists there (task.files.train = ("a", "b") read
+    as a change from ["a", "b"] on every resume of the same config)."""
+    if isinstance(value, (list, tuple)):
+        return [_as_saved(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_saved(v) for k, v in value.items()}
+    return value

@@ -156,3 +156,56 @@ def test_a_resume_compares_the_objective_as_resolved_and_takes_another_microbatc
     b.objective.overrides.correction_cap = 3.0
     a.objective.router_aux_coef = b.objective.router_aux_coef = 0.001  # the MoE aux loss is per microbatch
     assert config_changes(a.to_dict(), b.to_dict()) == ["batch.microbatches: 1 → 4"]
+
+
+def test_a_dict_for_a_fixed_section_parses_each_field_by_its_type_and_keeps_the_others():
+    """`--config.batch="{'dynamic_sampling': 'false'}"` stored the string, which the loop read as true; a field not
+    given disappeared from the section."""
+    c = load_config(CONFIG, [("batch", "{'dynamic_sampling': 'false', 'prompts_per_step': 3}"),
+                             ("eval", "{'greedy': 'no', 'k': '4'}"),
+                             ("optim", "{'lr': 1, 'schedule_kwargs': {'decay_period': 5}}")])
+    assert c.batch.dynamic_sampling is False and c.batch.prompts_per_step == 3
+    assert c.batch.ppo_epochs == base_config().batch.ppo_epochs  # not given: kept
+    assert (c.eval.greedy, c.eval.k, c.optim.lr) == (False, 4, 1.0) and isinstance(c.optim.lr, float)
+    assert c.optim.schedule_kwargs.to_dict() == {"decay_period": 5}  # an open section takes the dict as it is
+    for text, needle in [("{'prompts_per_step': True}", "config.batch.prompts_per_step: expected an integer"),
+                         ("{'prompts_per_step': 2.5}", "config.batch.prompts_per_step: expected an integer"),
+                         ("{'dynamic_sampling': 'maybe'}", "config.batch.dynamic_sampling: expected true or false"),
+                         ("{'nope': 1}", "config.batch.nope: unknown field")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(CONFIG, [("batch", text)])
+    with pytest.raises(ConfigError, match="config.rollout.address: expected a string, got None"):
+        load_config(CONFIG, [("rollout", "{'address': None}")])
+
+
+def test_a_flag_is_never_taken_as_the_value_of_the_one_before_it():
+    from jaxrl_mismatch.train.config_overrides import parse_overrides
+    from jaxrl_mismatch.usage import UsageError
+
+    # run_dir became '--config.steps=5' and the steps override was lost
+    with pytest.raises(UsageError, match=r"^train: --config.run_dir needs a value"):
+        parse_overrides(["--config.run_dir", "--config.steps=5"], "train")
+    # a value may start with '--' (the warm start's own flags)
+    assert parse_overrides(["--config.model.warmstart_args", "--steps 40"], "train") == [
+        ("model.warmstart_args", "--steps 40")]
+
+
+def test_a_frozen_config_file_takes_overrides(tmp_path):
+    (tmp_path / "frozen.py").write_text("import ml_collections\nfrom jaxrl_mismatch.train.config import base_config\n"
+                                        "def get_config():\n    return ml_collections.FrozenConfigDict(base_config())\n")
+    c = load_config(str(tmp_path / "frozen.py"), [("steps", "4")])  # was AttributeError: immutable (exit 1)
+    assert c.steps == 4
+
+
+def test_a_resume_of_a_config_holding_a_tuple_sees_no_change():
+    """The checkpoint's JSON gives a tuple back as a list: every resume of the same config was refused."""
+    import json
+
+    c = base_config()
+    c.task.files.train = ("a.jsonl", "b.jsonl")
+    c.controller.kwargs = {"window": (1, 2)}
+    saved = json.loads(json.dumps(c.to_dict()))
+    assert saved["task"]["files"]["train"] == ["a.jsonl", "b.jsonl"]
+    assert config_changes(saved, c.to_dict()) == []
+    c.task.files.train = ("a.jsonl", "c.jsonl")
+    assert [x.split(":")[0] for x in config_changes(saved, c.to_dict())] == ["task.files"]
