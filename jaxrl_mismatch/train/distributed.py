@@ -129,18 +129,23 @@ def _lead_runs(is_lead: bool, fn: Callable[[], T], failure: str) -> T | None:
 
 
 def on_lead(is_lead: bool, fn: Callable[[], dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
-    """Run `fn` on process 0 only (it returns scalars named by `keys`) and give every process the result.
+    """Run `fn` on process 0 only (it returns scalars named by `keys`) and give every process the same result.
 
-    A failure on process 0 is re-raised there and raised as `LeadFailure` on the others.
+    A failure on process 0 is re-raised there and raised as `LeadFailure` on the others. The scalars travel as
+    float32 with a mask of the keys `fn` returned, and process 0 takes the broadcast values too: a controller
+    reading them on every process must see the same value (process 0 had its float64, the others a float32 that
+    could fall on the other side of a threshold, and a NaN it logged was dropped elsewhere).
     """
     if jax.process_count() == 1:
         return fn()
     from jax.experimental import multihost_utils
 
     out = _lead_runs(is_lead, fn, "process 0 failed (see its log)")
-    vec = np.array([out.get(k, np.nan) for k in keys] if is_lead else [0.0] * len(keys), np.float32)
+    present = [k in out for k in keys] if is_lead else [False] * len(keys)
+    vec = np.array([[out[k] if p else 0.0 for k, p in zip(keys, present)] if is_lead else [0.0] * len(keys),
+                    present], np.float32)
     vec = np.asarray(multihost_utils.broadcast_one_to_all(vec))
-    return out if is_lead else {k: float(v) for k, v in zip(keys, vec) if np.isfinite(v)}
+    return {k: float(v) for k, v, p in zip(keys, vec[0], vec[1]) if p}
 
 
 def lead_first(is_lead: bool, fn: Callable[[], T]) -> T:

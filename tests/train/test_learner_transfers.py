@@ -231,6 +231,11 @@ _BROADCAST = textwrap.dedent("""
         raise AssertionError("lead_computes returned a float64 array")
     except (ValueError if lead else distributed.LeadFailure):
         pass
+    # on_lead: every process gets the lead's scalars as the same floats (0.1 is float32's on all of them; the lead
+    # kept its float64 and a controller could decide otherwise at a threshold), a NaN the lead returned stays a
+    # NaN elsewhere (it was dropped there), and a key it did not return is absent everywhere.
+    got = distributed.on_lead(lead, lambda: {"a": 0.1, "b": float("nan")}, ("a", "b", "c"))
+    assert sorted(got) == ["a", "b"] and got["a"] == float(np.float32(0.1)) and np.isnan(got["b"]), got
     # A stop that reached one process only is every process's stop (Trainer.run's loop), and no stop is none.
     assert distributed.any_process(not lead) and distributed.any_process(lead)
     assert not distributed.any_process(False)
