@@ -67,13 +67,17 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
         meta = require_meta(ckpt.read_meta(s), where, {"config": dict})
         require_meta(meta["config"], f"{where} (its meta's config)", {"model": dict, "trainer": dict, "optim": dict})
         c = ml_collections.ConfigDict(meta["config"])
-        b = base or c.model.path
+        # The base the run trained from: its absolute path in the meta (runs before it: model.path, which may be
+        # relative to where train ran; read from elsewhere it found nothing, or another run's base of that name).
+        recorded = meta.get("model_dir")
+        b = base or (recorded if isinstance(recorded, str) else c.model.path)
         if not os.path.isfile(os.path.join(b, "config.json")):
-            raise UsageError(f"--base {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
+            where = "--base" if base else f"the run's config.model.path ({c.model.path!r}, where train found it:)"
+            raise UsageError(f"{where} {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
                              "pass --base DIR pointing to it")
-        cfg = model_config("--base", b, weights=False)  # its config and tokenizer are exported, not its weights
+        cfg = model_config("--base" if base else "config.model.path", b, weights=False)  # config and tokenizer only
         if not os.path.isfile(os.path.join(b, "tokenizer.json")):  # the trainer needed it; so do serve and vLLM
-            raise UsageError(f"--base {b}: no tokenizer.json; the export would hold no tokenizer. Pass --base DIR "
+            raise UsageError(f"{'--base' if base else 'config.model.path'} {b}: no tokenizer.json; the export would hold no tokenizer. Pass --base DIR "
                              "pointing to the run's base checkpoint")
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
         abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=_scan_layers(c)), nnx.Param)[1]

@@ -510,9 +510,10 @@ def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
         return
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
-            limit = json.load(f).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return  # the engine's load names the broken config.json
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return  # the model check names the broken config.json
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None  # a list: named there too
     if isinstance(limit, int) and max_model_len > limit:
         raise UsageError(f"--max-model-len: {max_model_len} exceeds the model's context (max_position_embeddings "
                          f"{limit} in {os.path.join(model_dir, 'config.json')})")

@@ -573,6 +573,8 @@ class Trainer:
             "pushed_step": self._pushed_step,  # the step whose weights `weight_version` is (None: none pushed)
             "eval_pending": self._eval_pending,  # the step's validation is still to do (the resume does it)
             "config": self.c.to_dict(),
+            # model.path as given may be relative to where train ran: `export` finds the base from anywhere
+            "model_dir": os.path.abspath(self.c.model.path),
         }
         self.ckpt.save(self.step, self.learner.state, meta, force=True)
         self.ckpt.wait()  # a failed write stops the run here, before the next step (CheckpointSaveError)

@@ -274,6 +274,9 @@ def test_serve_checks_max_model_len_and_an_unbindable_host_before_loading(tmp_pa
                           "--max-model-len: 100000 exceeds the model's context", "max_position_embeddings 128")
     assert_one_line_error(cli("serve", "--model", str(model), "--host", "8.8.8.8", "--port", "0", env=env),
                           "--host 8.8.8.8: cannot bind")
+    (model / "config.json").write_text("[]")  # with --max-model-len: AttributeError 'list' has no 'get' (exit 1)
+    assert_one_line_error(cli("serve", "--model", str(model), "--max-model-len", "100", env=env),
+                          f"--model {model}: ", "holds a JSON list, not an object")
 
 
 @pytest.mark.parametrize("engine", ["jax", "vllm"])

@@ -177,3 +177,33 @@ def test_the_export_keeps_the_bases_token_ids_and_needs_its_tokenizer(trained_ru
     with pytest.raises(UsageError, match=rf"--base {bare}: no tokenizer.json"):
         export(str(root / "run"), str(tmp_path / "x"), base=str(bare))
     assert not (tmp_path / "x").exists()
+
+
+def test_a_relative_model_path_finds_the_runs_base_from_another_directory(trained_run, tmp_path, monkeypatch):
+    """A run's config.model.path as given ('runs/base') is relative to where train ran: export read it against
+    its own directory, failing there ("--base runs/base", a flag never passed) or taking another run's base of
+    that name. The trainer records the absolute path in each checkpoint's meta (`model_dir`)."""
+    from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
+
+    _, base, _, _ = trained_run
+    c = base_config()
+    c.model.path, c.run_dir = str(base), str(tmp_path / "run")
+    c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 2, 4, 8
+    learner = Learner(learner_config(c))
+    c.model.path = "runs/base"  # as the user gave it, where train ran
+    with Checkpointer(str(tmp_path / "run" / "checkpoints")) as ckpt:
+        ckpt.save(1, learner.state, {"step": 1, "config": c.to_dict(), "model_dir": str(base)}, force=True)
+        ckpt.save(2, learner.state, {"step": 2, "config": c.to_dict()}, force=True)  # a run from before the field
+        ckpt.wait()
+    elsewhere = tmp_path / "elsewhere"
+    decoy = elsewhere / "runs" / "base"
+    shutil.copytree(base, decoy)
+    cfg = json.loads((decoy / "config.json").read_text())
+    (decoy / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 5}))  # another base of that name
+    monkeypatch.chdir(elsewhere)
+    export(str(tmp_path / "run"), str(tmp_path / "out"), step=1)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 2  # the run's own base
+    shutil.rmtree(decoy)
+    with pytest.raises(UsageError, match=r"^the run's config.model.path \('runs/base'.* runs/base: the run's base"):
+        export(str(tmp_path / "run"), str(tmp_path / "out2"), step=2)

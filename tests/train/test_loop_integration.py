@@ -131,6 +131,7 @@ def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path, monkeypatch):
     # the final validation's push (of step 4's update) is the version the checkpoint continues from
     assert meta["step"] == 5 and meta["weight_version"] == versions[-1] + 1
     assert meta["controller"]["state"]["num_observed"] == 5
+    assert meta["model_dir"] == os.path.abspath(base_model)  # where `export` finds the base from any directory
 
 
 @pytest.mark.slow
