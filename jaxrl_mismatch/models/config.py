@@ -264,8 +264,11 @@ def _number(d: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -
         if default is _REQUIRED:
             raise ValueError(f"config.json: {key} is missing")
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float)
+                                                                   and not v.is_integer()):
         raise ValueError(f"config.json: {key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if isinstance(v, int) and abs(v) >= 2**63:  # float() of it overflows; no size is that large
+        raise ValueError(f"config.json: {key} is out of range ({len(str(abs(v)))} digits)")
     return kind(v)
 
 

@@ -21,6 +21,7 @@ Batch normalisation always uses the global mean of the weights at θ_old.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -94,6 +95,9 @@ class ObjectiveConfig:
             raise ValueError("agg 'seq-mean-token-sum-norm' needs max_len (Dr.GRPO's constant L)")
         if not (0 < self.eps_low < 1 and self.eps_high > 0):
             raise ValueError(f"need 0 < eps_low < 1 and eps_high > 0, got {self.eps_low!r}, {self.eps_high!r}")
+        if not (isinstance(self.gmpo_eps, (int, float)) and math.isfinite(self.gmpo_eps) and self.gmpo_eps > 0):
+            # ≤ 0 puts every positive-advantage token outside the log-space clip: no gradient from good answers
+            raise ValueError(f"gmpo_eps must be a finite number > 0, got {self.gmpo_eps!r}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip!r}")
         if self.dual_clip is not None and self.loss != "ppo":
@@ -179,6 +183,30 @@ def objective_config(preset: str = "grpo", **overrides) -> ObjectiveConfig:
             raise ValueError(f"{f.name} must be {str(f.type).replace(' | None', ' or None')}, "
                              f"got {overrides[f.name]!r}")
     return ObjectiveConfig(**{**PRESETS[preset], **overrides})
+
+
+def check_overrides_act(preset: str, overrides: dict) -> None:
+    """ValueError naming the first override of `preset` that the built recipe never reads (GMPO's `gmpo_eps` under
+    PPO, a clip range under GMPO or PG, `max_len` without Dr.GRPO's aggregation, rejection bounds without a rule):
+    the run would train as if it were not given. A preset's own unused values are not refused."""
+    cfg = objective_config(preset, **overrides)
+    for field, why in inert_fields(cfg):
+        if field in overrides:
+            raise ValueError(f"{field}={overrides[field]!r} does nothing here: {why}")
+
+
+def inert_fields(cfg: ObjectiveConfig):
+    """(field, why) for the fields `cfg`'s loss, aggregation and rejection never read."""
+    if cfg.loss in ("gmpo", "pg"):
+        why = f"loss {cfg.loss!r} has no ratio clip range" + (" (its clip is gmpo_eps)" if cfg.loss == "gmpo" else "")
+        yield from (("eps_low", why), ("eps_high", why))
+    if cfg.loss != "gmpo":
+        yield "gmpo_eps", f"it is GMPO's log-space clip, and loss is {cfg.loss!r}"
+    if cfg.agg != "seq-mean-token-sum-norm":
+        yield "max_len", f"it is Dr.GRPO's constant of agg 'seq-mean-token-sum-norm', and agg is {cfg.agg!r}"
+    if cfg.rejection == "none":
+        why = "rejection is 'none' (set objective.overrides.rejection to a rule, e.g. 'ratio_token')"
+        yield from (("rejection_low", why), ("rejection_high", why))
 
 
 def _has_type(value, annotation: str) -> bool:

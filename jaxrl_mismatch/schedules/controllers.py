@@ -243,7 +243,7 @@ class LengthTriggeredDecay(Controller):
     kind = "length_triggered_decay"
 
     def __init__(self, *, metric: str = "length/mean", surge_ratio: float = 3.0, baseline_window: int = 20,
-                 window: int = 10, period_factor: float = 1.8, decay_period: int | None = None, floor: float = 0.1,
+                 window: int = 10, period_factor: float | None = None, decay_period: int | None = None, floor: float = 0.1,
                  factor: float = 0.5, min_steps_before_detect: int | None = None, onset_ratio: float | None = None):
         super().__init__()
         if not isinstance(metric, str) or not metric:
@@ -251,9 +251,13 @@ class LengthTriggeredDecay(Controller):
         _check_number("surge_ratio", surge_ratio, low=1.0, low_open=True)
         _check_int("baseline_window", baseline_window, 1)
         _check_int("window", window, 3)
-        _check_number("period_factor", period_factor, low=0.0, low_open=True)
+        if period_factor is not None:
+            _check_number("period_factor", period_factor, low=0.0, low_open=True)
         if decay_period is not None:
             _check_int("decay_period", decay_period, 1)
+            if period_factor is not None:  # it sets the period from the onset, which decay_period fixes instead
+                raise ValueError(f"period_factor={period_factor!r} does nothing with decay_period={decay_period!r} "
+                                 "(a fixed period replaces period_factor × onset); give one of them")
         _check_decay(floor, factor)
         if min_steps_before_detect is not None:
             _check_int("min_steps_before_detect", min_steps_before_detect, 0)
@@ -264,7 +268,7 @@ class LengthTriggeredDecay(Controller):
         self.surge_ratio = float(surge_ratio)
         self.baseline_window = baseline_window
         self.window = window
-        self.period_factor = float(period_factor)
+        self.period_factor = 1.8 if period_factor is None else float(period_factor)  # LR paper Sec. 3: ≈ 1.8
         self.decay_period = decay_period
         self.floor = float(floor)
         self.factor = float(factor)

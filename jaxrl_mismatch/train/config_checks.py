@@ -16,8 +16,8 @@ import ml_collections
 
 from jaxrl_mismatch import precision
 from jaxrl_mismatch.rollout.validation import GREEDY_TEMPERATURE, vllm_temperature_problem
-from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS, ConfigError, check_schema,
-                                         exact_forward_enabled, flatten)
+from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS, ConfigError, base_config,
+                                         check_schema, exact_forward_enabled, flatten)
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE, is_run_dir
 from jaxrl_mismatch.usage import INT32_MAX, SEED_LIMIT, UsageError, host_port, listing, path_kind
@@ -185,6 +185,15 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
     if not 0 < c.diagnostics.weight_distortion_pi_low <= 1:
         raise ConfigError("config.diagnostics.weight_distortion_pi_low: must be in (0, 1], got "
                           f"{c.diagnostics.weight_distortion_pi_low!r}")
+    # Options that only act with another one on: set without it, the run is the one without them.
+    base = base_config()
+    if c.diagnostics.weight_distortion_delta < 0 and (c.diagnostics.weight_distortion_pi_low
+                                                      != base.diagnostics.weight_distortion_pi_low):
+        raise ConfigError(f"config.diagnostics.weight_distortion_pi_low: {c.diagnostics.weight_distortion_pi_low!r} "
+                          "does nothing while the distortion is off (weight_distortion_delta < 0)")
+    if not c.trainer.remat and c.trainer.remat_policy != base.trainer.remat_policy:
+        raise ConfigError(f"config.trainer.remat_policy: {c.trainer.remat_policy!r} does nothing with trainer.remat "
+                          "off; set trainer.remat = True to recompute blocks with it")
     if c.rollout.address and c.rollout.num_servers != 1:
         raise ConfigError(f"config.rollout.num_servers: {c.rollout.num_servers} servers are started only when managed "
                           "(rollout.address empty); to use several external servers, list their addresses in "
@@ -308,7 +317,7 @@ def _check_rollout_and_batch(c: ml_collections.ConfigDict) -> None:
 def _check_registries(c: ml_collections.ConfigDict) -> None:
     """Names resolved by their registries (each raises listing the valid names) and the arguments they take."""
     from jaxrl_mismatch.data import TASKS
-    from jaxrl_mismatch.objectives import objective_config
+    from jaxrl_mismatch.objectives.policy import check_overrides_act
     from jaxrl_mismatch.schedules import CONTROLLERS, OPTIMIZERS, SCHEDULES
 
     from jaxrl_mismatch.data.arithmetic import SPLITS
@@ -376,7 +385,7 @@ def _check_registries(c: ml_collections.ConfigDict) -> None:
             f"config.controller.name: unknown controller {c.controller.name!r}; valid: ['none'] + {sorted(CONTROLLERS)}"
         )
     try:
-        objective_config(c.objective.preset, **c.objective.overrides.to_dict())
+        check_overrides_act(c.objective.preset, c.objective.overrides.to_dict())  # builds it: every field's check
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.objective: {e}") from None
     try:

@@ -295,6 +295,7 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
     ({"rms_norm_eps": [1e-6]}, "config.json: rms_norm_eps must be a number"),
     ({"rope_scaling": "llama3", "rope_parameters": None}, "config.json: rope_scaling must be an object or null"),
     ({"num_key_value_heads": 0}, "num_key_value_heads=0: sizes must be >= 1"),
+    ({"vocab_size": 10**400}, "config.json: vocab_size is out of range (401 digits)"),  # float() overflowed
 ])
 def test_a_config_json_this_reader_would_misread_is_refused(llama_tied, tmp_path, edit, needle):
     d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_config=lambda c: c.update(edit))

@@ -187,3 +187,35 @@ def test_schedule_kwargs_that_cannot_be_used_are_named(schedule, kwargs, message
     c = _config(**{"optim.schedule": schedule, "optim.schedule_kwargs": kwargs})
     with pytest.raises(ConfigError, match=message):
         validate(c)
+
+
+@pytest.mark.parametrize("fields, needles", [
+    # gmpo_eps <= 0: every positive-advantage token outside the clip, no gradient from good answers
+    ({"objective.preset": "gmpo", "objective.overrides": {"gmpo_eps": -1.0}}, ["gmpo_eps must be a finite number > 0"]),
+    # overrides the recipe never reads: the run trained as if they were not given
+    ({"objective.preset": "gmpo", "objective.overrides": {"eps_high": 0.28}},
+     ["config.objective: eps_high=0.28 does nothing here: loss 'gmpo' has no ratio clip range"]),
+    ({"objective.preset": "pg", "objective.overrides": {"eps_low": 0.1}}, ["eps_low=0.1 does nothing here"]),
+    ({"objective.overrides": {"gmpo_eps": 0.3}}, ["gmpo_eps=0.3 does nothing here", "loss is 'ppo'"]),
+    ({"objective.overrides": {"max_len": 100}}, ["max_len=100 does nothing here", "agg is 'token-mean'"]),
+    ({"objective.overrides": {"rejection_high": 2.0}}, ["rejection_high=2.0 does nothing here: rejection is 'none'"]),
+    ({"controller.name": "length_triggered_decay", "controller.kwargs": {"decay_period": 10, "period_factor": 5.0}},
+     ["config.controller.kwargs: period_factor=5.0 does nothing with decay_period=10"]),
+    ({"trainer.remat_policy": "save_dots"}, ["config.trainer.remat_policy: 'save_dots' does nothing with trainer.remat"]),
+    ({"diagnostics.weight_distortion_pi_low": 0.9},
+     ["config.diagnostics.weight_distortion_pi_low: 0.9 does nothing while the distortion is off"]),
+])
+def test_options_that_would_change_nothing_are_refused_naming_the_field(fields, needles):
+    _refused(_config(**fields), *needles)
+
+
+def test_the_same_options_where_they_act_are_accepted():
+    for fields in ({"objective.preset": "gmpo", "objective.overrides": {"gmpo_eps": 0.3}},
+                   {"objective.preset": "drgrpo", "objective.overrides": {"max_len": 100}},
+                   {"objective.overrides": {"eps_high": 0.28, "rejection": "ratio_token", "rejection_high": 2.0}},
+                   {"objective.preset": "gmpo", "objective.overrides": {"loss": "ppo"}},  # the preset's gmpo_eps unused
+                   {"controller.name": "length_triggered_decay", "controller.kwargs": {"decay_period": 10}},
+                   {"controller.name": "length_triggered_decay", "controller.kwargs": {"period_factor": 5.0}},
+                   {"trainer.remat": True, "trainer.remat_policy": "save_dots"},
+                   {"diagnostics.weight_distortion_delta": 2.0, "diagnostics.weight_distortion_pi_low": 0.9}):
+        validate(_config(**fields))
