@@ -77,8 +77,8 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
                              "pass --base DIR pointing to it")
         cfg = model_config("--base" if base else "config.model.path", b, weights=False)  # config and tokenizer only
         if not os.path.isfile(os.path.join(b, "tokenizer.json")):  # the trainer needed it; so do serve and vLLM
-            raise UsageError(f"{'--base' if base else 'config.model.path'} {b}: no tokenizer.json; the export would hold no tokenizer. Pass --base DIR "
-                             "pointing to the run's base checkpoint")
+            raise UsageError(f"{'--base' if base else 'config.model.path'} {b}: no tokenizer.json; the export would "
+                             "hold no tokenizer. Pass --base DIR pointing to the run's base checkpoint")
         policy = precision.policy(c.trainer.precision, fp32_lm_head=c.trainer.fp32_lm_head, param_dtype="float32")
         abstract_params = nnx.split(abstract_model(cfg, policy, scan_layers=_scan_layers(c)), nnx.Param)[1]
         opt = build_optimizer(c.optim)

@@ -243,8 +243,9 @@ class LengthTriggeredDecay(Controller):
     kind = "length_triggered_decay"
 
     def __init__(self, *, metric: str = "length/mean", surge_ratio: float = 3.0, baseline_window: int = 20,
-                 window: int = 10, period_factor: float | None = None, decay_period: int | None = None, floor: float = 0.1,
-                 factor: float = 0.5, min_steps_before_detect: int | None = None, onset_ratio: float | None = None):
+                 window: int = 10, period_factor: float | None = None, decay_period: int | None = None,
+                 floor: float = 0.1, factor: float = 0.5, min_steps_before_detect: int | None = None,
+                 onset_ratio: float | None = None):
         super().__init__()
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"metric must be a non-empty metric name, got {metric!r}")

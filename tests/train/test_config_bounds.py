@@ -201,7 +201,8 @@ def test_schedule_kwargs_that_cannot_be_used_are_named(schedule, kwargs, message
     ({"objective.overrides": {"rejection_high": 2.0}}, ["rejection_high=2.0 does nothing here: rejection is 'none'"]),
     ({"controller.name": "length_triggered_decay", "controller.kwargs": {"decay_period": 10, "period_factor": 5.0}},
      ["config.controller.kwargs: period_factor=5.0 does nothing with decay_period=10"]),
-    ({"trainer.remat_policy": "save_dots"}, ["config.trainer.remat_policy: 'save_dots' does nothing with trainer.remat"]),
+    ({"trainer.remat_policy": "save_dots"},
+     ["config.trainer.remat_policy: 'save_dots' does nothing with trainer.remat"]),
     ({"diagnostics.weight_distortion_pi_low": 0.9},
      ["config.diagnostics.weight_distortion_pi_low: 0.9 does nothing while the distortion is off"]),
 ])

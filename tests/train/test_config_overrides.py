@@ -191,8 +191,9 @@ def test_a_flag_is_never_taken_as_the_value_of_the_one_before_it():
 
 
 def test_a_frozen_config_file_takes_overrides(tmp_path):
-    (tmp_path / "frozen.py").write_text("import ml_collections\nfrom jaxrl_mismatch.train.config import base_config\n"
-                                        "def get_config():\n    return ml_collections.FrozenConfigDict(base_config())\n")
+    (tmp_path / "frozen.py").write_text(
+        "import ml_collections\nfrom jaxrl_mismatch.train.config import base_config\n"
+        "def get_config():\n    return ml_collections.FrozenConfigDict(base_config())\n")
     c = load_config(str(tmp_path / "frozen.py"), [("steps", "4")])  # was AttributeError: immutable (exit 1)
     assert c.steps == 4
 
