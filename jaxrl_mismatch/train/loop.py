@@ -70,13 +70,23 @@ def check_context(c: ml_collections.ConfigDict, longest_prompt: int, max_positio
                           "or use shorter prompts")
 
 
-def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str) -> None:
+def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str,
+                  longest_prompt: int | None = None) -> None:
     """ConfigError unless every server serves what the config's `rollout` section asks for: its weight quantization,
     with top-k/top-p each token's kept-set size (an attached vLLM server returns log-probs renormalised over the
     kept set without it, and π over the full vocabulary would bias every ratio by the kept mass), its engine and its
     precision (an attached server started with another `--dtype` made μ another precision's than the run records:
-    an FP16 run measured a BF16 mismatch)."""
+    an FP16 run measured a BF16 mismatch), the `max_model_len` the config names, and a context that holds the
+    task's longest prompt and a whole response (`check_context` knows only the config's and the model's: an
+    attached server with a shorter one refused the first rollout, after the model had loaded)."""
     for i in infos:
+        if r.max_model_len and i.max_model_len != r.max_model_len:
+            raise ConfigError(f"config.rollout.max_model_len: {r.max_model_len}, but {where} serves "
+                              f"{i.max_model_len} (serve --max-model-len {r.max_model_len})")
+        if longest_prompt is not None and longest_prompt + r.max_tokens > i.max_model_len:
+            raise ConfigError(f"config.rollout.max_tokens: the task's longest prompt ({longest_prompt} tokens) + "
+                              f"max_tokens ({r.max_tokens}) exceeds the max_model_len {i.max_model_len} {where} "
+                              "serves; lower rollout.max_tokens or serve a longer context")
         if i.quantize != r.quantize:
             raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {where} serves {i.quantize!r} weights "
                               f"(serve --quantize {r.quantize})")
@@ -452,7 +462,7 @@ class Trainer:
                 if diff := served_differences(info, other):
                     raise ConfigError(f"config.rollout.address: the servers do not serve the same (server 0 vs {k}: "
                                       f"{'; '.join(diff)}); a mixed fleet would mix μ")
-            check_servers(r, infos, session.describe())
+            check_servers(r, infos, session.describe(), self.data.longest_prompt)
             # Validation measures the trainer's policy: full-precision weights where the engines can serve them.
             self._eval_quantize_strength = 0.0 if all("quantize_strength" in i.options for i in infos) else 1.0
             if self.collect_routing and "routing" not in info.options:

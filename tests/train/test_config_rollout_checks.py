@@ -121,6 +121,22 @@ def test_an_attached_server_of_another_precision_or_engine_is_refused():
         check_servers(_config(address="y", dtype="bfloat16").rollout, [bf16], "x")
 
 
+def test_an_attached_servers_context_is_checked_against_the_config_and_the_longest_prompt():
+    """`check_context` read the config's max_model_len or the model's: an attached server serving 256 tokens took
+    a 4-token prompt + 254 max_tokens through the config check and refused the first rollout, after the load."""
+    from jaxrl_mismatch.train.loop import check_servers
+
+    server = _info("jax", ())  # serves max_model_len 256
+    check_servers(_config(address="y", max_tokens=252).rollout, [server], "x", longest_prompt=4)  # 256: fits
+    with pytest.raises(ConfigError, match=r"^config\.rollout\.max_tokens: the task's longest prompt \(4 tokens\) \+ "
+                                          r"max_tokens \(253\) exceeds the max_model_len 256 x serves"):
+        check_servers(_config(address="y", max_tokens=253).rollout, [server], "x", longest_prompt=4)
+    with pytest.raises(ConfigError, match=r"^config\.rollout\.max_model_len: 128, but x serves 256 \(serve "
+                                          r"--max-model-len 128\)$"):
+        check_servers(_config(address="y", max_model_len=128).rollout, [server], "x")
+    check_servers(_config(address="y", max_model_len=256).rollout, [server], "x")
+
+
 def test_the_jax_engine_says_it_returns_kept_set_sizes_and_a_batch_without_them_is_refused(tmp_path):
     import numpy as np
 
