@@ -66,7 +66,12 @@ class RunWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            # TensorBoard shows the events from `purge_step` on as this run writes them: a resume's redone steps
+            # and a fresh start's steps are not shown twice beside the earlier events (kept on disk, not deleted).
+            # The file name's own part is the second and host: a writer started within the same second as the
+            # earlier one opened its file again and emptied it; the nanosecond suffix keeps each writer's own.
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_from_step or 0,
+                                     filename_suffix=f".{time.time_ns()}")
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
         record = {"step": int(step), **{k: _jsonable(v) for k, v in scalars.items()}}

@@ -161,3 +161,46 @@ def test_a_resume_and_an_amend_write_through_a_live_metrics_link(tmp_path, capsy
     (aside,) = run.glob("metrics.jsonl.cut-*")  # the redone steps' first records, kept in the run directory
     assert [r["step"] for r in read_jsonl(str(aside))] == [3, 4, 5]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shared_metrics")]
+
+
+def _tb_events(tb_dir):
+    """(file, step, session-log status or None, tags) of every event in the tb folder's files, in file order."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for f in sorted(tb_dir.iterdir(), key=lambda p: p.stat().st_mtime_ns):
+        data, i = f.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            e = event_pb2.Event()
+            e.ParseFromString(data[i + 12:i + 12 + n])
+            i += 16 + n
+            out.append((f.name, e.step, e.session_log.status if e.HasField("session_log") else None,
+                        [v.tag for v in e.summary.value]))
+    return out
+
+
+def test_tensorboard_purges_the_steps_a_resume_redoes(tmp_path):
+    """A resume cut metrics.jsonl back but TensorBoard kept both writes of a redone step (tb steps 0,1,2,3,3,4). The
+    new event file starts with a SessionLog START at the resume step: TensorBoard hides the earlier events from that
+    step on (tensorboardX's purge_step); the earlier file stays on disk, whole."""
+    from tensorboardX.proto import event_pb2
+
+    w = RunWriter(str(tmp_path))
+    for s in range(4):
+        w.write(s, {"reward/mean": s / 10})
+    w.close()
+    first = {f for f, *_ in _tb_events(tmp_path / "tb")}
+    w = RunWriter(str(tmp_path), resume_from_step=3)
+    w.write(3, {"reward/mean": 0.9})
+    w.close()
+    events = _tb_events(tmp_path / "tb")
+    new = [e for e in events if e[0] not in first]
+    # nothing deleted: the earlier writer's file and events stay (a writer started within the same second opened
+    # the same file name again and emptied it)
+    assert [step for f, step, _, tags in events if f in first and "reward/mean" in tags] == [0, 1, 2, 3]
+    starts = [(step, status) for _, step, status, _ in new if status is not None]
+    assert starts == [(3, event_pb2.SessionLog.START)]
+    assert [step for _, step, _, tags in new if "reward/mean" in tags] == [3]

@@ -58,7 +58,7 @@ def _model_choices() -> dict[str, tuple[str, ...]]:
 _POSITIVE_INTS = (
     "steps", "rollout.group_size", "rollout.max_tokens", "batch.prompts_per_step", "batch.ppo_epochs",
     "batch.minibatches", "batch.microbatches", "trainer.chunk_size", "task.num_val", "eval.k",
-    "checkpoint.keep", "task.max_prompt_len", "rollout.num_servers",
+    "checkpoint.keep", "task.max_prompt_len", "rollout.num_servers", "task.num_train",
 )
 _NON_NEGATIVE = (
     "batch.max_oversample_rounds", "eval.every", "checkpoint.every", "optim.warmup_steps", "rollout.top_k",
@@ -341,6 +341,12 @@ def _check_registries(c: ml_collections.ConfigDict) -> None:
             if c.task[field] not in SPLITS:
                 raise ConfigError(f"config.task.{field}: unknown split {c.task[field]!r}; valid: {list(SPLITS)}")
     else:  # file-backed tasks read local JSONL files, one per split
+        base = base_config().task
+        for field, what in (("num_train", "every record of the train file is used"),
+                            ("data_seed", "the records are the files', in their order")):
+            if c.task[field] != base[field]:  # the arithmetic generator's: a file task was silently given all
+                raise ConfigError(f"config.task.{field}: {c.task[field]!r} does nothing for task {c.task.name!r} "
+                                  f"({what}); it sizes and seeds the generated 'arithmetic' task only")
         for field in ("train_split", "val_split"):
             split = c.task[field]
             if not isinstance(split, str) or not split:

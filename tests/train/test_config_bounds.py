@@ -205,6 +205,12 @@ def test_schedule_kwargs_that_cannot_be_used_are_named(schedule, kwargs, message
      ["config.trainer.remat_policy: 'save_dots' does nothing with trainer.remat"]),
     ({"diagnostics.weight_distortion_pi_low": 0.9},
      ["config.diagnostics.weight_distortion_pi_low: 0.9 does nothing while the distortion is off"]),
+    # the generator's size and seed given to a file task, which uses every record of its files, in order
+    ({"task.name": "prompts", "task.files": {"train": "t.jsonl", "validation": "v.jsonl"}, "task.num_train": 5},
+     ["config.task.num_train: 5 does nothing for task 'prompts'"]),
+    ({"task.name": "prompts", "task.files": {"train": "t.jsonl", "validation": "v.jsonl"}, "task.data_seed": 7},
+     ["config.task.data_seed: 7 does nothing for task 'prompts'"]),
+    ({"task.num_train": 0}, ["config.task.num_train: must be an integer >= 1, got 0"]),  # was: split 'train' empty
 ])
 def test_options_that_would_change_nothing_are_refused_naming_the_field(fields, needles):
     _refused(_config(**fields), *needles)
