@@ -262,13 +262,14 @@ def _number(d: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED) -
     v = d.get(key)
     if v is None:
         if default is _REQUIRED:
-            raise ValueError(f"config.json: {key} is missing")
+            raise ValueError(f"config.json: {key} is {'null' if key in d else 'missing'}")
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float)
                                                                    and not v.is_integer()):
         raise ValueError(f"config.json: {key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
-    if isinstance(v, int) and abs(v) >= 2**63:  # float() of it overflows; no size is that large
-        raise ValueError(f"config.json: {key} is out of range ({len(str(abs(v)))} digits)")
+    if abs(v) >= 2**63:  # float() of such an int overflows, and no size is that large (1e300 as a float neither)
+        size = f"{v:.3g}" if isinstance(v, float) else f"{len(str(abs(v)))} digits"
+        raise ValueError(f"config.json: {key} is out of range ({size})")
     return kind(v)
 
 
@@ -282,7 +283,7 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             raise ValueError(f"config.json: {key} must be an object or null, got {value!r}")
     settings = _rope_from(params if params is not None else legacy, d, "rope_parameters" if params is not None
                           else "rope_scaling")
-    if params is not None and legacy:
+    if params is not None and (legacy or "rope_theta" in d):  # a reader of the older keys takes these
         theta, scaling = _rope_from(legacy, d, "rope_scaling")
         if scaling != settings[1] or ("rope_theta" in d and theta != settings[0]):
             raise ValueError(f"config.json: rope_parameters {params!r} and rope_scaling {legacy!r} (with rope_theta "

@@ -192,7 +192,15 @@ def check_overrides_act(preset: str, overrides: dict) -> None:
     cfg = objective_config(preset, **overrides)
     for field, why in inert_fields(cfg):
         if field in overrides:
-            raise ValueError(f"{field}={overrides[field]!r} does nothing here: {why}")
+            raise InertOverrideError(field, f"{overrides[field]!r} does nothing here: {why}")
+
+
+class InertOverrideError(ValueError):
+    """An objective override the recipe never reads (`check_overrides_act`); `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 def inert_fields(cfg: ObjectiveConfig):

@@ -317,7 +317,7 @@ def _check_rollout_and_batch(c: ml_collections.ConfigDict) -> None:
 def _check_registries(c: ml_collections.ConfigDict) -> None:
     """Names resolved by their registries (each raises listing the valid names) and the arguments they take."""
     from jaxrl_mismatch.data import TASKS
-    from jaxrl_mismatch.objectives.policy import check_overrides_act
+    from jaxrl_mismatch.objectives.policy import InertOverrideError, check_overrides_act
     from jaxrl_mismatch.schedules import CONTROLLERS, OPTIMIZERS, SCHEDULES
 
     from jaxrl_mismatch.data.arithmetic import SPLITS
@@ -392,6 +392,8 @@ def _check_registries(c: ml_collections.ConfigDict) -> None:
         )
     try:
         check_overrides_act(c.objective.preset, c.objective.overrides.to_dict())  # builds it: every field's check
+    except InertOverrideError as e:
+        raise ConfigError(f"config.objective.overrides.{e.field}: {e}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.objective: {e}") from None
     try:

@@ -290,12 +290,17 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
     ({"rope_scaling": _LLAMA3, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
      "give different RoPE settings"),
     # a KeyError / TypeError / AttributeError before: exit 1 from train and serve, no file named
-    ({"hidden_size": None}, "config.json: hidden_size is missing"),
+    ({"hidden_size": None}, "config.json: hidden_size is null"),
     ({"num_hidden_layers": "2"}, "config.json: num_hidden_layers must be an integer, got '2'"),
     ({"rms_norm_eps": [1e-6]}, "config.json: rms_norm_eps must be a number"),
     ({"rope_scaling": "llama3", "rope_parameters": None}, "config.json: rope_scaling must be an object or null"),
     ({"num_key_value_heads": 0}, "num_key_value_heads=0: sizes must be >= 1"),
     ({"vocab_size": 10**400}, "config.json: vocab_size is out of range (401 digits)"),  # float() overflowed
+    ({"vocab_size": 1e300}, "config.json: vocab_size is out of range (1e+300)"),
+    ({"num_attention_heads": None}, "config.json: num_attention_heads is null"),
+    # without rope_scaling too: a reader of the older keys takes rope_theta
+    ({"rope_theta": 50000.0, "rope_scaling": None, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+     "give different RoPE settings"),
 ])
 def test_a_config_json_this_reader_would_misread_is_refused(llama_tied, tmp_path, edit, needle):
     d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_config=lambda c: c.update(edit))
