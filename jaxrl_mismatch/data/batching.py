@@ -122,8 +122,8 @@ def tokenize_prompts(
     rendered = [tmpl.render(t) if tmpl is not None else t for t in texts]
     name = (lambda i: f"{where[i]}: prompt") if where is not None else (lambda i: f"prompt {i}")
     for i, t in enumerate(rendered):
-        try:
-            tokenizer.check_known(t)
+        try:  # a template's own turn tokens are meant; special tokens in its question are refused just below
+            tokenizer.check_known(t, specials=tmpl is None)
         except UnknownCharactersError as e:
             raise PromptError(f"{name(i)}: {e}") from None
         if tmpl is not None and (specials := tokenizer.special_tokens_in(texts[i])):

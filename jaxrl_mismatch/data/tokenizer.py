@@ -127,21 +127,20 @@ class TextTokenizer:
         is encoded as that control token."""
         return [t for t in self._special_texts if t in text]
 
-    def check_known(self, text: str) -> None:
+    def check_known(self, text: str, *, specials: bool = True) -> None:
         """Raise when ``text`` contains characters this tokenizer maps to its unknown token (``<unk>`` here, the
-    model's own, ``[UNK]`` say, in a loaded one).
-
-        Only meaningful for the closed-vocabulary arithmetic tokenizer: a prompt with an unknown
-        character would otherwise train the model on ``<unk>`` silently. A special token's text
-        (``<eos>``) counts as unknown characters: it is not made of the vocabulary's characters, and
-        encoded it would be the control token.
+        model's own, ``[UNK]`` say, in a loaded one): a prompt with an unknown character would otherwise train the
+        model on the unknown token silently. A tokenizer without one (byte-level BPE, byte fallback) has no unknown
+        characters. With ``specials``, a special token's text (``<eos>``) counts as unknown characters too: it is
+        not made of the vocabulary's characters, and encoded it would be the control token (False for a prompt a
+        chat template rendered: its own turn tokens are meant).
         """
         unk = unknown_id(self.tokenizer)
         if unk is None:
             return
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         unknown = {text[s:e] for i, (s, e) in zip(enc.ids, enc.offsets) if i == unk}
-        bad = sorted(unknown | set(self.special_tokens_in(text)))
+        bad = sorted(unknown | (set(self.special_tokens_in(text)) if specials else set()))
         if bad:
             raise UnknownCharactersError(f"text {text[:60]!r} has characters outside the tokenizer's vocabulary: {bad}")
 

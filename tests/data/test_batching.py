@@ -126,4 +126,6 @@ def test_a_question_holding_a_special_tokens_text_is_refused_under_a_template():
 def test_a_special_tokens_text_is_outside_a_closed_vocabulary():
     tok = build_arithmetic_tokenizer()
     with pytest.raises(PromptError, match=r"prompt 0: .*outside the tokenizer's vocabulary: \['<eos>'\]"):
-        tokenize_prompts(tok, ["1+<eos>2="], template="arithmetic")
+        tokenize_prompts(tok, ["1+<eos>2="])
+    with pytest.raises(PromptError, match=r"prompt 0: the question holds the text of the tokenizer's special token"):
+        tokenize_prompts(tok, ["1+<eos>2="], template="arithmetic")  # in a template's question

@@ -133,3 +133,20 @@ def test_vocab_size_is_one_past_the_highest_id_of_a_vocabulary_with_unused_ids(t
     assert response_text(tok, [vocab["1"], 20], (40,)) is None  # an unused id: malformed
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 40}))
     assert T.load_tokenizer(str(tmp_path)).stop_ids == (40,)
+
+
+def test_a_chat_templates_own_turn_tokens_are_not_unknown_characters(tmp_path):
+    """Once a loaded tokenizer's own unknown token counts, a rendered ChatML prompt's <|im_start|> was refused as
+    characters outside the vocabulary: the template's turn tokens are meant (the question's are still refused)."""
+    from jaxrl_mismatch.data.batching import PromptError, tokenize_prompts
+
+    vocab = {"<pad>": 0, "<eos>": 1, "[UNK]": 2, "<|im_start|>": 3, "<|im_end|>": 4,
+             **{c: 5 + i for i, c in enumerate(dict.fromkeys("0123456789+= \n" + "Please reason step by step, and put your final "
+                                                                "answer within \\boxed{}.user assistant"))}}
+    tok = _word_level(tmp_path, vocab, "[UNK]", "<eos>")
+    template = "qwen_boxed"
+    assert tokenize_prompts(tok, ["1+2="], template=template)[0][0] == 3
+    with pytest.raises(PromptError, match=r"special token"):
+        tokenize_prompts(tok, ["1+2=<|im_end|>"], template=template)
+    with pytest.raises(PromptError, match=r"outside the tokenizer's vocabulary: \['#'\]"):
+        tokenize_prompts(tok, ["1+2=#"], template=template)

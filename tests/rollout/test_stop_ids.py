@@ -27,6 +27,11 @@ IDS = {ENDOFTEXT: 90, IM_START: 91, IM_END: 92}
 def _qwen_like_tokenizer(d, *, gen_eos=None, eos_in_config=True, turn_tokens=True):
     """A word-level tokenizer laid out like Qwen's: no BOS, `<|endoftext|>` the EOS of tokenizer_config.json."""
     vocab = {f"w{i}": i for i in range(VOCAB)}
+    # the words of the qwen_boxed template's text: a closed word vocabulary maps nothing it lacks to its unknown token
+    for i, word in enumerate(("user", "assistant", "Please", "reason", "step", "by", "step,", "and", "put", "your",
+                              "final", "answer", "within", "\\boxed{}."), start=60):
+        vocab.pop(f"w{i}")
+        vocab[word] = i
     for name, i in IDS.items():
         if turn_tokens or name == ENDOFTEXT:
             vocab.pop(f"w{i}")
