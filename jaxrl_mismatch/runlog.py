@@ -70,8 +70,8 @@ class RunWriter:
             # and a fresh start's steps are not shown twice beside the earlier events (kept on disk, not deleted).
             # The file name's own part is the second and host: a writer started within the same second as the
             # earlier one opened its file again and emptied it; the nanosecond suffix keeps each writer's own.
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=resume_from_step or 0,
-                                     filename_suffix=f".{time.time_ns()}")
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), filename_suffix=f".{time.time_ns()}",
+                                     purge_step=-1 if resume_from_step is None else resume_from_step)  # -1: step -1
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> None:
         record = {"step": int(step), **{k: _jsonable(v) for k, v in scalars.items()}}

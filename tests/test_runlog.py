@@ -203,4 +203,9 @@ def test_tensorboard_purges_the_steps_a_resume_redoes(tmp_path):
     assert [step for f, step, _, tags in events if f in first and "reward/mean" in tags] == [0, 1, 2, 3]
     starts = [(step, status) for _, step, status, _ in new if status is not None]
     assert starts == [(3, event_pb2.SessionLog.START)]
+    # a fresh start (its metrics.jsonl replaced aside) hides every earlier event, the step -1 validation's too
+    RunWriter(str(tmp_path)).close()
+    latest = max((tmp_path / "tb").iterdir(), key=lambda p: p.stat().st_mtime_ns).name
+    assert [(s, st) for f, s, st, _ in _tb_events(tmp_path / "tb") if f == latest and st is not None] == [
+        (-1, event_pb2.SessionLog.START)]
     assert [step for _, step, _, tags in new if "reward/mean" in tags] == [3]

@@ -107,7 +107,7 @@ class TextTokenizer:
         cfg = _read_json(path) if os.path.exists(path) else None
         e = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
         declared = [i for i in (e if isinstance(e, list) else [e]) if isinstance(i, int) and not isinstance(i, bool)]
-        declared += _generation_eos_ids(model_dir, self.vocab_size)  # what `load_tokenizer` read as stop ids
+        declared += _generation_eos_ids(model_dir, self.tokenizer)  # what `load_tokenizer` read as stop ids
         if declared and self.eos_id not in declared:
             raise ValueError(
                 f"tokenizer/model mismatch: the tokenizer's EOS is id {self.eos_id} "
@@ -241,7 +241,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
             raise ValueError(f"{d}: {key} {name!r} from the tokenizer config is not in tokenizer.json's vocabulary")
         return i
 
-    gen_eos = _generation_eos_ids(d, id_bound(tok))
+    gen_eos = _generation_eos_ids(d, tok)
     eos_id = _id("eos_token")
     if eos_id is None:
         eos_id = gen_eos[0] if gen_eos else None
@@ -281,7 +281,7 @@ def _read_json(path: str):
         raise ValueError(f"{path} is not valid JSON ({json_error(e)}{at})") from None
 
 
-def _generation_eos_ids(d: str, vocab_size: int) -> tuple[int, ...]:
+def _generation_eos_ids(d: str, tok: Tokenizer) -> tuple[int, ...]:
     """``generation_config.json``'s ``eos_token_id`` (an id or a list of ids) as a tuple; () without the file or
     the key. A value that is not a token id of this tokenizer is refused, naming the file."""
     path = os.path.join(d, "generation_config.json")
@@ -290,7 +290,9 @@ def _generation_eos_ids(d: str, vocab_size: int) -> tuple[int, ...]:
     e = _read_json(path)
     e = e.get("eos_token_id") if isinstance(e, dict) else None
     ids = e if isinstance(e, list) else [] if e is None else [e]
-    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31
+           or tok.id_to_token(i) is None]  # an unused id of a vocabulary with gaps names no token either
     if bad:
-        raise ValueError(f"{path}: eos_token_id {e!r} is not a token id of this tokenizer (0..{vocab_size - 1})")
+        raise ValueError(f"{path}: eos_token_id {e!r} is not a token id of this tokenizer (0..{id_bound(tok) - 1}, "
+                         "ids naming a token)")
     return tuple(dict.fromkeys(ids))

@@ -72,7 +72,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
         recorded = meta.get("model_dir")
         b = base or (recorded if isinstance(recorded, str) else c.model.path)
         if not os.path.isfile(os.path.join(b, "config.json")):
-            where = "--base" if base else f"the run's config.model.path ({c.model.path!r}, where train found it:)"
+            where = "--base" if base else f"config.model.path of the run ({c.model.path!r}, as train resolved it)"
             raise UsageError(f"{where} {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
                              "pass --base DIR pointing to it")
         cfg = model_config("--base" if base else "config.model.path", b, weights=False)  # config and tokenizer only

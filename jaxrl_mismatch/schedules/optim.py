@@ -90,7 +90,7 @@ def make_optimizer(
       **hparams: the optimizer's own hyperparameters, overriding the defaults in `OPTIMIZERS`
         (adamw: b1, b2, eps, weight_decay). Unknown names raise listing the accepted ones, so typos fail
         early. A run's `config.optim` section (`lr`, `schedule`, `warmup_steps`, ...) is not these arguments:
-        `train/optimizer.build_optimizer(c)` turns it into this call.
+        `train/optimizer.build_optimizer(c.optim)` turns it into this call.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {sorted(OPTIMIZERS)}")

@@ -95,6 +95,8 @@ def test_asking_for_more_than_a_split_holds_is_refused_at_once():
 
 def test_format_bonus_only_for_well_formed_wrong_answers():
     assert A.reward("3+8-5=11-5=7#7", "6", format_bonus=0.1) == pytest.approx(0.1)
+    for odd in ("1+5=6#06", "1+5=6#\uff16", "1+5=6#-0"):  # not the scratchpad's integers: not well formed either
+        assert A.reward(odd, "6", format_bonus=0.3) == 0.0, odd
     assert A.reward("garbage#7", "6", format_bonus=0.1) == 0.0
     assert A.reward("3+8-5=11-5=6#6", "6", format_bonus=0.1) == 1.0
     assert A.reward("-25+4=-21#-21", -21) == 1.0

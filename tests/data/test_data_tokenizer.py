@@ -133,6 +133,9 @@ def test_vocab_size_is_one_past_the_highest_id_of_a_vocabulary_with_unused_ids(t
     assert response_text(tok, [vocab["1"], 20], (40,)) is None  # an unused id: malformed
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 40}))
     assert T.load_tokenizer(str(tmp_path)).stop_ids == (40,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [40, 20]}))  # 20: unused
+    with pytest.raises(ValueError, match=r"eos_token_id \[40, 20\] is not a token id of this tokenizer"):
+        T.load_tokenizer(str(tmp_path))
 
 
 def test_a_chat_templates_own_turn_tokens_are_not_unknown_characters(tmp_path):

@@ -205,5 +205,6 @@ def test_a_relative_model_path_finds_the_runs_base_from_another_directory(traine
     export(str(tmp_path / "run"), str(tmp_path / "out"), step=1)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 2  # the run's own base
     shutil.rmtree(decoy)
-    with pytest.raises(UsageError, match=r"^the run's config.model.path \('runs/base'.* runs/base: the run's base"):
+    with pytest.raises(UsageError, match=r"^config.model.path of the run \('runs/base', as train resolved it\) "
+                                         r"runs/base: the run's base"):
         export(str(tmp_path / "run"), str(tmp_path / "out2"), step=2)
