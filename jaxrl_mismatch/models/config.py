@@ -162,24 +162,27 @@ class ModelConfig:
                 router_aux_loss_coef=_number(d, "router_aux_loss_coef", float, 0.001),
             )
         hidden = _number(d, "hidden_size", int)
-        return cls(
-            architecture=arch,
-            vocab_size=_number(d, "vocab_size", int),
-            hidden_size=hidden,
-            intermediate_size=_number(d, "intermediate_size", int),
-            num_hidden_layers=_number(d, "num_hidden_layers", int),
-            num_attention_heads=heads,
-            num_key_value_heads=_number(d, "num_key_value_heads", int, heads),
-            head_dim=_number(d, "head_dim", int, hidden // heads if heads > 0 else 0),
-            rms_norm_eps=_number(d, "rms_norm_eps", float, 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch in _QK_NORM,
-            max_position_embeddings=_number(d, "max_position_embeddings", int, 4096),
-            **moe,
-        )
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=_number(d, "vocab_size", int),
+                hidden_size=hidden,
+                intermediate_size=_number(d, "intermediate_size", int),
+                num_hidden_layers=_number(d, "num_hidden_layers", int),
+                num_attention_heads=heads,
+                num_key_value_heads=_number(d, "num_key_value_heads", int, heads),
+                head_dim=_number(d, "head_dim", int, hidden // heads if heads > 0 else 0),
+                rms_norm_eps=_number(d, "rms_norm_eps", float, 1e-6),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=arch == "Qwen2ForCausalLM",
+                qk_norm=arch in _QK_NORM,
+                max_position_embeddings=_number(d, "max_position_embeddings", int, 4096),
+                **moe,
+            )
+        except ValueError as e:  # sizes < 1, heads not dividing: the field is config.json's
+            raise ValueError(str(e) if str(e).startswith("config.json") else f"config.json: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict for this model (without a dtype; `save_hf` adds the stored one).

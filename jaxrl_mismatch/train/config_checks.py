@@ -507,7 +507,11 @@ def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
     if c.rollout.max_model_len and c.rollout.max_tokens >= c.rollout.max_model_len:
         raise ConfigError(f"config.rollout.max_tokens: {c.rollout.max_tokens} response tokens do not fit with a "
                           f"prompt in rollout.max_model_len {c.rollout.max_model_len}")
+    expert = c.trainer.mesh.get("expert", 1)
     if model_cfg.is_moe:
+        if expert > 1 and model_cfg.num_experts % expert:  # the split was dropped: every device held every expert
+            raise ConfigError(f"config.trainer.mesh.expert: {expert} does not divide the {model_cfg.num_experts} "
+                              f"experts of {c.model.path}; use a divisor of {model_cfg.num_experts}")
         if exact_forward_enabled(c):
             raise ConfigError(f"config.trainer.exact_forward: the exact training forward is for dense policies; "
                               f"{c.model.path} is a mixture of experts (set trainer.exact_forward = False)")
@@ -521,6 +525,9 @@ def check_model(c: ml_collections.ConfigDict, model_cfg) -> None:
     if c.objective.router_aux_coef:
         raise ConfigError(f"config.objective.router_aux_coef: {c.objective.router_aux_coef!r} weights the MoE "
                           f"load-balancing loss, but {c.model.path} is a dense {model_cfg.architecture}; set it to 0")
+    if expert != 1:  # a dense model has no experts to split: the axis was one more data-parallel axis
+        raise ConfigError(f"config.trainer.mesh.expert: {expert} splits experts, but {c.model.path} is a dense "
+                          f"{model_cfg.architecture}; use the data or fsdp axis")
 
 
 def check_model_dir(c: ml_collections.ConfigDict) -> None:

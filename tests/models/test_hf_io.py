@@ -294,7 +294,7 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
     ({"num_hidden_layers": "2"}, "config.json: num_hidden_layers must be an integer, got '2'"),
     ({"rms_norm_eps": [1e-6]}, "config.json: rms_norm_eps must be a number"),
     ({"rope_scaling": "llama3", "rope_parameters": None}, "config.json: rope_scaling must be an object or null"),
-    ({"num_key_value_heads": 0}, "num_key_value_heads=0: sizes must be >= 1"),
+    ({"num_key_value_heads": 0}, "config.json: num_key_value_heads=0: sizes must be >= 1"),
     ({"vocab_size": 10**400}, "config.json: vocab_size is out of range (401 digits)"),  # float() overflowed
     ({"vocab_size": 1e300}, "config.json: vocab_size is out of range (1e+300)"),
     ({"num_attention_heads": None}, "config.json: num_attention_heads is null"),

@@ -97,6 +97,24 @@ def test_replay_and_aux_coef_on_a_dense_model_are_refused():
         check_model(c, dense)
 
 
+def test_an_expert_axis_on_a_dense_model_or_not_dividing_the_experts_is_refused():
+    """Both were accepted: on a dense model the axis was one more data-parallel axis; with 4 not dividing 6 experts
+    the expert split was dropped and every device held every expert (no expert parallelism, no warning)."""
+    moe = tiny_config(architecture="Qwen3MoeForCausalLM", num_experts=6, num_experts_per_tok=2,
+                      moe_intermediate_size=8)
+    c = _valid()
+    c.rollout.max_tokens = 16
+    c.trainer.mesh = {"data": 1, "expert": 4}
+    with pytest.raises(ConfigError, match=r"^config\.trainer\.mesh\.expert: 4 does not divide the 6 experts of "):
+        check_model(c, moe)
+    with pytest.raises(ConfigError, match=r"^config\.trainer\.mesh\.expert: 4 splits experts, but .* is a dense "):
+        check_model(c, tiny_config())
+    c.trainer.mesh = {"data": 1, "expert": 3}
+    check_model(c, moe)
+    c.trainer.mesh = {"data": -1, "expert": 1}
+    check_model(c, tiny_config())
+
+
 def test_cudnn_attention_that_cannot_run_is_refused_before_the_run():
     """It passed every check and failed inside the first jitted forward, after the warm start and a rollout."""
     import jax
