@@ -168,9 +168,10 @@ def test_a_stalled_server_is_taken_out_and_its_prompts_answered_once(three_serve
 
     weights = _perturbed(tiny_checkpoints["untied"])
     addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
-    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, stall_timeout_s=8.0) as fleet:
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30) as fleet:
         fleet.push(weights)
-        reference = fleet.generate(PROMPTS, SPEC)
+        reference = fleet.generate(PROMPTS, SPEC)  # compiles: not under the stall timeout below
+        fleet.stall_timeout_s = 8.0
         stalled = fleet.members[0]
         real, release, late = stalled.session.generate, threading.Event(), []
 
@@ -191,6 +192,7 @@ def test_an_answer_that_came_while_another_server_was_taken_down_is_kept(three_s
     """The stall check also looked at calls that had finished after the last wait: while one failed server was being
     taken down (up to 11 s stopping a launched one), the others' answers aged past stall_timeout_s, and good answers
     were thrown away and healthy servers taken out as "stalled"."""
+    import threading
     import time
 
     import grpc
@@ -199,19 +201,34 @@ def test_an_answer_that_came_while_another_server_was_taken_down_is_kept(three_s
 
     weights = _perturbed(tiny_checkpoints["untied"])
     addresses = [f"127.0.0.1:{s.port}" for s in three_servers]
-    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30, stall_timeout_s=2.0) as fleet:
+    with RolloutFleet.attach(addresses, token=TOKEN, ready_timeout_s=30) as fleet:
         fleet.push(weights)
-        reference = fleet.generate(PROMPTS, SPEC)
-        failing = fleet.members[0]
+        reference = fleet.generate(PROMPTS, SPEC)  # compiles: not under the short stall timeout below
+        fleet.stall_timeout_s = 2.0
+        failing, others = fleet.members[0], fleet.members[1:]
         real_generate, real_close = failing.session.generate, failing.session.client.close
+        answered = threading.Semaphore(0)
 
         def fail(prompts, spec):
             raise RolloutError("Generate failed: UNAVAILABLE", code=grpc.StatusCode.UNAVAILABLE)
 
+        def answering(m):
+            def generate(prompts, spec, real=m.session.generate):
+                try:
+                    return real(prompts, spec)
+                finally:
+                    answered.release()
+            m.session.generate = generate
+
         def slow_close():  # taking it down outlasts the stall timeout; the others answer meanwhile
-            time.sleep(3.0)
+            failing.session.client.close = real_close  # only the first close (the take-down) is slow
+            for _ in others:
+                assert answered.acquire(timeout=120)
+            time.sleep(fleet.stall_timeout_s + 1.0)  # their answers are now older than stall_timeout_s
             real_close()
 
+        for m in others:
+            answering(m)
         failing.session.generate, failing.session.client.close = fail, slow_close
         got = fleet.generate(PROMPTS, SPEC)
         assert _tokens(got) == _tokens(reference)
