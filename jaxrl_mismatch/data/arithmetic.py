@@ -240,7 +240,8 @@ def records(spec: ArithmeticSpec, split: str, n: int, seed: int = 0) -> list[dic
 # whitespace after it. (`\d` took Unicode digits, and `#\s*` a space or newline before the answer: "#06", "# 6"
 # and "#\n6" scored 1.0 against 6.)
 _ANSWER_RE = re.compile(r"#(0|-?[1-9][0-9]*)\s*$")
-_CHAIN_RE = re.compile(r"^-?[0-9]+([+\-*][0-9]+)*(=-?[0-9]+([+\-*][0-9]+)*)*#(0|-?[1-9][0-9]*)$")  # the answer: as above
+# the answer written as above
+_CHAIN_RE = re.compile(r"^-?[0-9]+([+\-*][0-9]+)*(=-?[0-9]+([+\-*][0-9]+)*)*#(0|-?[1-9][0-9]*)$")
 
 
 def extract_answer(completion: str) -> int | None:

@@ -71,6 +71,11 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
         # relative to where train ran; read from elsewhere it found nothing, or another run's base of that name).
         recorded = meta.get("model_dir")
         b = base or (recorded if isinstance(recorded, str) else c.model.path)
+        if not base and b != c.model.path and not os.path.isfile(os.path.join(b, "config.json")) and os.path.isfile(
+                os.path.join(c.model.path, "config.json")):  # the run moved with its base: model.path from here
+            print(f"warning: the run's base {b} is not there; exporting with config.model.path {c.model.path!r} as "
+                  f"found from {os.getcwd()}", file=sys.stderr, flush=True)
+            b = c.model.path
         if not os.path.isfile(os.path.join(b, "config.json")):
             where = "--base" if base else f"config.model.path of the run ({c.model.path!r}, as train resolved it)"
             raise UsageError(f"{where} {b}: the run's base checkpoint (config.json, tokenizer) is not there; "

@@ -288,7 +288,7 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                           else "rope_scaling")
     if params is not None and (legacy or "rope_theta" in d):  # a reader of the older keys takes these
         theta, scaling = _rope_from(legacy, d, "rope_scaling")
-        if scaling != settings[1] or ("rope_theta" in d and theta != settings[0]):
+        if (legacy and scaling != settings[1]) or ("rope_theta" in d and theta != settings[0]):
             raise ValueError(f"config.json: rope_parameters {params!r} and rope_scaling {legacy!r} (with rope_theta "
                              f"{d.get('rope_theta')!r}) give different RoPE settings; readers differ in which they "
                              "take, so keep one or make them agree")

@@ -256,7 +256,8 @@ class LengthTriggeredDecay(Controller):
             _check_number("period_factor", period_factor, low=0.0, low_open=True)
         if decay_period is not None:
             _check_int("decay_period", decay_period, 1)
-            if period_factor is not None:  # it sets the period from the onset, which decay_period fixes instead
+            if period_factor is not None and period_factor != 1.8:  # it sets the period from the onset, which
+                # decay_period fixes instead (1.8, the default, as configs write it out, is not a choice made)
                 raise ValueError(f"period_factor={period_factor!r} does nothing with decay_period={decay_period!r} "
                                  "(a fixed period replaces period_factor × onset); give one of them")
         _check_decay(floor, factor)

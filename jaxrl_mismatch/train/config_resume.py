@@ -58,6 +58,10 @@ def config_changes(saved: dict, current: dict) -> list[str]:
             flat.pop("batch.microbatches", None)
     if "task.data_seed" not in old and "seed" in old:
         old["task.data_seed"] = old["seed"]  # a run from before the field drew its problems from `seed`
+    if new.get("task.name", "arithmetic") != "arithmetic":  # a file task reads neither: its files' records are used
+        for flat in (old, new):
+            flat.pop("task.num_train", None)
+            flat.pop("task.data_seed", None)
     out = []
     for path in sorted(set(old) | set(new)):
         if any(path == p or path.startswith(p + ".") for p in RESUME_MAY_CHANGE):

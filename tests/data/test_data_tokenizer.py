@@ -144,8 +144,9 @@ def test_a_chat_templates_own_turn_tokens_are_not_unknown_characters(tmp_path):
     from jaxrl_mismatch.data.batching import PromptError, tokenize_prompts
 
     vocab = {"<pad>": 0, "<eos>": 1, "[UNK]": 2, "<|im_start|>": 3, "<|im_end|>": 4,
-             **{c: 5 + i for i, c in enumerate(dict.fromkeys("0123456789+= \n" + "Please reason step by step, and put your final "
-                                                                "answer within \\boxed{}.user assistant"))}}
+             **{c: 5 + i for i, c in enumerate(dict.fromkeys(
+                 "0123456789+= \nPlease reason step by step, and put your final answer within \\boxed{}."
+                 "user assistant"))}}
     tok = _word_level(tmp_path, vocab, "[UNK]", "<eos>")
     template = "qwen_boxed"
     assert tokenize_prompts(tok, ["1+2="], template=template)[0][0] == 3

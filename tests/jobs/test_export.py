@@ -179,7 +179,7 @@ def test_the_export_keeps_the_bases_token_ids_and_needs_its_tokenizer(trained_ru
     assert not (tmp_path / "x").exists()
 
 
-def test_a_relative_model_path_finds_the_runs_base_from_another_directory(trained_run, tmp_path, monkeypatch):
+def test_a_relative_model_path_finds_the_runs_base_from_another_directory(trained_run, tmp_path, monkeypatch, capsys):
     """A run's config.model.path as given ('runs/base') is relative to where train ran: export read it against
     its own directory, failing there ("--base runs/base", a flag never passed) or taking another run's base of
     that name. The trainer records the absolute path in each checkpoint's meta (`model_dir`)."""
@@ -195,6 +195,8 @@ def test_a_relative_model_path_finds_the_runs_base_from_another_directory(traine
     with Checkpointer(str(tmp_path / "run" / "checkpoints")) as ckpt:
         ckpt.save(1, learner.state, {"step": 1, "config": c.to_dict(), "model_dir": str(base)}, force=True)
         ckpt.save(2, learner.state, {"step": 2, "config": c.to_dict()}, force=True)  # a run from before the field
+        ckpt.save(3, learner.state, {"step": 3, "config": c.to_dict(), "model_dir": str(tmp_path / "gone")},
+                  force=True)  # a run moved with its base: the recorded folder is gone
         ckpt.wait()
     elsewhere = tmp_path / "elsewhere"
     decoy = elsewhere / "runs" / "base"
@@ -204,6 +206,9 @@ def test_a_relative_model_path_finds_the_runs_base_from_another_directory(traine
     monkeypatch.chdir(elsewhere)
     export(str(tmp_path / "run"), str(tmp_path / "out"), step=1)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 2  # the run's own base
+    export(str(tmp_path / "run"), str(tmp_path / "out3"), step=3)  # the recorded base is gone: model.path, warned
+    assert json.loads((tmp_path / "out3" / "config.json").read_text())["eos_token_id"] == 5
+    assert f"warning: the run's base {tmp_path / 'gone'} is not there" in capsys.readouterr().err
     shutil.rmtree(decoy)
     with pytest.raises(UsageError, match=r"^config.model.path of the run \('runs/base', as train resolved it\) "
                                          r"runs/base: the run's base"):

@@ -315,3 +315,8 @@ def test_rope_settings_in_both_spellings_that_agree_load(llama_tied, tmp_path):
         rope_parameters={"rope_theta": 5e5, **_LLAMA3}))
     cfg, _ = load_hf(d, policy=policy("fp32"))
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling == _LLAMA3
+    # rope_parameters alone with the same top-level rope_theta (a null rope_scaling says nothing): it was refused
+    d = _copy_checkpoint(llama_tied, tmp_path / "y", edit_config=lambda c: c.update(
+        rope_theta=5e5, rope_scaling=None, rope_parameters={"rope_theta": 5e5, **_LLAMA3}))
+    cfg, _ = load_hf(d, policy=policy("fp32"))
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == _LLAMA3

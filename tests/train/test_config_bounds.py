@@ -224,6 +224,9 @@ def test_the_same_options_where_they_act_are_accepted():
                    {"objective.overrides": {"eps_high": 0.28, "rejection": "ratio_token", "rejection_high": 2.0}},
                    {"objective.preset": "gmpo", "objective.overrides": {"loss": "ppo"}},  # the preset's gmpo_eps unused
                    {"controller.name": "length_triggered_decay", "controller.kwargs": {"decay_period": 10}},
+                   # the default, as configs/qwen3_4b_dapo_lr_decay.py writes it out: not a choice that is ignored
+                   {"controller.name": "length_triggered_decay",
+                    "controller.kwargs": {"decay_period": 10, "period_factor": 1.8}},
                    {"controller.name": "length_triggered_decay", "controller.kwargs": {"period_factor": 5.0}},
                    {"trainer.remat": True, "trainer.remat_policy": "save_dots"},
                    {"diagnostics.weight_distortion_delta": 2.0, "diagnostics.weight_distortion_pi_low": 0.9}):

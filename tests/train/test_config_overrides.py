@@ -198,6 +198,19 @@ def test_a_frozen_config_file_takes_overrides(tmp_path):
     assert c.steps == 4
 
 
+def test_a_file_tasks_resume_ignores_the_generators_size_and_seed():
+    """A file task reads neither task.num_train nor task.data_seed (both are refused in its config now): a run saved
+    before task.data_seed existed, with seed 3, resumed as `task.data_seed: 3 → 0`, and the documented fix
+    (--config.task.data_seed=3) is refused for a file task."""
+    saved, current = base_config().to_dict(), base_config()
+    for c in (saved["task"], current.task):
+        c["name"], c["files"] = "prompts", {"train": "t.jsonl", "validation": "v.jsonl"}
+    del saved["task"]["data_seed"]
+    saved["seed"] = current.seed = 3
+    saved["task"]["num_train"] = 500
+    assert config_changes(saved, current.to_dict()) == []
+
+
 def test_a_resume_of_a_config_holding_a_tuple_sees_no_change():
     """The checkpoint's JSON gives a tuple back as a list: every resume of the same config was refused."""
     import json
