@@ -85,7 +85,6 @@ class ArithmeticSpec:
         m = int(star) + (len(others) if other else 0)
         return sum((self.max_value + 1) ** k * m ** (k - 1) for k in range(self.min_operands, self.max_operands + 1))
 
-
     def split_capacity(self, split: str) -> int:
         """An upper bound on the distinct problems of `split`: its share of `num_problems` (the prompt hash's
         buckets) plus six standard deviations of that binomial count. Asked for more, `generate` could never
