@@ -125,6 +125,15 @@ def tokenize_prompts(
         try:  # a template's own turn tokens are meant; special tokens in its question are refused just below
             tokenizer.check_known(t, specials=tmpl is None)
         except UnknownCharactersError as e:
+            if tmpl is not None:  # the question alone may be fine: then it is the template's text the tokenizer lacks
+                try:
+                    tokenizer.check_known(texts[i], specials=False)
+                except UnknownCharactersError:
+                    pass
+                else:
+                    raise PromptError(f"{name(i)}: the template {template!r} writes text outside the tokenizer's "
+                                      f"vocabulary ({str(e).rsplit(': ', 1)[-1]}); choose a template this tokenizer "
+                                      "can spell") from None
             raise PromptError(f"{name(i)}: {e}") from None
         if tmpl is not None and (specials := tokenizer.special_tokens_in(texts[i])):
             raise PromptError(f"{name(i)}: the question holds the text of the tokenizer's special token(s) {specials}, "

@@ -310,7 +310,7 @@ def _check_rollout_and_batch(c: ml_collections.ConfigDict) -> None:
     for axis, size in c.trainer.mesh.items():
         if axis not in ("data", "fsdp", "expert", "tensor"):
             raise ConfigError(f"config.trainer.mesh: unknown axis {axis!r}; valid: data, fsdp, expert, tensor")
-        if not isinstance(size, int) or (size < 1 and size != -1):
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise ConfigError(f"config.trainer.mesh.{axis}: must be a positive integer or -1, got {size!r}")
 
 

@@ -129,3 +129,14 @@ def test_a_special_tokens_text_is_outside_a_closed_vocabulary():
         tokenize_prompts(tok, ["1+<eos>2="])
     with pytest.raises(PromptError, match=r"prompt 0: the question holds the text of the tokenizer's special token"):
         tokenize_prompts(tok, ["1+<eos>2="], template="arithmetic")  # in a template's question
+
+
+def test_a_template_the_tokenizer_cannot_spell_is_named():
+    """A chat template's own text outside a closed vocabulary was reported as the prompt's characters, naming the
+    data file; the question itself was fine."""
+    tok = build_arithmetic_tokenizer()
+    with pytest.raises(PromptError, match=r"^t.jsonl:1: prompt: the template 'qwen_boxed' writes text outside the "
+                                          r"tokenizer's vocabulary \(\[.*\]\); choose a template"):
+        tokenize_prompts(tok, ["1+2="], template="qwen_boxed", where=["t.jsonl:1"])
+    with pytest.raises(PromptError, match=r"^t.jsonl:1: prompt: text .* outside the tokenizer's vocabulary"):
+        tokenize_prompts(tok, ["1+x="], template="raw", where=["t.jsonl:1"])  # the question's own characters

@@ -213,6 +213,7 @@ def test_schedule_kwargs_that_cannot_be_used_are_named(schedule, kwargs, message
     ({"task.name": "prompts", "task.files": {"train": "t.jsonl", "validation": "v.jsonl"}, "task.data_seed": 7},
      ["config.task.data_seed: 7 does nothing for task 'prompts'"]),
     ({"task.num_train": 0}, ["config.task.num_train: must be an integer >= 1, got 0"]),  # was: split 'train' empty
+    ({"trainer.mesh": {"data": True}}, ["config.trainer.mesh.data: must be a positive integer or -1, got True"]),
 ])
 def test_options_that_would_change_nothing_are_refused_naming_the_field(fields, needles):
     _refused(_config(**fields), *needles)
