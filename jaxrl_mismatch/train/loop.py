@@ -64,10 +64,15 @@ def check_context(c: ml_collections.ConfigDict, longest_prompt: int, max_positio
     run directory, its lock and checkpoints folder were made and, on a large model, after the model had loaded."""
     context, name = ((c.rollout.max_model_len, "rollout.max_model_len") if c.rollout.max_model_len else
                      (max_position_embeddings, f"{c.model.path}'s max_position_embeddings"))
-    if longest_prompt + c.rollout.max_tokens > context:
+    _check_fits(longest_prompt, c.rollout.max_tokens, context, f"{name} {context}", "use shorter prompts")
+
+
+def _check_fits(longest_prompt: int, max_tokens: int, context: int, described: str, remedy: str) -> None:
+    """ConfigError naming `rollout.max_tokens` when the longest prompt + a whole response exceed `context`
+    (`described`: the context as the message names it)."""
+    if longest_prompt + max_tokens > context:
         raise ConfigError(f"config.rollout.max_tokens: the task's longest prompt ({longest_prompt} tokens) + "
-                          f"max_tokens ({c.rollout.max_tokens}) exceeds {name} {context}; lower rollout.max_tokens "
-                          "or use shorter prompts")
+                          f"max_tokens ({max_tokens}) exceeds {described}; lower rollout.max_tokens or {remedy}")
 
 
 def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: str,
@@ -83,10 +88,9 @@ def check_servers(r: ml_collections.ConfigDict, infos: list[EngineInfo], where: 
         if r.max_model_len and i.max_model_len != r.max_model_len:
             raise ConfigError(f"config.rollout.max_model_len: {r.max_model_len}, but {where} serves "
                               f"{i.max_model_len} (serve --max-model-len {r.max_model_len})")
-        if longest_prompt is not None and longest_prompt + r.max_tokens > i.max_model_len:
-            raise ConfigError(f"config.rollout.max_tokens: the task's longest prompt ({longest_prompt} tokens) + "
-                              f"max_tokens ({r.max_tokens}) exceeds the max_model_len {i.max_model_len} {where} "
-                              "serves; lower rollout.max_tokens or serve a longer context")
+        if longest_prompt is not None:
+            _check_fits(longest_prompt, r.max_tokens, i.max_model_len,
+                        f"the max_model_len {i.max_model_len} {where} serves", "serve a longer context")
         if i.quantize != r.quantize:
             raise ConfigError(f"config.rollout.quantize: {r.quantize!r}, but {where} serves {i.quantize!r} weights "
                               f"(serve --quantize {r.quantize})")
