@@ -207,10 +207,11 @@ def generate(spec: ArithmeticSpec, split: str, n: int, seed: int = 0) -> list[Pr
     Candidates are drawn from one stream seeded by ``(seed, split index)`` and kept when their prompt
     hashes into ``split``; a prefix of the result for a smaller ``n`` is the same problems.
     """
-    if n > spec.split_capacity(split):  # found at once: drawing would take hours to give up for millions
+    capacity = spec.split_capacity(split)
+    if n > capacity:  # found at once: drawing would take hours to give up for millions
         raise ValueError(f"asked for {n} unique {split!r} problems, but the {split!r} split of {spec} holds at most "
-                         f"{spec.split_capacity(split)} (its share of {spec.num_problems} distinct problems); widen "
-                         "the spec (operands, max_value) or ask for fewer")
+                         f"{capacity} (its share of {spec.num_problems} distinct problems); widen the spec (operands, "
+                         "max_value) or ask for fewer")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     seen: set[str] = set()
     out: list[Problem] = []

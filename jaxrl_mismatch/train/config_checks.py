@@ -475,9 +475,10 @@ def check_task_capacity(c: ml_collections.ConfigDict, spec) -> None:
     """`task.num_train` / `num_val` within the distinct problems of their arithmetic split (`data.arithmetic.generate`
     draws unique problems; asked for more, it failed after the run directory existed, or drew for hours)."""
     for field, split in (("num_train", c.task.train_split), ("num_val", c.task.val_split)):
-        if c.task[field] > spec.split_capacity(split):
+        capacity = spec.split_capacity(split)
+        if c.task[field] > capacity:
             raise ConfigError(f"config.task.{field}: {c.task[field]} unique problems asked for, but the {split!r} "
-                              f"split of the task's {spec} holds at most {spec.split_capacity(split)} (its share of "
+                              f"split of the task's {spec} holds at most {capacity} (its share of "
                               f"{spec.num_problems} distinct problems)")
 
 
