@@ -83,6 +83,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     check_schema(c)
     _check_types_and_ranges(c)
     _check_sampling(c)
+    _check_options_act(c)
     _check_mismatch_sources(c)
     _check_exact_and_replay(c)
     _check_rollout_and_batch(c)
@@ -185,15 +186,6 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
     if not 0 < c.diagnostics.weight_distortion_pi_low <= 1:
         raise ConfigError("config.diagnostics.weight_distortion_pi_low: must be in (0, 1], got "
                           f"{c.diagnostics.weight_distortion_pi_low!r}")
-    # Options that only act with another one on: set without it, the run is the one without them.
-    base = base_config()
-    if c.diagnostics.weight_distortion_delta < 0 and (c.diagnostics.weight_distortion_pi_low
-                                                      != base.diagnostics.weight_distortion_pi_low):
-        raise ConfigError(f"config.diagnostics.weight_distortion_pi_low: {c.diagnostics.weight_distortion_pi_low!r} "
-                          "does nothing while the distortion is off (weight_distortion_delta < 0)")
-    if not c.trainer.remat and c.trainer.remat_policy != base.trainer.remat_policy:
-        raise ConfigError(f"config.trainer.remat_policy: {c.trainer.remat_policy!r} does nothing with trainer.remat "
-                          "off; set trainer.remat = True to recompute blocks with it")
     if c.rollout.address and c.rollout.num_servers != 1:
         raise ConfigError(f"config.rollout.num_servers: {c.rollout.num_servers} servers are started only when managed "
                           "(rollout.address empty); to use several external servers, list their addresses in "
@@ -206,6 +198,18 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
         field = "rollout.exact" if c.rollout.exact else "rollout.logit_noise_std"
         raise ConfigError(f"config.{field}: needs the built-in jax engine (rollout.engine = 'jax'), got "
                           f"{c.rollout.engine!r}")
+
+
+def _check_options_act(c: ml_collections.ConfigDict) -> None:
+    """Options that only act with another one on: set without it, the run is the one without them."""
+    base = base_config()
+    if c.diagnostics.weight_distortion_delta < 0 and (c.diagnostics.weight_distortion_pi_low
+                                                      != base.diagnostics.weight_distortion_pi_low):
+        raise ConfigError(f"config.diagnostics.weight_distortion_pi_low: {c.diagnostics.weight_distortion_pi_low!r} "
+                          "does nothing while the distortion is off (weight_distortion_delta < 0)")
+    if not c.trainer.remat and c.trainer.remat_policy != base.trainer.remat_policy:
+        raise ConfigError(f"config.trainer.remat_policy: {c.trainer.remat_policy!r} does nothing with trainer.remat "
+                          "off; set trainer.remat = True to recompute blocks with it")
 
 
 def _check_mismatch_sources(c: ml_collections.ConfigDict) -> None:
