@@ -16,6 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-demo}
+if [ $# -gt 1 ]; then echo "setup_env.sh: unexpected argument '$2' (usage: setup_env.sh [demo|test])" >&2; exit 2; fi
 case "$mode" in demo|test) ;; *) echo "setup_env.sh: unknown mode '$mode' (demo|test)" >&2; exit 2;; esac
 if [ -e .venv/.installed-gpu ]; then
   echo "setup_env.sh: .venv/.installed-gpu: this .venv holds the GPU stack (scripts/setup_gpu.sh), which the CPU setup would replace; update it with bash scripts/setup_gpu.sh and run pytest with .venv/bin/python -m pytest, or move .venv away for a CPU one" >&2

@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 die() { echo "setup_gpu.sh: $*" >&2; exit 2; }
+[ $# -eq 0 ] || die "unexpected argument '$1' (usage: setup_gpu.sh, no arguments)"
 # As scripts/setup_env.sh: a .venv that is not a virtual environment or not Python 3.11, and a PYTHON that is
 # missing or not Python 3.11 when it would create .venv, are refused (one line, exit 2).
 . scripts/_python_checks.sh

@@ -361,6 +361,17 @@ def test_setup_refuses_a_gpu_venv(tmp_path, entry):
     assert _tree(root) == before
 
 
+@pytest.mark.parametrize("script, args", [("setup_env.sh", ["test", "vllm"]), ("setup_env.sh", ["demo", "--force"]),
+                                          ("setup_gpu.sh", ["test"])])
+def test_setups_refuse_an_argument_they_do_not_take(tmp_path, script, args):
+    """An extra argument was ignored (`setup_env.sh test vllm` ran the test setup as if it meant something)."""
+    root = _checkout(tmp_path, script)
+    before = _tree(root)
+    out = _run(["bash", f"scripts/{script}", *args], tmp_path, cwd=root, timeout=20, PYTHON=str(REAL_PYTHON))
+    _refused(out, script, args[-1])
+    assert _tree(root) == before
+
+
 def test_test_sh_checks_pytest_workers(tmp_path):
     root = tmp_path / "checkout"
     (root / "scripts").mkdir(parents=True)
