@@ -37,6 +37,7 @@ same dataset at once (the processes of a multi-host job, two runs sharing ``task
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import fcntl
 import hashlib
 import json
@@ -91,13 +92,16 @@ def _text(obj: Mapping, key: str, where: str, fmt: str) -> str:
 
 def _answer_text(value: object, where: str, key: str) -> str:
     """A gold answer given as a JSON scalar, as text: a non-empty string, or a number (`5`, `0.5`). A boolean, a
-    NaN or an infinity, a list or an object is no answer any reward reads (`true` became the answer "True")."""
+    NaN or an infinity, a list or an object is no answer any reward reads (`true` became the answer "True"). A
+    number is written out positionally (`1e20` as 100000000000000000000)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DataFormatError(f"{where}: field {key!r} should be a string or a number, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise DataFormatError(f"{where}: field {key!r} is {value}, not an answer")
     if not str(value).strip():  # the reward raises on it, at whatever step first samples the prompt
         raise DataFormatError(f"{where}: field {key!r} is empty")
+    if isinstance(value, float):  # positional: math-verify read str(1e20) = "1e+20" as Euler's number e + 20
+        return format(decimal.Decimal(repr(value)), "f")
     return str(value)
 
 

@@ -54,12 +54,18 @@ _RELATION = re.compile(r"\\(?:to|gets|mapsto|(?:[Ll]ong)?(?:right|left|leftright
 # A remark after an answer line's answer, "Answer: 7 (or maybe 5)", "#### 12 (dollars)": math-verify's plain pass
 # graded its last number. The remark (a parenthesis after a space, ending the line) is not part of the answer.
 _TRAILING_REMARK = re.compile(r"^(?!\()(.*?\S)\s+\([^()]*\)$")
+# Inline math segments of a span ($...$, $$...$$, \(...\)), an escaped \$ being no delimiter: math-verify's LaTeX
+# pass grades a span's last one, so "either $5$ or $7$" and "$5$ apples and $7$ pears" graded as 7.
+_MATH_SEGMENT = re.compile(r"(?<!\\)\$+([^$]*?)(?<!\\)\$+|\\\((.*?)\\\)", re.DOTALL)
 
 
 def _one_answer(span: str) -> bool:
-    """Whether `span` states one answer: no relation but "=", and no "=" or one "=" after a name (`_EQUALS`)."""
+    """Whether `span` states one answer: no relation but "=", no "=" or one "=" after a name (`_EQUALS`), and
+    at most one math segment holding a number (`_MATH_SEGMENT`)."""
     if _RELATION.search(span):
         return False
+    if sum(any(c in "0123456789" for c in m.group(0)) for m in _MATH_SEGMENT.finditer(span)) > 1:
+        return False  # several math segments with numbers: several answers, math-verify would grade the last
     parts = _EQUALS.split(span)
     return len(parts) == 1 or (len(parts) == 2 and bool(_ANSWER_NAME.match(parts[0])))
 
@@ -80,27 +86,38 @@ def _last_box_start(text: str) -> int:
     return max(text.rfind("\\boxed"), text.rfind("\\fbox"))
 
 
+# The argument of a box command without braces: "\\boxed 5" is valid LaTeX for one token (a number, a command, one
+# letter). Anything else after it ("I put it in \\boxed.", "as \\boxed asks") is a mention of the command, no answer.
+_BARE_BOX_ARG = re.compile(r"\s+([-+]?[0-9]\S*|\\[A-Za-z]\S*|[A-Za-z](?![A-Za-z])\S*)")
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or None."""
-    start = _last_box_start(text)
-    if start < 0:
-        return None
-    i = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
-    while i < len(text) and text[i].isspace():
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        # "\boxed 5" (no braces) is valid LaTeX for a single token; a later "{" belongs to something else
-        m = re.match(r"\\(?:boxed|fbox)\s+(\S+)", text[start:])
-        return m.group(1) if m else None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None  # unbalanced: truncated response
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or None (none, or the last one
+    truncated). A box command with no argument is a mention: the box before it counts (it hid the answer)."""
+    return _last_box(text)[1]
+
+
+def _last_box(text: str) -> tuple[int, str | None]:
+    """`last_boxed`'s box: where it starts (-1: none) and its content (None: none, or truncated)."""
+    while (start := _last_box_start(text)) >= 0:
+        i = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
+        j = i
+        while j < len(text) and text[j].isspace():
+            j += 1
+        if j < len(text) and text[j] == "{":
+            depth = 0
+            for k in range(j, len(text)):
+                if text[k] == "{":
+                    depth += 1
+                elif text[k] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return start, text[j + 1 : k]
+            return start, None  # unbalanced: truncated response
+        if m := _BARE_BOX_ARG.match(text, i):
+            return start, m.group(1)
+        text = text[:start]
+    return -1, None
 
 
 def extract_math_answer(completion: str) -> str | None:
@@ -109,8 +126,8 @@ def extract_math_answer(completion: str) -> str | None:
     outrank the ``Answer:`` line after it, and an empty ``\boxed{}`` mentioned in passing hides no answer."""
     candidates = []  # (where the marker starts, its span)
     text = completion
-    while (boxed := last_boxed(text)) is not None:  # the last non-empty box (an unbalanced last one: none)
-        start = _last_box_start(text)
+    while (box := _last_box(text))[1] is not None:  # the last non-empty box (an unbalanced last one: none)
+        start, boxed = box
         if boxed.strip():
             candidates.append((start, boxed))
             break

@@ -17,6 +17,7 @@ from jaxrl_mismatch.data import math_datasets as M  # noqa: E402
 from jaxrl_mismatch.data import tokenizer as T  # noqa: E402
 from jaxrl_mismatch.data.batching import PromptError, PromptTooLongError, tokenize_prompts  # noqa: E402
 from jaxrl_mismatch.data.jsonl import read_task_file  # noqa: E402
+from jaxrl_mismatch.data.rewards import math_reward  # noqa: E402
 from jaxrl_mismatch.train.config import ConfigError, base_config  # noqa: E402
 from jaxrl_mismatch.train.task_data import TaskData  # noqa: E402
 from jaxrl_mismatch.usage import UsageError  # noqa: E402
@@ -190,9 +191,13 @@ def test_a_numeric_math_answer_is_the_gold_answer(tmp_path):
     """docs/data.md: the `answer` field wins when present. A number was ignored for the solution's box, and without
     a solution the record was refused ("missing field 'solution'")."""
     rows = [{"problem": "p", "answer": 5}, {"problem": "q", "answer": 0.5, "solution": "so \\boxed{6}"},
-            {"problem": "r", "answer": "  ", "solution": "so \\boxed{6}"}]
+            {"problem": "r", "answer": "  ", "solution": "so \\boxed{6}"}, {"problem": "s", "answer": 1e20},
+            {"problem": "t", "answer": 1.5e-7}]
     recs = M.load_records("math", {"train": _jsonl(tmp_path / "m.jsonl", *rows)}, str(tmp_path / "tfds"), "train")
-    assert [r["answer"] for r in recs] == ["5", "0.5", "6"]
+    # positional: str(1e20) = "1e+20" was read by math-verify as Euler's number e + 20 ("\\boxed{e+20}" scored 1.0)
+    assert [r["answer"] for r in recs] == ["5", "0.5", "6", "100000000000000000000", "0.00000015"]
+    assert math_reward("\\boxed{10^{20}}", recs[3]["answer"]) == 1.0
+    assert math_reward("\\boxed{e+20}", recs[3]["answer"]) == 0.0
     for answer, kind in ((True, "bool"), ([5], "list")):
         bad = _jsonl(tmp_path / "b.jsonl", {"problem": "p", "answer": answer, "solution": "\\boxed{5}"})
         with pytest.raises(M.DataFormatError, match=rf"b\.jsonl:1: field 'answer' should be a string or a number, "

@@ -55,6 +55,15 @@ from jaxrl_mismatch.data import rewards as R
         # a superscript unit is no second number (str.isdigit() took "²" for one: 0.0)
         ("Answer: 25 m²", "25"),
         ("#### 12 ft³", "12"),
+        # a box command mentioned after the final box, with no argument: the span was None or "asks)." (0.0)
+        ("\\boxed{5}\nI put it in \\boxed.", "5"),
+        ("The answer is \\boxed{5} (as \\boxed asks).", "5"),
+        ("\\boxed{}, then \\boxed{5}; \\fbox and \\boxed were used", "5"),
+        # one math segment among words, a unit in the segment, and an escaped dollar are one answer
+        ("Answer: $7$ apples", "7"),
+        ("Answer: $$7$$", "7"),
+        ("Answer: \\(7\\) apples", "7"),
+        ("\\boxed{5 \\text{ cm}^2}", "5"),
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -105,6 +114,14 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("Answer: 5 & 7", "7"),
         # a degenerate span: no final answer, and no 10 s in math-verify's timeouts
         ("Answer: 5" + " " * 3000 + "7", "7"),
+        # several math segments with numbers: the LaTeX pass graded the last one (each scored 1.0)
+        ("Answer: either $5$ or $7$", "7"),
+        ("Answer: $5$ apples and $7$ pears", "7"),
+        ("#### $5$ apples and $7$ pears", "7"),
+        ("\\boxed{\\text{$5$ or $7$}}", "7"),
+        ("Answer: $12$ if order matters, otherwise $6$", "6"),
+        ("Answer: \\(5\\) or \\(7\\)", "7"),
+        ("\\boxed{5} then \\boxed{", "5"),  # a truncated last box still hides the earlier one
     ],
 )
 def test_wrong_or_malformed_score_zero(completion, gold):
@@ -115,6 +132,8 @@ def test_last_boxed_balances_braces():
     assert R.last_boxed("a \\boxed{\\frac{1}{\\sqrt{2}}} b") == "\\frac{1}{\\sqrt{2}}"
     assert R.last_boxed("\\boxed 7") == "7"
     assert R.last_boxed("no box") is None
+    assert R.last_boxed("so \\boxed{42}. We used \\boxed as asked.") == "42"  # a solution's gold after a mention
+    assert R.last_boxed("\\boxed{42} and \\boxed.") == "42" and R.last_boxed("\\boxed{4") is None
 
 
 def test_gsm8k_final_answer():
