@@ -356,6 +356,7 @@ class RolloutFleet:
         finally:
             m.reviving = None
         m.session.client = client
+        m.session.limits = client.current_limits()  # an attached server may come back with other limits
 
     def _revived(self, m: _Member) -> bool:
         if m.revival is None:

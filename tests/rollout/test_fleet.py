@@ -367,3 +367,37 @@ def test_close_during_a_revival_stops_the_server_being_started_at_once(tmp_path,
     error = member.revival.exception()
     assert isinstance(error, ServerStartError) and "launcher is closed" in str(error), error
     assert spawned.poll() is not None and not server.alive()
+
+
+@pytest.mark.slow
+def test_an_attached_server_back_with_tighter_limits_rejoins_with_them(tiny_checkpoints):
+    """A fleet server restarted by its operator with a smaller completion-token limit rejoined with the limits it
+    had before: the next step's pieces exceeded the new limit and the step failed (INVALID_ARGUMENT)."""
+    from jaxrl_mismatch.rollout.client import RetryPolicy
+    from jaxrl_mismatch.rollout.jax_engine import JaxEngine
+    from jaxrl_mismatch.rollout.server import RolloutServer
+
+    engine = JaxEngine(str(tiny_checkpoints["untied"]), dtype="float32")
+    a, b = (RolloutServer(port=0, token=TOKEN) for _ in range(2))
+    a.attach(engine)
+    b.attach(engine)
+    weights = _perturbed(tiny_checkpoints["untied"])
+    try:
+        with RolloutFleet.attach([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], token=TOKEN,
+                                 ready_timeout_s=30, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05)) as fleet:
+            fleet.push(weights)
+            reference = fleet.generate(PROMPTS, SPEC)
+            port = b.port
+            b.stop(0)
+            assert _tokens(fleet.generate(PROMPTS, SPEC)) == _tokens(reference) and not fleet.members[1].up
+            tight = SPEC.n * SPEC.max_tokens * 2  # two prompts a request
+            b = RolloutServer(port=port, token=TOKEN, limits=Limits(max_request_completion_tokens=tight))
+            b.attach(engine)
+            fleet.members[1].revival.result(timeout=30)
+            fleet.push(weights)
+            assert fleet.members[1].up and fleet.limits.max_request_completion_tokens == tight
+            assert fleet.members[1].session.limits.max_request_completion_tokens == tight
+            assert _tokens(fleet.generate(PROMPTS, SPEC)) == _tokens(reference)
+    finally:
+        a.stop(0)
+        b.stop(0)
