@@ -213,6 +213,7 @@ class RolloutClient:
         self.weight_transport = weight_transport
         self._server_host_id = ""  # the server's GetInfoResponse.shm_host_id
         self._limits: tuple[str, Limits] | None = None  # (server id, its request limits) from the last GetInfo read
+        self._vocab: tuple[str, int] | None = None  # (server id, its vocab_size) from the last GetInfo read
         self.last_push_transport: str | None = None  # "shm" or "grpc": how the last push travelled
         self._shm: shm.ShmWriter | None = None  # created at the first shared-memory push
         if wait_ready_s is not None:
@@ -290,8 +291,13 @@ class RolloutClient:
     def _translate(self, what: str, e: grpc.RpcError) -> Exception:
         trailing = dict(e.trailing_metadata() or ())
         if trailing.get(ERROR_KIND_KEY) == NON_FINITE and NON_FINITE_DETAIL_KEY in trailing:
-            i, j, t, value, version = trailing[NON_FINITE_DETAIL_KEY].split(",")
-            return NonFiniteLogprobsError(int(i), int(j), int(t), float(value), int(version))
+            detail = trailing[NON_FINITE_DETAIL_KEY]
+            try:
+                i, j, t, value, version = detail.split(",")
+                return NonFiniteLogprobsError(int(i), int(j), int(t), float(value), int(version))
+            except ValueError:  # a server not keeping the protocol: its own words, not an unpacking error
+                return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()} (malformed "
+                                    f"{NON_FINITE_DETAIL_KEY} {detail!r})", code=e.code(), kind=NON_FINITE)
         return RolloutError(f"{what} on {self.target}: {e.code().name}: {e.details()}", code=e.code(),
                             kind=trailing.get(ERROR_KIND_KEY))
 
@@ -387,6 +393,7 @@ class RolloutClient:
         self._observe_server(r.server_id)
         self._server_host_id = r.shm_host_id
         self._limits = (r.server_id, protocol.limits_from_proto(r))
+        self._vocab = (r.server_id, r.vocab_size)
         return r
 
     # -- weights -------------------------------------------------------------------------------------
@@ -512,6 +519,7 @@ class RolloutClient:
             raise RolloutError(f"Generate on {self.target}: {e}") from None
         if len(completions) != len(prompts) or any(len(s) != spec.n for s in completions):
             raise RolloutError(f"Generate on {self.target}: response shape does not match {len(prompts)} prompts x n={spec.n}")
+        self._check_completion_tokens(completions, spec)
         if spec.return_routing:
             for i, samples in enumerate(completions):
                 for j, c in enumerate(samples):
@@ -525,6 +533,22 @@ class RolloutClient:
             raise self._non_finite(e, spec) from None
         self._check_versions(completions, min_version)
         return completions
+
+    def _check_completion_tokens(self, completions: list[list[Completion]], spec: SamplingSpec) -> None:
+        """A completion longer than `max_tokens`, or holding an id outside the vocabulary of the server process
+        seen last (known once a GetInfo read it), breaks the protocol: refused here, naming it, instead of
+        reaching the learner as NaN log-probs (an embedding lookup past the table) or the reward as junk."""
+        vocab = self._vocab[1] if self._vocab is not None and self._vocab[0] == self.server_id else None
+        for i, samples in enumerate(completions):
+            for j, c in enumerate(samples):
+                if len(c.token_ids) > spec.max_tokens:
+                    raise RolloutError(f"Generate on {self.target}: completion (prompt {i}, sample {j}) has "
+                                       f"{len(c.token_ids)} tokens, over max_tokens={spec.max_tokens}")
+                ids = np.asarray(c.token_ids, dtype=np.int64)
+                if vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                    t = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
+                    raise RolloutError(f"Generate on {self.target}: completion (prompt {i}, sample {j}) has token "
+                                       f"id {int(ids[t])} at position {t}, outside the server's vocab_size={vocab}")
 
     def _non_finite(self, e: NonFiniteLogprobsError, spec: SamplingSpec) -> NonFiniteLogprobsError:
         """`e` (its prompt counted within this request) with the prompt's index in the caller's batch — a split

@@ -255,6 +255,50 @@ def test_a_completion_with_fewer_logprobs_than_tokens_is_malformed(served, monke
         client.generate([[1]], SamplingSpec(max_tokens=3))
 
 
+@pytest.mark.parametrize("tokens, max_tokens, needle", [
+    ([5, 999, 3], 4, r"has token id 999 at position 1, outside the server's vocab_size=32"),
+    ([5, -3], 4, r"has token id -3 at position 1, outside"),
+    ([1] * 10, 4, r"has 10 tokens, over max_tokens=4"),
+])
+def test_a_completion_outside_the_vocabulary_or_over_max_tokens_is_refused(served, monkeypatch, tokens, max_tokens,
+                                                                           needle):
+    """A server not keeping the protocol: these were returned as if good (ids past the embedding table give NaN
+    log-probs in the learner). Known once a GetInfo read the vocabulary, as every push does."""
+    engine, server, _ = served
+    bad = Completion(token_ids=tokens, logprobs=[-0.5] * len(tokens), finish_reason="length", weight_version=0)
+    monkeypatch.setattr(engine, "generate", lambda prompts, spec: [[bad]])
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    client.info()
+    with pytest.raises(RolloutError, match=rf"Generate on 127\.0\.0\.1:\d+: completion \(prompt 0, sample 0\) "
+                                           rf"{needle}"):
+        client.generate([[1]], SamplingSpec(max_tokens=max_tokens))
+
+
+def test_a_malformed_non_finite_report_is_a_rollout_error_naming_it(served, monkeypatch):
+    """A non-finite trailer of 4 fields was a bare ValueError (not enough values to unpack) naming no RPC."""
+    from jaxrl_mismatch.rollout.protocol import NON_FINITE, NON_FINITE_DETAIL_KEY
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INTERNAL
+
+        def details(self):
+            return "engine produced nan"
+
+        def trailing_metadata(self):
+            return ((ERROR_KIND_KEY, NON_FINITE), (NON_FINITE_DETAIL_KEY, "0,1,2,nan"))
+
+    _, server, _ = served
+    client = RolloutClient(f"127.0.0.1:{server.port}", token=TOKEN, wait_ready_s=10)
+    def generate(*a, **kw):
+        raise Refused()
+
+    monkeypatch.setattr(client, "_stub", type("Stub", (), {"Generate": staticmethod(generate)}))
+    with pytest.raises(RolloutError, match=r"Generate on 127\.0\.0\.1:\d+: INTERNAL: engine produced nan \(malformed "
+                                           r"jaxrl-non-finite '0,1,2,nan'\)"):
+        client.generate([[1]], SamplingSpec(max_tokens=2))
+
+
 def test_client_check_names_the_first_non_finite_logprob():
     """The client's own check of every response (independent of the server's): crafted completions."""
     ok = Completion(token_ids=[1, 2], logprobs=[-0.5, -1.5], finish_reason="length", weight_version=4)
