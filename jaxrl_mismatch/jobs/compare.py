@@ -314,10 +314,23 @@ def validate_spec(spec: Spec) -> Spec:
                     *(f"--config.{k}={_flag_text(v)}" for k, v in flags.items()))
             spec.jobs.append(Job(variant=variant, seed=seed, run_dir=run_dir, argv=argv, steps=int(c.steps),
                                  config=_as_json({**c.to_dict(), "run_dir": run_dir, "seed": seed})))
-    for c in configs.values():
+    for variant, c in configs.items():
         if c.model.warmstart_if_missing and not os.path.isfile(os.path.join(c.model.path, "config.json")):
+            _check_warmstart_outside(spec, variant, c.model.path)
             spec.warmstarts.setdefault(c.model.path, c.model.warmstart_args)
     return spec
+
+
+def _check_warmstart_outside(spec: Spec, variant: str, model: str) -> None:
+    """A base model the grid warm-starts is written outside `out`: at `out` or in it (a run folder, say) the warm
+    start refused the folder compare had just made, or train refused the run folder it had filled (exit 1, a mixed
+    folder left); around `out`, the warm start refused a folder holding the grid."""
+    m, o = os.path.realpath(model), os.path.realpath(spec.out)
+    where = ("is" if m == o else "is inside" if os.path.commonpath([m, o]) == o
+             else "holds" if os.path.commonpath([m, o]) == m else None)
+    if where is not None:
+        raise _error(spec.path, f"variants.{variant}", f"model.path {model} {where} the grid's out {spec.out}, and "
+                     "the warm start would write the base model there: give it a path outside `out`")
 
 
 # -- the state of a run on disk ------------------------------------------------------------------------

@@ -112,8 +112,18 @@ def _spec(tmp_path, fake_model, **fields) -> dict:
     ({"metrics": ["reward/mean", {"metric": "lr", "scale": "cubic"}]}, ["metrics[1].scale"]),
     # its final value was paired against the baseline's, taken at another step
     ({"variants": {"a": {}, "b": {"steps": 7}}}, ["variants.b: runs 7 steps, the baseline 'a' 2"]),
+    # a base model the grid warm-starts inside its own out (a run folder, say) or around it: the dry run passed,
+    # the warm start then refused the folder compare had made, or train refused the run folder (exit 1)
+    ({"out": "OUT", "variants": {"a": {"model.path": "OUT", "model.warmstart_if_missing": True}}},
+     ["variants.a: model.path OUT is the grid's out OUT"]),
+    ({"out": "OUT", "variants": {"a": {"model.path": "OUT/a/seed_0", "model.warmstart_if_missing": True}}},
+     ["variants.a: model.path OUT/a/seed_0 is inside the grid's out OUT", "give it a path outside `out`"]),
+    ({"out": "OUT/grid", "variants": {"a": {"model.path": "OUT", "model.warmstart_if_missing": True}}},
+     ["variants.a: model.path OUT holds the grid's out OUT/grid"]),
 ])
 def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, needles):
+    fields = json.loads(json.dumps(fields).replace("OUT", str(tmp_path / "o")))
+    needles = [n.replace("OUT", str(tmp_path / "o")) for n in needles]
     path = write_spec(tmp_path, _spec(tmp_path, fake_model, **fields))
     with pytest.raises(UsageError) as e:
         compare.main([str(path), "--dry-run"])
@@ -121,6 +131,7 @@ def test_bad_spec_is_one_line_naming_the_field(tmp_path, fake_model, fields, nee
     assert "\n" not in message and message.startswith(f"spec {path}: ")
     for n in needles:
         assert n in message, (n, message)
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
 
 
 @pytest.mark.slow
