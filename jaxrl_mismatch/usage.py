@@ -60,10 +60,43 @@ class EnvironmentFailure(RuntimeError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors raise `UsageError` (one line) instead of printing usage and exiting."""
+    """argparse whose errors raise `UsageError` (one line) instead of printing usage and exiting, and which refuses
+    an option given twice (argparse let the last one win: `export --out a --out b` wrote b without a word)."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see --help)")
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
+        self._refuse_repeats(sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _refuse_repeats(self, argv: list[str]) -> None:
+        """UsageError naming an option that takes one value (or is one switch) and is given twice, by any of its
+        names or abbreviations; options meant to repeat (append, count) may. Up to "--" and up to a subcommand:
+        a subcommand's parser checks its own options."""
+        seen: dict[argparse.Action, str] = {}
+        for token in argv:
+            if token == "--":
+                return
+            if not token.startswith("-") or token == "-":
+                if any(token in getattr(a, "choices", None) or () for a in self._subparsers_actions()):
+                    return
+                continue
+            name = token.split("=", 1)[0]
+            action = self._option_string_actions.get(name)
+            if action is None and self.allow_abbrev and name.startswith("--"):
+                found = {a for s, a in self._option_string_actions.items() if s.startswith(name)}
+                action = found.pop() if len(found) == 1 else None
+            if action is None or isinstance(action, (argparse._AppendAction, argparse._AppendConstAction,
+                                                     argparse._CountAction, argparse._HelpAction)):
+                continue
+            if action in seen:
+                what = f"{name} given twice" if seen[action] == name else f"{seen[action]} and {name} both given"
+                raise UsageError(f"{self.prog}: {what}; give {'/'.join(action.option_strings)} once (see --help)")
+            seen[action] = name
+
+    def _subparsers_actions(self) -> list[argparse.Action]:
+        return [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
 
 
 def listing(names: Sequence[str], shown: int = 3) -> str:

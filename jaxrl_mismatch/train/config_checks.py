@@ -119,6 +119,9 @@ def _check_types_and_ranges(c: ml_collections.ConfigDict) -> None:
     _check_finite_and_int32(c)
     if not c.optim.lr > 0:
         raise ConfigError(f"config.optim.lr: must be > 0, got {c.optim.lr!r}")
+    if c.optim.lr < FLOAT32_TINY:  # optax's float32 step: a rate this small changed no weight (1e-50 is 0.0)
+        raise ConfigError(f"config.optim.lr: {c.optim.lr!r} is below float32's smallest normal number "
+                          f"({FLOAT32_TINY:.4g}): the float32 update would change nothing")
     if c.rollout.max_staleness != int(c.rollout.max_staleness):
         raise ConfigError(f"config.rollout.max_staleness: must be a whole number of versions, got {c.rollout.max_staleness!r}")
     buffer = c.task.overlong_buffer_len
@@ -138,11 +141,16 @@ def _check_finite_and_int32(c: ml_collections.ConfigDict) -> None:
             continue
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"config.{path}: must be a finite number, got {v!r}")
+        if isinstance(v, float) and abs(v) > FLOAT32_MAX:  # inf once the jitted step or the engine casts it
+            raise ConfigError(f"config.{path}: must be within float32's range (|value| <= {FLOAT32_MAX:.4g}: the "
+                              f"step and the engines compute in float32), got {v!r}")
         if isinstance(v, int) and not -INT32_MAX - 1 <= v <= INT32_MAX:
             raise ConfigError(f"config.{path}: must be within the int32 range (|value| <= {INT32_MAX}), got {v!r}")
 
 
 FP16_LOGITS_MIN_TEMPERATURE = 0.01
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max, without importing numpy for the CLI's checks
+FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny
 
 
 def _check_sampling(c: ml_collections.ConfigDict) -> None:

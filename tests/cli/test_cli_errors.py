@@ -393,3 +393,35 @@ def test_a_fifo_or_a_directory_given_for_a_file_is_named_as_what_it_is(tmp_path)
     with pytest.raises(UsageError, match="is a FIFO, not a run directory"):
         read_run(str(fifo))
     assert_one_line_error(cli("train", "--config", str(fifo)), f"--config {fifo}: is a FIFO; expected a Python file")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["export", "runs/r1", "--out", "e7", "--out", "e8"], "export: --out given twice; give --out once"),
+    (["export", "runs/r1", "--step", "1", "--out", "e", "--step=2"], "export: --step given twice"),
+    (["report", "runs/r1", "--out", "a.png", "--ou", "b.png"], "report: --out and --ou both given; give --out once"),
+    (["train", "--config", CONFIG, "--config", CONFIG], "train: --config given twice"),
+    (["serve", "--port", "1", "--port", "2"], "serve: --port given twice"),
+    (["compare", "spec.py", "--jobs", "1", "--jobs", "2"], "compare: --jobs given twice"),
+    (["warmstart", "--steps", "1", "--steps", "2"], "warmstart: --steps given twice"),
+    (["analyze", "rollouts", "--model", "m", "--model", "n"], "analyze rollouts: --model given twice"),
+])
+def test_an_option_given_twice_is_refused_not_the_last_taken(args, said, capsys):
+    """argparse let the last one win: `export --out e7 --out e8` exported to e8 without a word."""
+    from jaxrl_mismatch import cli
+
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: jaxrl-mismatch {said}") and err.count("\n") == 1, err
+
+
+def test_options_meant_to_repeat_and_a_subcommands_own_options_are_not_repeats():
+    from jaxrl_mismatch.usage import ArgumentParser
+
+    p = ArgumentParser(prog="p")
+    p.add_argument("--tag", action="append")
+    p.add_argument("-v", action="count", default=0)
+    p.add_argument("--out")
+    sub = p.add_subparsers(dest="cmd")
+    sub.add_parser("go").add_argument("--out")
+    args = p.parse_args(["--tag", "a", "--tag", "b", "-v", "-v", "--out", "x", "go", "--out", "y"])
+    assert (args.tag, args.v, args.out) == (["a", "b"], 2, "y")  # the subcommand's --out is its own

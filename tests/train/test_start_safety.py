@@ -166,6 +166,23 @@ def test_inf_is_refused_naming_the_field(tmp_path, field):
         validate(_config(tmp_path, **{field: math.inf}))
 
 
+@pytest.mark.parametrize("field", ["optim.lr", "rollout.temperature", "eval.temperature", "objective.kl_coef"])
+def test_a_float_past_float32_is_refused_naming_the_field(tmp_path, field):
+    """Finite in float64, inf in float32: lr = 1e99 trained a step into non-finite weights (the server refused the
+    push after a checkpoint of them was written); temperature = 1e99 reached the server (refused at the first
+    Generate, after the model loaded)."""
+    with pytest.raises(ConfigError, match=f"^config.{field}: must be within float32's range .* got 1e\\+99$"):
+        validate(_config(tmp_path, **{field: 1e99}))
+    validate(_config(tmp_path, **{field: 0.5}))
+
+
+def test_a_learning_rate_float32_rounds_to_nothing_is_refused(tmp_path):
+    """lr = 1e-50 is 0.0 in the float32 update: the run trained and no weight moved."""
+    with pytest.raises(ConfigError, match=r"^config\.optim\.lr: 1e-50 is below float32's smallest normal number"):
+        validate(_config(tmp_path, **{"optim.lr": 1e-50}))
+    validate(_config(tmp_path, **{"optim.lr": 1e-30}))
+
+
 @pytest.mark.parametrize("field,value", [("steps", 10**20), ("optim.warmup_steps", 2**40),
                                          ("task.num_train", INT32_MAX + 1), ("eval.every", 2**31)])
 def test_integers_past_int32_are_refused_naming_the_field(tmp_path, field, value):
