@@ -56,14 +56,22 @@ def nonneg_int(text: str) -> int:
     return _int(text, 0)
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max / .tiny
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
 def positive_float(text: str) -> float:
-    """A finite number > 0 (temperatures, learning rates, peak rates)."""
+    """A number > 0 that float32 holds (temperatures, learning rates, peak rates): --lr 1e99 was inf in the float32
+    step (a traceback from torch's Adam), --temperature 1e99 inf in the float32 head (recorded as 1e99)."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    if not FLOAT32_TINY <= x <= FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a number in float32's range [{FLOAT32_TINY:.4g}, "
+                                         f"{FLOAT32_MAX:.4g}], got {text!r}")
     return x
 
 

@@ -661,6 +661,11 @@ def main() -> int:
         if unknown or not args.parts.strip(", "):
             ap.error(f"argument --parts: {', '.join(unknown) or 'none given'}: not a part; choose from "
                      f"{', '.join(PARTS)}")
+        # as the trainer's check_model: the part failed with cuDNN's traceback after the model was built
+        why = ("it needs a GPU (--device cpu)" if not gpu else
+               "it needs bf16/fp16 compute (--precision fp32)" if args.precision == "fp32" else None)
+        if args.attention_impl == "cudnn" and why:
+            ap.error(f"argument --attention-impl: 'cudnn' cannot run: {why}; use auto, xla or chunked")
         steps = args.decode_steps
         if "decode" in args.parts.replace(" ", "").split(",") and args.decode_alloc is not None \
                 and args.decode_alloc < steps + 2:

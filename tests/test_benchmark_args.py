@@ -68,6 +68,14 @@ def test_check_fits_refuses_an_array_larger_than_memory_in_one_line(capsys):
     # one token per sequence leaves nothing to predict: a ZeroDivisionError traceback inside the measurement
     ("moe_expert_parallel.py", ["--seq", "1"], "--seq must be in [2, 512], got 1"),
     ("moe_expert_parallel.py", ["--rows", "12"], "--rows must be a multiple of 8, got 12"),
+    # finite in float64, inf in float32: a torch traceback after the model was built (--lr), a run at T = inf
+    # recorded as 1e99 (--temperature)
+    ("update_step.py", ["--lr", "1e99"], "argument --lr: expected a number in float32's range"),
+    ("exact_head_barrier.py", ["--temperature", "1e99"], "argument --temperature: expected a number in float32's"),
+    ("exact_head_barrier.py", ["--temperature", "1e-50"], "argument --temperature: expected a number in float32's"),
+    # cuDNN's traceback from the part, exit 1, after the model was built (the trainer refuses the same in one line)
+    ("update_step_gpu.py", ["--device", "cpu", "--shape", "tiny", "--attention-impl", "cudnn"],
+     "argument --attention-impl: 'cudnn' cannot run: it needs a GPU (--device cpu)"),
 ])
 def test_a_count_or_choice_out_of_range_is_one_line(script, args, needle, tmp_path):
     line = _one_line(_run(script, *args, "--out", str(tmp_path / "r.json")), f"error: {script}: ")
