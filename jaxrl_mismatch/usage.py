@@ -28,6 +28,15 @@ class UsageError(ValueError):
     """Bad input from the user; the message names the flag, field or file at fault."""
 
 
+class RepeatedOptionError(UsageError):
+    """An option given twice (`ArgumentParser`); `dest` is its argparse destination, for a caller that appended
+    the option itself (train's warm start appends `--out`) and words the refusal its own way."""
+
+    def __init__(self, message: str, dest: str):
+        super().__init__(message)
+        self.dest = dest
+
+
 # The exit codes of every subcommand (docs and `jaxrl-mismatch --help` list them).
 EXIT_CODES = {
     0: "finished",
@@ -92,7 +101,8 @@ class ArgumentParser(argparse.ArgumentParser):
                 continue
             if action in seen:
                 what = f"{name} given twice" if seen[action] == name else f"{seen[action]} and {name} both given"
-                raise UsageError(f"{self.prog}: {what}; give {'/'.join(action.option_strings)} once (see --help)")
+                raise RepeatedOptionError(f"{self.prog}: {what}; give {'/'.join(action.option_strings)} once (see "
+                                          "--help)", action.dest)
             seen[action] = name
 
     def _subparsers_actions(self) -> list[argparse.Action]:
