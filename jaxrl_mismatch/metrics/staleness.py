@@ -58,6 +58,8 @@ def staleness_metrics(old_logp: TokenFloat | None, behav_logp: TokenFloat | None
     # is then taken over the stale rows only, where π_behav was scored.
     p_tok = tok if old_logp is not None else Masked(m & (lag > 0)[:, None])
     p_k1, p_k3, p_std = _kl(log_rho(behav, mu, m), p_tok)
+    if old_logp is None:  # a step without stale rows then measured nothing: NaN ("not logged"), not a 0 that reads
+        p_k1, p_k3, p_std = (jnp.where(p_tok.nonempty, v, jnp.nan) for v in (p_k1, p_k3, p_std))  # as no mismatch
     out = {
         "staleness/version_lag_mean": seq.mean(lag),
         "staleness/version_lag_max": seq.max(lag),

@@ -83,3 +83,9 @@ def test_without_a_proximal_policy_the_staleness_part_is_left_out_and_precision_
     np.testing.assert_allclose(got["staleness/precision_kl_k1"], -lp.mean(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got["staleness/precision_rho_std"], np.exp(lp).std(), rtol=1e-5, atol=1e-7)
     assert got["staleness/version_lag_max"] == lag.max()
+    # A step without stale rows measured no precision part there: NaN (not logged), not 0.0, which reads as an
+    # engine without mismatch
+    fresh = {k: float(v) for k, v in staleness_metrics(None, None, jnp.asarray(mu), jnp.asarray(mask),
+                                                        jnp.zeros(B, jnp.int32)).items()}
+    assert all(np.isnan(fresh[f"staleness/precision_{k}"]) for k in ("kl_k1", "kl_k3", "rho_std"))
+    assert fresh["staleness/stale_seq_frac"] == 0.0 and fresh["staleness/version_lag_max"] == 0.0
