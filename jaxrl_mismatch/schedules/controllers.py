@@ -47,12 +47,21 @@ def step_decay_scale(step: int, first_decay_step: int, decay_period: int, floor:
     if first_decay_step < 0 or step < first_decay_step:
         return 1.0
     n = 1 + (step - first_decay_step) // decay_period
-    return max(factor**n, floor)
+    return _floored(factor**n, floor)
+
+
+# factor^n within this relative distance above the floor is the floor: 0.1^2 = 0.010000000000000002 > 0.01 made a
+# third "decay" (to 0.01, nothing in float32) counted in num_decays, controller/scale and the report's lr_decays.
+_FLOOR_RTOL = 1e-9
+
+
+def _floored(scale: float, floor: float) -> float:
+    return floor if scale <= floor * (1 + _FLOOR_RTOL) else scale
 
 
 def _decays_to_floor(floor: float, factor: float) -> int:
     n = 0
-    while factor**n > floor:
+    while _floored(factor**n, floor) > floor:
         n += 1
     return n
 
@@ -486,7 +495,7 @@ class MetricTriggered(Controller):
         due = s["last_decay_step"] < 0 or (self.decay_period is not None
                                            and step - s["last_decay_step"] >= self.decay_period)
         if alarm and due and scale > self.floor:
-            scale = max(scale * self.factor, self.floor)
+            scale = _floored(scale * self.factor, self.floor)
             s["num_decays"] += 1
             s["last_decay_step"] = step
         return scale

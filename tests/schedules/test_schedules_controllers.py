@@ -419,3 +419,17 @@ def test_controllers_do_not_import_jax():
                     for alias in node.names}
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {"jax", "numpy", "optax", "jaxrl_mismatch.schedules.pure"} & imported, (module, imported)
+
+
+@pytest.mark.parametrize("factor, floor", [(0.1, 0.01), (0.2, 0.04), (0.5, 0.125)])
+def test_the_floor_is_reached_in_as_many_decays_as_the_rule_says(factor, floor):
+    """0.1^2 = 0.010000000000000002 lies just above a 0.01 floor: both controllers made a third "decay" (to 0.01,
+    nothing in float32), counted in num_decays and controller/scale (the report's lr_decays said 3)."""
+    want = round(math.log(floor) / math.log(factor))  # max(factor^n, floor) reaches the floor at this n
+    d = C.LengthTriggeredDecay(decay_period=10, factor=factor, floor=floor, baseline_window=3, window=3)
+    scales = [d.update(t, {"length/mean": 1000.0 if t < 3 else 4000.0}) for t in range(80)]
+    assert len(set(scales)) == want + 1 and scales[-1] == floor and d.metrics()["num_decays"] == want
+    m = C.MetricTriggered("m", threshold=1.0, on_alarm="decay", decay_period=10, factor=factor, floor=floor)
+    scales = [m.update(t, {"m": 2.0}) for t in range(80)]
+    assert len(set(scales)) == want and scales[-1] == floor and m.metrics()["num_decays"] == want
+    assert C.step_decay_scale(100, 0, 10, floor, factor) == floor
