@@ -31,7 +31,7 @@ from jaxrl_mismatch.data.tokenizer import load_tokenizer
 from jaxrl_mismatch.data.templates import TEMPLATES
 from jaxrl_mismatch.rollout import SamplingSpec
 from jaxrl_mismatch.rollout.engine import ENGINE_DTYPES
-from jaxrl_mismatch.rollout.client import RolloutError
+from jaxrl_mismatch.rollout.client import EngineMismatchError, RolloutError
 from jaxrl_mismatch.rollout.protocol import MAX_MESSAGE_BYTES, RESPONSE_OVERHEAD_BYTES, Limits, prompt_response_bytes
 from jaxrl_mismatch.rollout.session import RolloutSession
 from jaxrl_mismatch.rollout.validation import vllm_temperature_problem
@@ -277,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     task = get_task(a.task)
     if a.task == "arithmetic":
         spec: dict[str, Any] = task_json("--model", a.model)[0]
-        records = task.load(a.split, n=a.num or 512, seed=a.seed, **spec)
+        try:  # more unique problems than the split holds: the generator's ValueError was exit 1
+            records = task.load(a.split, n=a.num or 512, seed=a.seed, **spec)
+        except ValueError as e:
+            raise UsageError(f"--num {a.num or 512}: {e}") from None
         originals = [{"prompt_text": r["prompt_text"], "answer": r["answer"]} for r in records]
     else:
         records, originals = read_task_file(a.task, existing_file("--file", a.file), a.num)
@@ -317,6 +320,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "that server)")
             a.engine = info.engine
             check_request(a, longest, info.max_model_len, session.limits, f"the server at {a.address}")
+            # as train and analyze: a server of another model sampled ids outside --model's tokenizer, and every
+            # prompt was kept at accuracy 0
+            cfg = model_config("--model", a.model, weights=False) if os.path.isfile(
+                os.path.join(a.model, "config.json")) else None
+            try:
+                session.check_compatible(architecture=cfg.architecture if cfg else info.architecture,
+                                         vocab_size=cfg.vocab_size if cfg else info.vocab_size,
+                                         tokenizer_vocab_size=tok.vocab_size)
+            except EngineMismatchError as e:
+                raise UsageError(f"--address {a.address}: serves another model than --model {a.model} ({e})") \
+                    from None
         except BaseException:
             session.close()
             raise

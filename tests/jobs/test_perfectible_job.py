@@ -163,9 +163,25 @@ def test_address_checks_max_tokens_and_k_against_the_servers_getinfo(tiny_base_m
                           f"{address})"], *common, "--max-tokens", "100")
         _refused(capsys, ["--k 200: --k x --max-tokens = 1600 completion tokens", "limit of 1000 per request"],
                  *common, "--max-tokens", "8", "--k", "200")
+        # a server of another model (here: another vocabulary) was sampled from, and every prompt kept at accuracy 0
+        other = shutil.copytree(model, tmp_path / "other")
+        cfg = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 64}))
+        _refused(capsys, [f"--address {address}: serves another model than --model {other}", "vocab_size: engine "],
+                 "perfectible", "--model", str(other), "--num", "4", "--address", address, "--max-tokens", "8",
+                 "--out", str(tmp_path / "kept.jsonl"))
     finally:
         server.stop(0)
-    assert _listing(tmp_path) == ["model"] + sorted(f"model/{p}" for p in os.listdir(model))
+    assert _listing(tmp_path) == sorted(["model", "other"] + [f"{d}/{p}" for d in ("model", "other")
+                                                              for p in os.listdir(model)])
+
+
+def test_more_arithmetic_problems_than_the_split_holds_is_a_usage_error(tiny_base_model, tmp_path, capsys):
+    """It was exit 1, "ValueError: asked for 100000000 unique 'train' problems ..." naming no flag."""
+    _refused(capsys, ["--num 100000000: asked for 100000000 unique 'train' problems"], "perfectible", "--model",
+             str(tiny_base_model), "--max-tokens", "8", "--num", "100000000", "--address", NO_SERVER, "--out",
+             str(tmp_path / "kept.jsonl"))
+    assert _listing(tmp_path) == []
 
 
 def test_an_out_file_that_appears_while_sampling_is_never_replaced(tmp_path):
