@@ -288,7 +288,7 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                           else "rope_scaling")
     if params is not None and (legacy or "rope_theta" in d):  # a reader of the older keys takes these
         theta, scaling = _rope_from(legacy, d, "rope_scaling")
-        if (legacy and scaling != settings[1]) or ("rope_theta" in d and theta != settings[0]):
+        if (legacy and (theta, scaling) != settings) or ("rope_theta" in d and theta != settings[0]):
             raise ValueError(f"config.json: rope_parameters {params!r} and rope_scaling {legacy!r} (with rope_theta "
                              f"{d.get('rope_theta')!r}) give different RoPE settings; readers differ in which they "
                              "take, so keep one or make them agree")
@@ -298,7 +298,11 @@ def _rope_settings(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def _rope_from(scaling: dict[str, Any] | None, d: dict[str, Any], key: str) -> tuple[float, dict[str, Any] | None]:
     """(theta, llama3 scaling or None) of one spelling: `scaling` is `rope_parameters` or `rope_scaling` (`key`)."""
     outer = _number(d, "rope_theta", float, 10000.0)
-    theta = _number(scaling, "rope_theta", float, outer) if key == "rope_parameters" and scaling else outer
+    theta = _number(scaling, "rope_theta", float, outer) if scaling else outer
+    if key == "rope_scaling" and scaling and "rope_theta" in scaling and "rope_theta" in d and theta != outer:
+        # transformers 5 takes the one inside rope_scaling, older readers the top-level one
+        raise ValueError(f"config.json: rope_scaling.rope_theta {theta!r} and rope_theta {outer!r} differ; readers "
+                         "differ in which they take, so keep one or make them agree")
     if not scaling:
         return theta, None
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -306,6 +310,13 @@ def _rope_from(scaling: dict[str, Any] | None, d: dict[str, Any], key: str) -> t
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: 'llama3' or none")
+    top = d.get("original_max_position_embeddings")
+    if top is not None:  # transformers 5 puts a top-level one over the dict's
+        if scaling.get("original_max_position_embeddings", top) != top:
+            raise ValueError(f"config.json: {key}.original_max_position_embeddings "
+                             f"{scaling['original_max_position_embeddings']!r} and original_max_position_embeddings "
+                             f"{top!r} differ; readers differ in which they take, so keep one or make them agree")
+        scaling = {**scaling, "original_max_position_embeddings": top}
     missing = [k for k in _LLAMA3_KEYS if k not in scaling]
     if missing:
         raise ValueError(f"llama3 rope scaling is missing {', '.join(missing)}")

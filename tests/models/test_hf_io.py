@@ -301,6 +301,15 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
     # without rope_scaling too: a reader of the older keys takes rope_theta
     ({"rope_theta": 50000.0, "rope_scaling": None, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
      "give different RoPE settings"),
+    # transformers 5 takes a rope_theta inside rope_scaling (logits 0.48 apart), older readers the top-level one
+    ({"rope_theta": 1e4, "rope_scaling": {**_LLAMA3, "rope_theta": 1e6}, "rope_parameters": None},
+     "rope_scaling.rope_theta 1000000.0 and rope_theta 10000.0 differ"),
+    # both spellings, the theta only in rope_parameters: transformers 5 takes rope_scaling and its default 1e4
+    ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+      "rope_theta": None}, "give different RoPE settings"),
+    # a top-level original_max_position_embeddings goes over the dict's in transformers 5; it was ignored here
+    ({"original_max_position_embeddings": 64, "rope_scaling": None, "rope_parameters": {"rope_theta": 1e4, **_LLAMA3}},
+     "rope_parameters.original_max_position_embeddings 32 and original_max_position_embeddings 64 differ"),
 ])
 def test_a_config_json_this_reader_would_misread_is_refused(llama_tied, tmp_path, edit, needle):
     d = _copy_checkpoint(llama_tied, tmp_path / "x", edit_config=lambda c: c.update(edit))
@@ -315,6 +324,13 @@ def test_rope_settings_in_both_spellings_that_agree_load(llama_tied, tmp_path):
         rope_parameters={"rope_theta": 5e5, **_LLAMA3}))
     cfg, _ = load_hf(d, policy=policy("fp32"))
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling == _LLAMA3
+    # a legacy rope_scaling holding the theta (no top-level one) is read as transformers 5 reads it; a top-level
+    # original_max_position_embeddings fills the dict's
+    d = _copy_checkpoint(llama_tied, tmp_path / "z", edit_config=lambda c: [c.pop(k, None) for k in (
+        "rope_theta", "rope_parameters")] and c.update(rope_scaling={**{k: v for k, v in _LLAMA3.items() if k != (
+            "original_max_position_embeddings")}, "rope_theta": 1e6}, original_max_position_embeddings=32))
+    cfg, _ = load_hf(d, policy=policy("fp32"))
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling == _LLAMA3
     # rope_parameters alone with the same top-level rope_theta (a null rope_scaling says nothing): it was refused
     d = _copy_checkpoint(llama_tied, tmp_path / "y", edit_config=lambda c: c.update(
         rope_theta=5e5, rope_scaling=None, rope_parameters={"rope_theta": 5e5, **_LLAMA3}))
