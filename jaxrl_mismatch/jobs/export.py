@@ -16,6 +16,7 @@ readable one exported; an explicit damaged `--step` is refused by name (exit 4).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -81,6 +82,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
             raise UsageError(f"{where} {b}: the run's base checkpoint (config.json, tokenizer) is not there; "
                              "pass --base DIR pointing to it")
         cfg = model_config("--base" if base else "config.model.path", b, weights=False)  # config and tokenizer only
+        _check_trained_config(meta.get("model_config"), cfg, "--base" if base else "config.model.path", b)
         if not os.path.isfile(os.path.join(b, "tokenizer.json")):  # the trainer needed it; so do serve and vLLM
             raise UsageError(f"{'--base' if base else 'config.model.path'} {b}: no tokenizer.json; the export would "
                              "hold no tokenizer. Pass --base DIR pointing to the run's base checkpoint")
@@ -134,6 +136,19 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "flo
 
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _check_trained_config(recorded: object, cfg, flag: str, base: str) -> None:
+    """UsageError naming the fields where the base's config.json differs from the model the run trained (recorded in
+    its checkpoints since 2026-11-29): only shapes were checked, so a base of other settings (rope_theta, a norm's
+    eps) exported the trained weights under a config that computes something else. Older checkpoints: no check."""
+    if not isinstance(recorded, dict):
+        return
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    diff = [f"{k}: trained {recorded[k]!r}, base {now.get(k)!r}" for k in sorted(recorded) if recorded[k] != now.get(k)]
+    if diff:
+        raise UsageError(f"{flag} {base}: its config.json is not the model the run trained ({'; '.join(diff[:4])}); "
+                         "pass --base DIR pointing to the run's base checkpoint")
 
 
 def _token_ids(base: str) -> dict:

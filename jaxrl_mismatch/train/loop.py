@@ -11,6 +11,7 @@ update leaves the previous step's state and data position intact.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import functools
 import logging
@@ -589,6 +590,8 @@ class Trainer:
             "config": self.c.to_dict(),
             # model.path as given may be relative to where train ran: `export` finds the base from anywhere
             "model_dir": os.path.abspath(self.c.model.path),
+            # what the weights compute with: `export --base` of another base of the same shapes is refused by it
+            "model_config": dataclasses.asdict(self.learner.model_cfg),
         }
         self.ckpt.save(self.step, self.learner.state, meta, force=True)
         self.ckpt.wait()  # a failed write stops the run here, before the next step (CheckpointSaveError)

@@ -179,6 +179,39 @@ def test_the_export_keeps_the_bases_token_ids_and_needs_its_tokenizer(trained_ru
     assert not (tmp_path / "x").exists()
 
 
+def test_a_base_of_the_same_shapes_but_other_settings_is_refused(trained_run, tmp_path):
+    """Only shapes were checked: a --base whose rope_theta or norm eps differ from the trained model's exported
+    the weights under a config.json that computes something else (exit 0). Checkpoints record the trained config."""
+    import dataclasses
+
+    from jaxrl_mismatch.models.config import ModelConfig
+    from jaxrl_mismatch.train.learner import Learner
+    from jaxrl_mismatch.train.learner_config import learner_config
+
+    _, base, _, _ = trained_run
+    c = base_config()
+    c.model.path, c.run_dir = str(base), str(tmp_path / "run")
+    c.rollout.group_size, c.batch.prompts_per_step, c.trainer.chunk_size = 2, 4, 8
+    learner = Learner(learner_config(c))
+    trained = json.loads(json.dumps(dataclasses.asdict(ModelConfig.from_hf(str(base)))))
+    with Checkpointer(str(tmp_path / "run" / "checkpoints")) as ckpt:
+        ckpt.save(1, learner.state, {"step": 1, "config": c.to_dict(), "model_dir": str(base),
+                                     "model_config": trained}, force=True)
+        ckpt.wait()
+    other = shutil.copytree(base, tmp_path / "other")
+    cfg = json.loads((other / "config.json").read_text())
+    rope = {**cfg.get("rope_parameters", {}), "rope_theta": 1.0}
+    (other / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1.0, "rope_parameters": rope,
+                                                   "rms_norm_eps": 0.5}))
+    with pytest.raises(UsageError, match=rf"^--base {other}: its config.json is not the model the run trained "
+                                         r"\(rms_norm_eps: trained 1e-06, base 0.5; rope_theta: trained 10000.0, "
+                                         r"base 1.0\)"):
+        export(str(tmp_path / "run"), str(tmp_path / "x"), base=str(other))
+    assert not (tmp_path / "x").exists()
+    export(str(tmp_path / "run"), str(tmp_path / "ok"), base=str(base))  # the run's own base passes
+    assert (tmp_path / "ok" / "config.json").is_file()
+
+
 def test_a_relative_model_path_finds_the_runs_base_from_another_directory(trained_run, tmp_path, monkeypatch, capsys):
     """A run's config.model.path as given ('runs/base') is relative to where train ran: export read it against
     its own directory, failing there ("--base runs/base", a flag never passed) or taking another run's base of

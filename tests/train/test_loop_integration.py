@@ -132,6 +132,10 @@ def test_loop_runs_checkpoints_and_resumes(base_model, tmp_path, monkeypatch):
     assert meta["step"] == 5 and meta["weight_version"] == versions[-1] + 1
     assert meta["controller"]["state"]["num_observed"] == 5
     assert meta["model_dir"] == os.path.abspath(base_model)  # where `export` finds the base from any directory
+    # and what the weights compute with, which `export --base` is checked against
+    from jaxrl_mismatch.models.config import ModelConfig
+
+    assert meta["model_config"]["rope_theta"] == ModelConfig.from_hf(str(base_model)).rope_theta
 
 
 @pytest.mark.slow
