@@ -54,18 +54,26 @@ _RELATION = re.compile(r"\\(?:to|gets|mapsto|(?:[Ll]ong)?(?:right|left|leftright
 # A remark after an answer line's answer, "Answer: 7 (or maybe 5)", "#### 12 (dollars)": math-verify's plain pass
 # graded its last number. The remark (a parenthesis after a space, ending the line) is not part of the answer.
 _TRAILING_REMARK = re.compile(r"^(?!\()(.*?\S)\s+\([^()]*\)$")
-# Inline math segments of a span ($...$, $$...$$, \(...\)), an escaped \$ being no delimiter: math-verify's LaTeX
-# pass grades a span's last one, so "either $5$ or $7$" and "$5$ apples and $7$ pears" graded as 7.
+# Inline math segments of a span ($...$, $$...$$, \(...\)), an escaped \$ being no delimiter. math-verify's LaTeX
+# pass grades a span's last one, so "either $5$ or $7$" and "$5$ apples and $7$ pears" graded as 7: segments holding
+# numbers with words between them state several answers. Commas, operators and blanks between them join one answer
+# ("$1$, $2$, $3$", "$6$ $\text{cm}^3$", "$x^2$ + $3$").
 _MATH_SEGMENT = re.compile(r"(?<!\\)\$+([^$]*?)(?<!\\)\$+|\\\((.*?)\\\)", re.DOTALL)
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def _segments_with_words_between(span: str) -> bool:
+    numeric = [m for m in _MATH_SEGMENT.finditer(span) if any(c in "0123456789" for c in m.group(0))]
+    return any(_WORD.search(span[a.end():b.start()]) for a, b in zip(numeric, numeric[1:]))
 
 
 def _one_answer(span: str) -> bool:
     """Whether `span` states one answer: no relation but "=", no "=" or one "=" after a name (`_EQUALS`), and
-    at most one math segment holding a number (`_MATH_SEGMENT`)."""
+    no words between math segments holding numbers (`_MATH_SEGMENT`)."""
     if _RELATION.search(span):
         return False
-    if sum(any(c in "0123456789" for c in m.group(0)) for m in _MATH_SEGMENT.finditer(span)) > 1:
-        return False  # several math segments with numbers: several answers, math-verify would grade the last
+    if _segments_with_words_between(span):
+        return False  # several answers: math-verify would grade the last
     parts = _EQUALS.split(span)
     return len(parts) == 1 or (len(parts) == 2 and bool(_ANSWER_NAME.match(parts[0])))
 
@@ -86,9 +94,10 @@ def _last_box_start(text: str) -> int:
     return max(text.rfind("\\boxed"), text.rfind("\\fbox"))
 
 
-# The argument of a box command without braces: "\\boxed 5" is valid LaTeX for one token (a number, a command, one
-# letter). Anything else after it ("I put it in \\boxed.", "as \\boxed asks") is a mention of the command, no answer.
-_BARE_BOX_ARG = re.compile(r"\s+([-+]?[0-9]\S*|\\[A-Za-z]\S*|[A-Za-z](?![A-Za-z])\S*)")
+# The argument of a box command without braces: "\\boxed 5" is valid LaTeX for one token; the span is the next
+# blank-delimited text ("\\boxed -\\frac{1}{2}", "\\boxed .5"). No such text, or a word of prose ("I put it in
+# \\boxed.", "as \\boxed asks"), is a mention of the command, no answer.
+_BARE_BOX_ARG = re.compile(r"\s+(?![A-Za-z]{2})(\S+)")
 
 
 def last_boxed(text: str) -> str | None:

@@ -64,6 +64,18 @@ from jaxrl_mismatch.data import rewards as R
         ("Answer: $$7$$", "7"),
         ("Answer: \\(7\\) apples", "7"),
         ("\\boxed{5 \\text{ cm}^2}", "5"),
+        # several segments joined by commas, operators or blanks are one answer (a first version of the rule above
+        # refused these: a review of the change found them scoring 0)
+        ("Answer: $1$, $2$, $3$", "1, 2, 3"),
+        ("so \\boxed{$-2$, $3$}", "-2, 3"),
+        ("Answer: $\\frac{1}{2}$ $\\text{m}^2$", "\\frac{1}{2}"),
+        ("Answer: $6$ $\\text{cm}^3$", "6"),
+        ("Answer: $x^2$ + $3$", "x^2+3"),
+        # a brace-less box takes the next text whatever it starts with; only a word of prose is a mention
+        ("final: \\boxed -\\frac{1}{2}", "-1/2"),
+        ("final: \\boxed .5", "0.5"),
+        ("final: \\boxed (1,2)", "(1,2)"),
+        ("final: \\boxed -x", "-x"),
     ],
 )
 def test_correct_answers_in_equivalent_forms(completion, gold):
@@ -114,7 +126,7 @@ def test_correct_answers_in_equivalent_forms(completion, gold):
         ("Answer: 5 & 7", "7"),
         # a degenerate span: no final answer, and no 10 s in math-verify's timeouts
         ("Answer: 5" + " " * 3000 + "7", "7"),
-        # several math segments with numbers: the LaTeX pass graded the last one (each scored 1.0)
+        # math segments with numbers and words between them: the LaTeX pass graded the last one (each scored 1.0)
         ("Answer: either $5$ or $7$", "7"),
         ("Answer: $5$ apples and $7$ pears", "7"),
         ("#### $5$ apples and $7$ pears", "7"),
