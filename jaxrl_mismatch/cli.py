@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in _COMMANDS:
         print(f"error: unknown command {name!r}; valid: {', '.join(_COMMANDS)}", file=sys.stderr)
         return 2
-    from jaxrl_mismatch.usage import EnvironmentFailure, UsageError
+    from jaxrl_mismatch.usage import EnvironmentFailure, Terminated, UsageError
 
     module, func, _ = _COMMANDS[name]
     try:
@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e.filename or name}: {e.strerror or e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("error: stopped by SIGTERM; the output being written was removed (nothing half-written is left)",
+              file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -28,13 +28,15 @@ import json
 import math
 import os
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from jaxrl_mismatch.usage import UsageError, listing, path_kind
+from jaxrl_mismatch.usage import Terminated, UsageError, listing, path_kind
 
 MARKER_PREFIX = ".jaxrl-mismatch-"
 
@@ -200,7 +202,34 @@ def _open_permissions(root: str) -> None:
 
 
 @contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises `usage.Terminated` where it would otherwise end the process outright (the
+    default handler, in the main thread), so a staged write's cleanup runs: a warm start stopped by SIGTERM while
+    it saved left its whole temporary folder behind. A handler of the caller's own (train's graceful stop) stays."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]:
+    """Yield a temporary sibling of `path` to write into (`_staged_dir`), SIGTERM raising meanwhile
+    (`_sigterm_raises`)."""
+    with _sigterm_raises(), _staged_dir(flag, path, kind, force=force) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _staged_dir(flag: str, path: str, kind: str, *, force: bool) -> Iterator[str]:
     """Yield a temporary sibling of `path` to write into; on success mark it and rename it to `path`.
 
     `check_out_dir` is applied before and again at the commit (the target may have changed meanwhile);
@@ -290,7 +319,13 @@ def _special_kind(path: str) -> str:
 @contextlib.contextmanager
 def staged_file(path: str) -> Iterator[str]:
     """Yield a temporary sibling file path; on success it is made durable (fsync) and renamed to `path`, on
-    failure removed."""
+    failure (SIGTERM too: `_sigterm_raises`) removed."""
+    with _sigterm_raises(), _staged_file(path) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _staged_file(path: str) -> Iterator[str]:
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))

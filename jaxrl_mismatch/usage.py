@@ -28,6 +28,11 @@ class UsageError(ValueError):
     """Bad input from the user; the message names the flag, field or file at fault."""
 
 
+class Terminated(BaseException):
+    """SIGTERM while a command wrote an output (`outputs.staged_dir` / `staged_file`), raised so its temporary is
+    removed; `cli.main` says so and exits 143 (the signal's own code). A BaseException, as KeyboardInterrupt."""
+
+
 class RepeatedOptionError(UsageError):
     """An option given twice (`ArgumentParser`); `dest` is its argparse destination, for a caller that appended
     the option itself (train's warm start appends `--out`) and words the refusal its own way."""

@@ -209,3 +209,58 @@ def test_a_failed_rename_into_place_puts_the_earlier_output_back(tmp_path, monke
         _write(out, files=("c.txt",))
     assert sorted(p.name for p in out.iterdir()) == before and (out / "a.txt").read_text() == "a.txt"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+@pytest.mark.parametrize("staged", ["dir", "file"])
+def test_sigterm_while_writing_removes_the_temporary_and_exits_143(tmp_path, staged):
+    """A warm start stopped by SIGTERM while it saved left its whole temporary folder (.base.tmp-*) for good: the
+    default handler ended the process before any cleanup. Within a staged write SIGTERM now raises, the temporary
+    goes, and the command says so with exit 143."""
+    import signal
+    import subprocess
+    import sys
+
+    script = f"""
+import os, signal, sys
+from jaxrl_mismatch import cli
+from jaxrl_mismatch.outputs import staged_dir, staged_file
+
+def job(argv):
+    if {staged!r} == "dir":
+        with staged_dir("--out", {str(tmp_path / "out")!r}, "warmstart", force=False) as tmp:
+            open(os.path.join(tmp, "model.safetensors"), "w").write("x" * 1000)
+            os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        with staged_file({str(tmp_path / "out.png")!r}) as tmp:
+            open(tmp, "w").write("x")
+            os.kill(os.getpid(), signal.SIGTERM)
+    return 0
+
+import jaxrl_mismatch.jobs.export as export
+export.main = job
+sys.exit(cli.main(["export"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 143, (out.returncode, out.stderr)
+    assert out.stderr == ("error: stopped by SIGTERM; the output being written was removed (nothing half-written is "
+                          "left)\n")
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process's handler is untouched
+
+
+def test_a_handler_of_the_callers_own_is_kept_while_writing(tmp_path):
+    """train's graceful stop (finish the step, checkpoint) must not become an exception inside a staged write."""
+    import signal
+
+    def graceful(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, graceful)
+    try:
+        with staged_dir("--out", str(tmp_path / "out"), KIND, force=False) as tmp:
+            assert signal.getsignal(signal.SIGTERM) is graceful
+            with open(os.path.join(tmp, "a.txt"), "w") as f:
+                f.write("a")
+        assert (tmp_path / "out" / "a.txt").read_text() == "a" and signal.getsignal(signal.SIGTERM) is graceful
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -54,7 +54,16 @@ def _warmstart(c) -> None:
     # Only into a new or empty directory (or an earlier warm start's): never over what a user keeps there.
     check_out_dir("config.model.path", c.model.path, "warmstart", force=False)
     print(f"train: no checkpoint at {c.model.path}; running the warm start first", flush=True)
-    rc = warmstart.main(["--out", c.model.path, *shlex.split(c.model.warmstart_args)])
+    try:
+        rc = warmstart.main(["--out", c.model.path, *shlex.split(c.model.warmstart_args)])
+    except UsageError as e:
+        # Another train of the same model.path finished its warm start first (the write is renamed into place
+        # whole): that base is this run's too. It was refused naming warmstart's --out and --force.
+        if os.path.isfile(os.path.join(c.model.path, "config.json")):
+            print(f"train: {c.model.path} was warm-started by another process meanwhile; training from it",
+                  flush=True)
+            return
+        raise UsageError(f"config.model.path (the warm start's --out): {e}") from None
     if rc:
         raise UsageError(f"config.model.warmstart_args: the warm start failed (exit {rc})")
 

@@ -219,3 +219,35 @@ def test_max_len_must_hold_the_longest_prompt_and_the_new_tokens_a_rollout_may_w
     with pytest.raises(UsageError, match=r"^problems need 64 positions > --max-len 63$"):
         main(["--out", str(tmp_path / "w"), *flags, "--max-len", "63"])
     assert not os.listdir(tmp_path)
+
+
+def test_a_train_whose_model_path_another_train_warm_started_meanwhile_trains_from_it(tmp_path, monkeypatch, capsys):
+    """Two trains of one missing model.path: the one that finished its warm start second was refused naming
+    warmstart's --out and --force (options train does not have), though the base it needed was there, complete
+    (the warm start renames the whole folder into place)."""
+    from jaxrl_mismatch.jobs import train, warmstart
+    from jaxrl_mismatch.train.config import base_config
+    from jaxrl_mismatch.usage import UsageError
+
+    c = base_config()
+    c.model.path = str(tmp_path / "base")
+
+    def finished_elsewhere(argv):
+        os.makedirs(c.model.path)
+        with open(os.path.join(c.model.path, "config.json"), "w") as f:
+            f.write("{}")
+        raise UsageError(f"--out {c.model.path}: already holds the output of an earlier `jaxrl-mismatch warmstart`; "
+                         "pass --force to replace it, or choose a new directory")
+
+    monkeypatch.setattr(warmstart, "main", finished_elsewhere)
+    train._warmstart(c)  # no error: the other train's base is used
+    assert "was warm-started by another process meanwhile" in capsys.readouterr().out
+
+    c.model.path = str(tmp_path / "other")
+
+    def refused(argv):
+        raise UsageError(f"--out {c.model.path}: is a file; expected a directory")
+
+    monkeypatch.setattr(warmstart, "main", refused)
+    with pytest.raises(UsageError, match=r"^config\.model\.path \(the warm start's --out\): --out .*other: is a file"):
+        train._warmstart(c)
