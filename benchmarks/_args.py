@@ -18,6 +18,7 @@ import math
 import os
 
 from jaxrl_mismatch import usage
+from jaxrl_mismatch.usage import FLOAT32_MAX, FLOAT32_TINY
 from jaxrl_mismatch.usage import INT32_MAX  # noqa: F401 - the scripts' bound, re-exported (update_step_gpu)
 
 
@@ -54,10 +55,6 @@ def positive_int(text: str) -> int:
 def nonneg_int(text: str) -> int:
     """An integer in 0..INT32_MAX (warm-up steps, seeds, staleness)."""
     return _int(text, 0)
-
-
-FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max / .tiny
-FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def positive_float(text: str) -> float:

@@ -169,6 +169,8 @@ def int_list(flag: str, text: str) -> list[int]:
 
 SEED_LIMIT = 2**31  # seeds key numpy generators, nnx.Rngs and the engines' int32 sampling streams
 INT32_MAX = 2**31 - 1  # the largest count a flag may give where it reaches an int32 (the rollout protocol, JAX arrays)
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max / .tiny, without importing numpy
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def physical_memory_bytes() -> int | None:

@@ -20,7 +20,8 @@ from jaxrl_mismatch.train.config import (FALSE_WORDS, OPEN_SECTIONS, TRUE_WORDS,
                                          check_schema, exact_forward_enabled, flatten)
 from jaxrl_mismatch.train.optimizer import build_controller, build_optimizer, build_schedule
 from jaxrl_mismatch.train.runlock import HARNESS_LOG_FILE, HARNESS_STATUS_FILE, LOCK_FILE, is_run_dir
-from jaxrl_mismatch.usage import INT32_MAX, SEED_LIMIT, UsageError, host_port, listing, path_kind
+from jaxrl_mismatch.usage import (FLOAT32_MAX, FLOAT32_TINY, INT32_MAX, SEED_LIMIT, UsageError, host_port, listing,
+                                  path_kind)
 
 # The rollout protocol's int32 fields (rollout/rollout.proto: SamplingParams n, max_tokens, top_k); a larger value
 # fails protobuf's range check ("Value out of range") at the first Generate, after the model loaded.
@@ -149,8 +150,6 @@ def _check_finite_and_int32(c: ml_collections.ConfigDict) -> None:
 
 
 FP16_LOGITS_MIN_TEMPERATURE = 0.01
-FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max, without importing numpy for the CLI's checks
-FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny
 
 
 def _check_sampling(c: ml_collections.ConfigDict) -> None:
