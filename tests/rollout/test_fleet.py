@@ -383,8 +383,8 @@ def test_an_attached_server_back_with_tighter_limits_rejoins_with_them(tiny_chec
     b.attach(engine)
     weights = _perturbed(tiny_checkpoints["untied"])
     try:
-        with RolloutFleet.attach([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], token=TOKEN,
-                                 ready_timeout_s=30, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05)) as fleet:
+        with RolloutFleet.attach([f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"], token=TOKEN, ready_timeout_s=30,
+                                 retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05)) as fleet:
             fleet.push(weights)
             reference = fleet.generate(PROMPTS, SPEC)
             port = b.port
