@@ -212,8 +212,7 @@ class RolloutClient:
         self.restarts_seen = 0
         self.weight_transport = weight_transport
         self._server_host_id = ""  # the server's GetInfoResponse.shm_host_id
-        self._limits: tuple[str, Limits] | None = None  # (server id, its request limits) from the last GetInfo read
-        self._vocab: tuple[str, int] | None = None  # (server id, its vocab_size) from the last GetInfo read
+        self._seen: rollout_pb2.GetInfoResponse | None = None  # the last GetInfo read (its limits, vocab_size)
         self.last_push_transport: str | None = None  # "shm" or "grpc": how the last push travelled
         self._shm: shm.ShmWriter | None = None  # created at the first shared-memory push
         if wait_ready_s is not None:
@@ -339,8 +338,8 @@ class RolloutClient:
 
     def current_limits(self) -> Limits:
         """`request_limits` of the server process seen last, from the GetInfo that saw it when there was one."""
-        if self._limits is not None and self._limits[0] == self.server_id:
-            return self._limits[1]
+        if (seen := self._seen_now()) is not None:
+            return protocol.limits_from_proto(seen)
         return self.request_limits()
 
     def weight_specs(self) -> dict[str, TensorSpec]:
@@ -392,9 +391,12 @@ class RolloutClient:
         r = self._get_info(False)
         self._observe_server(r.server_id)
         self._server_host_id = r.shm_host_id
-        self._limits = (r.server_id, protocol.limits_from_proto(r))
-        self._vocab = (r.server_id, r.vocab_size)
+        self._seen = r
         return r
+
+    def _seen_now(self) -> rollout_pb2.GetInfoResponse | None:
+        """The last GetInfo read if it came from the server process seen last (else a restart made it stale)."""
+        return self._seen if self._seen is not None and self._seen.server_id == self.server_id else None
 
     # -- weights -------------------------------------------------------------------------------------
     def push_weights(self, tensors: Mapping[str, np.ndarray], version: int, *, synced: bool = False) -> None:
@@ -538,7 +540,7 @@ class RolloutClient:
         """A completion longer than `max_tokens`, or holding an id outside the vocabulary of the server process
         seen last (known once a GetInfo read it), breaks the protocol: refused here, naming it, instead of
         reaching the learner as NaN log-probs (an embedding lookup past the table) or the reward as junk."""
-        vocab = self._vocab[1] if self._vocab is not None and self._vocab[0] == self.server_id else None
+        vocab = seen.vocab_size if (seen := self._seen_now()) is not None else None
         for i, samples in enumerate(completions):
             for j, c in enumerate(samples):
                 if len(c.token_ids) > spec.max_tokens:
