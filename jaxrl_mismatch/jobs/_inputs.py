@@ -69,17 +69,15 @@ def check_warmstart_args(c) -> None:
         args = warmstart.parse_args(["--out", c.model.path, *shlex.split(c.model.warmstart_args)])
         spec = ArithmeticSpec(min_operands=args.min_operands, max_operands=args.max_operands,
                               max_value=args.max_value, mul_prob=args.mul_prob)
-    except RepeatedOptionError as e:
-        if e.dest != "out":
-            raise ConfigError(f"config.model.warmstart_args: {e}") from None
-        args = None  # an --out (any spelling) among the options: refused below
+    except RepeatedOptionError as e:  # an --out (any spelling) among the options repeats the one given above
+        if e.dest == "out":
+            raise ConfigError("config.model.warmstart_args: sets the warm start's --out; it writes to "
+                              "config.model.path, which train then loads") from None
+        raise ConfigError(f"config.model.warmstart_args: {e}") from None
     except (UsageError, ValueError) as e:
         raise ConfigError(f"config.model.warmstart_args: {e}") from None
     except SystemExit:  # --help (or an abbreviation): argparse printed it and exited 0, and train trained nothing
         raise ConfigError(f"config.model.warmstart_args: {c.model.warmstart_args!r} asks for the warm start's help "
                           "(see `jaxrl-mismatch warmstart --help`); give it the warm start's options") from None
-    if args is None or os.path.abspath(args.out) != os.path.abspath(c.model.path):
-        raise ConfigError("config.model.warmstart_args: sets the warm start's --out; it writes to "
-                          "config.model.path, which train then loads")
     if c.task.name == "arithmetic":
         check_task_capacity(c, spec)
